@@ -1,0 +1,105 @@
+"""Cheap introspection: SDPA backend selection, PyTorch fast-path blockers, head importance."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .attention import FusedAttention
+    from .models import EngineModel
+
+
+def sdpa_backend(
+    device: torch.device, dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int
+) -> str:
+    """Name of the kernel F.scaled_dot_product_attention picks for these inputs, or 'unknown'."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return "unknown"
+    q = torch.empty(batch, heads, seq, head_dim, device=device, dtype=dtype)
+    try:
+        index = int(choose(q, q, q))
+        name = torch.nn.attention.SDPBackend(index).name.lower()
+    except (RuntimeError, ValueError, AttributeError):
+        return "unknown"
+    if device.type == "cpu" and name == "flash_attention":
+        return "cpu-flash"
+    return {"flash_attention": "flash", "efficient_attention": "efficient"}.get(name, name)
+
+
+def pytorch_fast_path_blockers(model: EngineModel) -> list[str]:
+    """Why nn.MultiheadAttention / nn.TransformerEncoderLayer in eval would skip their fast path.
+
+    Mirrors the checks in torch.nn.modules.activation.MultiheadAttention.forward and
+    TransformerEncoderLayer.forward for batch_first=True self-attention without masks.
+    """
+    config, reasons = model.config, []
+    if not torch.backends.mha.get_fastpath_enabled():
+        reasons.append("torch.backends.mha.get_fastpath_enabled() was not True")
+    if model.num_heads % 2:
+        reasons.append("num_heads is odd")
+    if model.architecture == "multihead_attention":
+        if not config.get("bias", True):
+            reasons.append("in_proj_bias is None (bias=False)")
+        if config.get("add_bias_kv"):
+            reasons.append("bias_k and bias_v are not None (add_bias_kv=True)")
+        if config.get("add_zero_attn"):
+            reasons.append("add_zero_attn was enabled")
+        if model.kdim != model.embed_dim or model.vdim != model.embed_dim:
+            reasons.append("_qkv_same_embed_dim was not True (kdim/vdim differ from embed_dim)")
+    else:
+        if not config.get("bias", True):
+            reasons.append("self_attn was passed bias=False")
+        if config.get("activation") not in ("relu", "gelu"):
+            reasons.append("activation_relu_or_gelu was not True")
+    if model.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {model.dtype} is not supported by the native kernel")
+    return reasons
+
+
+def diagnostics(model: EngineModel, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]:
+    """Backend and fast-path facts for an info metric; every value is a str, int or bool."""
+    backend = sdpa_backend(
+        model.device, model.dtype, batch_size, model.num_heads, seq_len, model.head_dim
+    )
+    blockers = pytorch_fast_path_blockers(model)
+    return {
+        "architecture": model.architecture,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "sdpa_backend": backend,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "engine_path": "fused in_proj GEMM + scaled_dot_product_attention + out_proj",
+        "pytorch_fast_path": not blockers,
+        "pytorch_fast_path_blockers": "; ".join(blockers) or "none",
+        "torch_version": torch.__version__,
+    }
+
+
+def head_importance(layers: list[FusedAttention]) -> list[dict[str, Any]]:
+    """Per layer: each head's share of ||out_proj.weight||_F and cosine similarity between heads."""
+    report = []
+    for index, attn in enumerate(layers):
+        H, hd, E = attn.num_heads, attn.head_dim, attn.embed_dim
+        w = (
+            attn.out_w.detach().float().view(E, H, hd).transpose(0, 1).reshape(H, E * hd)
+        )  # (H, E*hd)
+        norms = w.norm(dim=1)  # (H,)
+        total = norms.sum()
+        share = norms / total if total > 0 else torch.full_like(norms, 1.0 / H)
+        unit = w / norms.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # (H, E*hd)
+        correlation = unit @ unit.T  # (H, H)
+        report.append(
+            {
+                "layer": index,
+                "num_heads": H,
+                "head_share": share.tolist(),
+                "head_norm": norms.tolist(),
+                "correlation": correlation.tolist(),
+            }
+        )
+    return report

@@ -1,0 +1,53 @@
+"""`mha-serve` / `python -m service`: parse flags and env vars, then run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+from pydantic_settings import CliApp
+
+from service.app import create_app
+from service.settings import Settings
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT, fail readiness and refuse new work before uvicorn's graceful stop."""
+
+    def __init__(self, config: uvicorn.Config, app) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        state = getattr(self._app.state, "service", None)
+        if state is not None and sig in (signal.SIGTERM, signal.SIGINT):
+            state.start_draining()
+        super().handle_exit(sig, frame)
+
+
+def serve(settings: Settings) -> None:
+    """Run the server until SIGTERM; accepted requests are answered before exit."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.drain_grace_s,
+        access_log=False,
+    )
+    DrainingServer(config, app).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    serve(CliApp.run(Settings, cli_args=argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The FastAPI application: lifespan-loaded model, batcher and metrics; routers per concern."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import mha_engine
+from service import __version__
+from service.batcher import DynamicBatcher, Work
+from service.errors import ServiceError
+from service.inputs import ModelLimits, Payload
+from service.metrics import Metrics
+from service.routes import health, infer, metrics_route
+from service.settings import Settings
+
+log = logging.getLogger("service")
+
+
+@dataclass
+class ServiceState:
+    """Everything a request handler needs, created by the lifespan."""
+
+    settings: Settings
+    model: Any
+    model_name: str
+    batcher: DynamicBatcher
+    metrics: Metrics
+    limits: ModelLimits
+    info: dict[str, Any]
+    ready: bool = False
+    draining: bool = False
+    started_at: float = field(default_factory=time.time)
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        self.metrics.ready.labels(self.model_name).set(1 if ready else 0)
+
+    def start_draining(self) -> None:
+        """SIGTERM: refuse new work and fail readiness; accepted requests still finish."""
+        self.draining = True
+        self.set_ready(False)
+
+
+def load_served_model(settings: Settings) -> Any:
+    """The model from --model-dir, or the built-in demo model."""
+    if settings.model_dir is None:
+        return mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
+    return mha_engine.load_model(settings.model_dir, device=settings.device, dtype=settings.dtype)
+
+
+def model_info(model: Any, name: str) -> dict[str, Any]:
+    """Labels for the mha_model_info metric and the model metadata's properties."""
+    diagnostics = model.diagnostics()
+    return {
+        "name": name,
+        "architecture": model.architecture,
+        "embed_dim": model.embed_dim,
+        "num_heads": model.num_heads,
+        "num_layers": model.num_layers,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device),
+        "sdpa_backend": diagnostics.get("sdpa_backend", "unknown"),
+    }
+
+
+async def _warm_up(state: ServiceState) -> None:
+    """Run real batches through the batcher once, then turn readiness on."""
+    rng = np.random.default_rng(0)
+    seq_len = min(128, state.settings.max_seq_len)
+    batch = min(state.settings.max_batch_size, 8)
+    loop = asyncio.get_running_loop()
+    try:
+        limits = state.limits
+        for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
+            query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
+            key = value = None
+            if limits.needs_key_value:
+                key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
+                value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
+            payload = Payload(list(query), key, value, None, False, "FP32", True)
+            work = Work(payload, deadline=time.monotonic() + 600, loop=loop)
+            state.batcher.submit(work)
+            await work.future
+    except Exception:
+        log.exception("warm-up failed; the server stays not ready")
+        return
+    state.set_ready(True)
+    log.info("model %r ready", state.model_name)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; the model loads in the lifespan, so importing or creating loads nothing."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        name = settings.served_model_name
+        model = await asyncio.to_thread(load_served_model, settings)
+        metrics = Metrics(name)
+        info = model_info(model, name)
+        metrics.set_model_info(info)
+        metrics.queue_capacity.labels(name).set(settings.max_queue)
+        batcher = DynamicBatcher(
+            model,
+            max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_delay_s=settings.max_batch_delay_ms / 1000,
+            max_queue=settings.max_queue,
+            observer=metrics,
+        )
+        limits = ModelLimits(
+            embed_dim=model.embed_dim,
+            kdim=model.kdim,
+            vdim=model.vdim,
+            cross_attention=model.is_cross_attention_capable,
+            max_seq_len=settings.max_seq_len,
+            max_sequences=settings.max_batch_size,
+            max_tokens=settings.max_batch_tokens,
+        )
+        state = ServiceState(settings, model, name, batcher, metrics, limits, info)
+        app.state.service = state
+        batcher.start()
+        warm_up = asyncio.create_task(_warm_up(state))
+        try:
+            yield
+        finally:
+            state.start_draining()
+            warm_up.cancel()
+            await asyncio.to_thread(batcher.stop, settings.drain_grace_s)
+
+    app = FastAPI(
+        title="mha-serve",
+        version=__version__,
+        description="Multi-head attention and transformer blocks over the Open Inference Protocol.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.include_router(health.router)
+    app.include_router(infer.router)
+    app.include_router(metrics_route.router)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            {"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return JSONResponse({"error": f"invalid request: {problems}"}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse({"error": "internal server error"}, status_code=500)
+
+    return app

@@ -1,0 +1,252 @@
+"""Open Inference Protocol tensor codecs: JSON bodies and Triton's binary tensor extension.
+
+Decoding yields numpy views over the request body (no copy for binary tensors); encoding
+writes the JSON header and appends raw tensor bytes where the client asked for binary.
+Protocol structure is checked here; whether the tensors fit the model is checked in `inputs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from service.errors import BadInput
+
+# OIP datatype -> numpy dtype used to hold it. BF16 has no numpy dtype: its raw bits are kept
+# as uint16 and reinterpreted as torch.bfloat16 on the way into the engine.
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "FP32": np.dtype("<f4"),
+    "FP16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "FP64": np.dtype("<f8"),
+    "BOOL": np.dtype("?"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "UINT8": np.dtype("<u1"),
+}
+KNOWN_DATATYPES = {*NUMPY_DTYPES, "UINT16", "UINT32", "UINT64", "BYTES"}
+
+BINARY_HEADER = "Inference-Header-Content-Length"
+MAX_RANK = 8
+
+
+@dataclass
+class InferTensor:
+    """One decoded input tensor; `array` has `shape` and the numpy dtype of `datatype`."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    array: np.ndarray
+
+
+@dataclass
+class InferRequest:
+    """A decoded inference request."""
+
+    id: str | None
+    parameters: dict[str, Any]
+    inputs: dict[str, InferTensor]
+    # Requested output name -> whether it goes back as binary. Empty: all outputs, default mode.
+    outputs: dict[str, bool] = field(default_factory=dict)
+    binary_output_default: bool = False
+
+
+def _bf16_from_floats(values: np.ndarray) -> np.ndarray:
+    """Round float32 values to bfloat16 bits (round to nearest even), as uint16."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
+    return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 bits (uint16) to float32 values; exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _check_parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where} 'parameters' must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_shape(shape: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise BadInput(f"input '{name}': 'shape' must be a list of at most {MAX_RANK} integers")
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise BadInput(f"input '{name}': shape {shape} must hold non-negative integers")
+    return tuple(shape)
+
+
+def _json_array(data: Any, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """Turn an OIP JSON `data` field (flat or nested, row-major) into an array of `shape`."""
+    if not isinstance(data, list):
+        raise BadInput(f"input '{name}': 'data' must be a list")
+    count = int(np.prod(shape, dtype=np.int64))
+    try:
+        if datatype == "BOOL":
+            flat = np.array(data, dtype=object).reshape(-1)
+            if not all(isinstance(v, bool) for v in flat):
+                raise BadInput(f"input '{name}': BOOL data must be true/false values")
+            array = flat.astype(np.bool_)
+        elif datatype == "BF16":
+            array = _bf16_from_floats(np.array(data, dtype=np.float32).reshape(-1))
+        else:
+            array = np.array(data, dtype=NUMPY_DTYPES[datatype]).reshape(-1)
+    except BadInput:
+        raise
+    except (ValueError, TypeError, OverflowError):
+        raise BadInput(
+            f"input '{name}': 'data' must be a flat or regularly nested list of numbers "
+            f"for datatype {datatype}"
+        ) from None
+    if array.size != count:
+        raise BadInput(
+            f"input '{name}': shape {list(shape)} needs {count} values, 'data' has {array.size}"
+        )
+    return array.reshape(shape)
+
+
+def decode_request(body: bytes | bytearray, header_length: str | None) -> InferRequest:
+    """Parse an OIP inference request; raises BadInput naming what is wrong."""
+    json_end = len(body)
+    if header_length is not None:
+        try:
+            json_end = int(header_length)
+        except ValueError:
+            raise BadInput(f"{BINARY_HEADER} must be an integer, got {header_length!r}") from None
+        if not 0 < json_end <= len(body):
+            raise BadInput(f"{BINARY_HEADER} is {json_end} but the body has {len(body)} bytes")
+    try:
+        header = orjson.loads(memoryview(body)[:json_end])
+    except orjson.JSONDecodeError as exc:
+        raise BadInput(f"malformed JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise BadInput("request body must be a JSON object")
+
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadInput("'id' must be a string")
+    parameters = _check_parameters(header.get("parameters"), "request")
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise BadInput("'inputs' must be a non-empty list of tensors")
+
+    view = memoryview(body)
+    offset = json_end
+    inputs: dict[str, InferTensor] = {}
+    for raw in raw_inputs:
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            raise BadInput("each input must be an object with a string 'name'")
+        name = raw["name"]
+        if name in inputs:
+            raise BadInput(f"input '{name}' appears twice")
+        datatype = raw.get("datatype")
+        if datatype not in KNOWN_DATATYPES:
+            raise BadInput(f"input '{name}': unknown datatype {datatype!r}")
+        if datatype not in NUMPY_DTYPES:
+            raise BadInput(f"input '{name}': datatype {datatype} is not supported here")
+        shape = _check_shape(raw.get("shape"), name)
+        input_params = _check_parameters(raw.get("parameters"), f"input '{name}'")
+        binary_size = input_params.get("binary_data_size")
+        if binary_size is not None:
+            if header_length is None:
+                raise BadInput(
+                    f"input '{name}' has binary_data_size but the request has no "
+                    f"{BINARY_HEADER} header"
+                )
+            if isinstance(binary_size, bool) or not isinstance(binary_size, int):
+                raise BadInput(f"input '{name}': binary_data_size must be an integer")
+            dtype = NUMPY_DTYPES[datatype]
+            expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if binary_size != expected:
+                raise BadInput(
+                    f"input '{name}': binary_data_size is {binary_size} but shape "
+                    f"{list(shape)} of {datatype} needs {expected} bytes"
+                )
+            if offset + binary_size > len(body):
+                raise BadInput(
+                    f"input '{name}': binary data runs past the end of the body "
+                    f"({offset + binary_size} > {len(body)} bytes)"
+                )
+            array = np.frombuffer(view[offset : offset + binary_size], dtype=dtype).reshape(shape)
+            offset += binary_size
+        else:
+            if "data" not in raw:
+                raise BadInput(f"input '{name}' has neither 'data' nor binary_data_size")
+            array = _json_array(raw["data"], datatype, shape, name)
+        inputs[name] = InferTensor(name, datatype, shape, array)
+    if offset != len(body):
+        raise BadInput(
+            f"body has {len(body) - offset} bytes after the last binary input; "
+            "binary_data_size values do not add up"
+        )
+
+    binary_default = bool(parameters.get("binary_data_output", False))
+    outputs: dict[str, bool] = {}
+    raw_outputs = header.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise BadInput("'outputs' must be a list")
+        for raw in raw_outputs:
+            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+                raise BadInput("each requested output must be an object with a string 'name'")
+            out_params = _check_parameters(raw.get("parameters"), f"output '{raw['name']}'")
+            outputs[raw["name"]] = bool(out_params.get("binary_data", binary_default))
+    return InferRequest(request_id, parameters, inputs, outputs, binary_default)
+
+
+@dataclass
+class OutputTensor:
+    """One tensor to send back; BF16 arrays hold raw bits as uint16."""
+
+    name: str
+    datatype: str
+    array: np.ndarray
+
+
+def _json_data(tensor: OutputTensor) -> np.ndarray:
+    flat = tensor.array.reshape(-1)
+    return bf16_to_float32(flat) if tensor.datatype == "BF16" else flat
+
+
+def encode_response(
+    model_name: str,
+    model_version: str | None,
+    request_id: str | None,
+    outputs: list[OutputTensor],
+    binary: dict[str, bool],
+) -> tuple[bytes, int | None]:
+    """Serialise a response; returns (body, JSON header length or None when all JSON)."""
+    meta: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for tensor in outputs:
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.array.shape),
+        }
+        if binary.get(tensor.name, False):
+            raw = np.ascontiguousarray(tensor.array).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = _json_data(tensor)
+        meta.append(entry)
+    response: dict[str, Any] = {"model_name": model_name, "outputs": meta}
+    if model_version is not None:
+        response["model_version"] = model_version
+    if request_id is not None:
+        response["id"] = request_id
+    header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)

@@ -1,0 +1,74 @@
+"""Errors that become HTTP answers: status, a message for the client, a metric reason."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Answered as `{"error": message}` with `status`; `reason` labels the failure metric."""
+
+    status = 500
+    reason = "inference_error"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class BadInput(ServiceError):
+    """The request is malformed or does not fit the model."""
+
+    status = 400
+    reason = "bad_input"
+
+
+class PayloadTooLarge(BadInput):
+    status = 413
+
+
+class ModelNotFound(ServiceError):
+    status = 404
+    reason = "not_found"
+
+
+class Unauthorized(ServiceError):
+    status = 401
+    reason = "unauthorized"
+
+
+class Forbidden(ServiceError):
+    status = 403
+    reason = "forbidden"
+
+
+class Overloaded(ServiceError):
+    """The queue is full: come back later (429 with Retry-After)."""
+
+    status = 429
+    reason = "overloaded"
+
+
+class NotReady(ServiceError):
+    """Not ready yet, or draining for shutdown (503)."""
+
+    status = 503
+    reason = "unavailable"
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before it ran; it was never computed."""
+
+    status = 504
+    reason = "timeout"
+
+
+class InferenceError(ServiceError):
+    """The forward pass raised; the message stays generic so internals do not leak."""
+
+    status = 500
+    reason = "inference_error"
+
+
+class ClientDisconnected(ServiceError):
+    status = 499
+    reason = "disconnected"

@@ -1,0 +1,73 @@
+"""Health and metadata routes of the Open Inference Protocol."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from service import __version__
+from service.routes.common import MODEL_VERSION, check_model, get_state
+
+router = APIRouter(tags=["health and metadata"])
+
+
+@router.get("/v2/health/live", summary="Server live")
+async def live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get("/v2/health/ready", summary="Server ready (all models loaded and warmed up)")
+async def ready(request: Request) -> JSONResponse:
+    state = getattr(request.app.state, "service", None)
+    is_ready = bool(state and state.ready and not state.draining)
+    return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+
+
+@router.get("/v2", summary="Server metadata")
+async def server_metadata() -> dict[str, Any]:
+    return {"name": "mha-serve", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+
+def _tensor(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": shape}
+
+
+@router.get("/v2/models/{model_name}", summary="Model metadata")
+@router.get("/v2/models/{model_name}/versions/{model_version}", summary="Model metadata")
+async def model_metadata(
+    request: Request, model_name: str, model_version: str | None = None
+) -> dict[str, Any]:
+    state = get_state(request)
+    check_model(state, model_name, model_version)
+    model = state.model
+    datatype = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}[
+        str(model.dtype).removeprefix("torch.")
+    ]
+    inputs = [_tensor("input", datatype, [-1, -1, model.embed_dim])]
+    if model.is_cross_attention_capable:
+        inputs.append(_tensor("key", datatype, [-1, -1, model.kdim]))
+        inputs.append(_tensor("value", datatype, [-1, -1, model.vdim]))
+    inputs.append(_tensor("key_padding_mask", "BOOL", [-1, -1]))
+    return {
+        "name": state.model_name,
+        "versions": [MODEL_VERSION],
+        "platform": "mha_engine",
+        "inputs": inputs,
+        "outputs": [_tensor("output", datatype, [-1, -1, model.embed_dim])],
+        "properties": {k: str(v) for k, v in state.info.items()},
+    }
+
+
+@router.get("/v2/models/{model_name}/ready", summary="Model ready")
+@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="Model ready")
+async def model_ready(
+    request: Request, model_name: str, model_version: str | None = None
+) -> JSONResponse:
+    state = get_state(request)
+    check_model(state, model_name, model_version)
+    is_ready = state.ready and not state.draining
+    return JSONResponse(
+        {"name": state.model_name, "ready": is_ready}, status_code=200 if is_ready else 503
+    )

@@ -1,0 +1,167 @@
+"""POST /v2/models/{name}/infer: decode, queue for the batcher, await, encode."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from service.batcher import Work
+from service.codecs import BINARY_HEADER, OutputTensor, decode_request, encode_response
+from service.errors import (
+    BadInput,
+    ClientDisconnected,
+    DeadlineExceeded,
+    NotReady,
+    PayloadTooLarge,
+    ServiceError,
+)
+from service.inputs import OUTPUT_NAME, Payload, prepare
+from service.routes.common import check_model, get_state
+
+if TYPE_CHECKING:
+    from service.app import ServiceState
+
+router = APIRouter(tags=["inference"])
+
+# JSON bodies larger than this are parsed/serialised off the event loop.
+OFFLOAD_BYTES = 64 * 1024
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The (decompressed) request body, refusing anything over `limit` bytes with 413."""
+    too_large = PayloadTooLarge(
+        f"request body is over the limit of {limit} bytes (--max-body-bytes)"
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding in ("gzip", "deflate"):
+        inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+        try:
+            body = bytearray(inflater.decompress(body, limit + 1))
+        except zlib.error as exc:
+            raise BadInput(f"body is not valid {encoding} data: {exc}") from None
+        if len(body) > limit or inflater.unconsumed_tail:
+            raise too_large
+    elif encoding != "identity":
+        raise BadInput(f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
+    return body
+
+
+def _deadline_s(state: ServiceState, parameters: dict[str, Any]) -> float:
+    """Seconds the request may wait: --request-timeout-s, or less if the client asks."""
+    timeout = state.settings.request_timeout_s
+    asked = parameters.get("timeout")  # tritonclient sends microseconds
+    if asked is not None:
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+            raise BadInput(
+                f"parameter 'timeout' must be a non-negative integer (µs), got {asked!r}"
+            )
+        if asked > 0:
+            timeout = min(timeout, asked / 1e6)
+    return timeout
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_work(state: ServiceState, request: Request, payload: Payload, timeout: float) -> Any:
+    """Queue `payload` and wait for its outputs, honouring the deadline and client disconnects."""
+    loop = asyncio.get_running_loop()
+    work = Work(payload, deadline=time.monotonic() + timeout, loop=loop)
+    state.batcher.submit(work)
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait(
+            {work.future, disconnect}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if work.future in done:
+            return work.future.result()
+        if disconnect in done:
+            state.batcher.cancel(work)
+            raise ClientDisconnected("client disconnected")
+        if state.batcher.cancel(work):
+            raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
+        return await work.future  # already running: it finishes within one forward
+    finally:
+        disconnect.cancel()
+
+
+async def _infer(state: ServiceState, request: Request, model_name: str, version: str | None):
+    check_model(state, model_name, version)
+    if state.draining or not state.ready:
+        raise NotReady("server is draining" if state.draining else "model is warming up")
+    body = await read_body(request, state.settings.max_body_bytes)
+    header_length = request.headers.get(BINARY_HEADER)
+    protocol = "json" if header_length is None else "binary"
+
+    started = time.perf_counter()
+    if protocol == "json" and len(body) > OFFLOAD_BYTES:
+        decoded = await run_in_threadpool(decode_request, body, header_length)
+        payload = await run_in_threadpool(prepare, decoded, state.limits)
+    else:
+        decoded = decode_request(body, header_length)
+        payload = prepare(decoded, state.limits)
+    state.metrics.decode.labels(state.model_name, protocol).observe(time.perf_counter() - started)
+    state.metrics.sequences_received([q.shape[0] for q in payload.query])
+
+    outputs = await run_work(state, request, payload, _deadline_s(state, decoded.parameters))
+
+    started = time.perf_counter()
+    array = np.stack(outputs) if payload.batched else outputs[0]  # (B, T, E) or (T, E)
+    binary = {OUTPUT_NAME: decoded.outputs.get(OUTPUT_NAME, decoded.binary_output_default)}
+    args = (
+        state.model_name,
+        version,
+        decoded.id,
+        [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
+        binary,
+    )
+    if not binary[OUTPUT_NAME] and array.nbytes > OFFLOAD_BYTES:
+        content, json_length = await run_in_threadpool(encode_response, *args)
+    else:
+        content, json_length = encode_response(*args)
+    state.metrics.encode.labels(state.model_name, protocol).observe(time.perf_counter() - started)
+    if json_length is None:
+        return Response(content, media_type="application/json")
+    return Response(
+        content,
+        media_type="application/octet-stream",
+        headers={BINARY_HEADER: str(json_length)},
+    )
+
+
+@router.post("/v2/models/{model_name}/infer", summary="Inference (JSON or binary tensors)")
+@router.post("/v2/models/{model_name}/versions/{model_version}/infer", summary="Inference")
+async def infer(request: Request, model_name: str, model_version: str | None = None) -> Response:
+    state = get_state(request)
+    started = time.perf_counter()
+    status, reason = 200, None
+    in_flight = state.metrics.in_flight.labels(state.model_name)
+    in_flight.inc()
+    try:
+        return await _infer(state, request, model_name, model_version or None)
+    except ServiceError as exc:
+        status, reason = exc.status, exc.reason
+        raise
+    except Exception:
+        status, reason = 500, "inference_error"
+        raise
+    finally:
+        in_flight.dec()
+        state.metrics.request_done("infer", status, time.perf_counter() - started, reason)

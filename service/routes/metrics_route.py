@@ -1,0 +1,16 @@
+"""Prometheus exposition at /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from service.routes.common import get_state
+
+router = APIRouter(tags=["monitoring"])
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = get_state(request).metrics.exposition()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,83 @@
+"""Service configuration: every option is a flag and an env var (`--max-queue`, `MHA_MAX_QUEUE`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """mha-serve settings; CLI flags win over MHA_* env vars, which win over defaults."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MHA_",
+        cli_prog_name="mha-serve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        protected_namespaces=(),
+    )
+
+    model_dir: Path | None = Field(
+        None,
+        description="Model directory (config.json + model.safetensors). "
+        "Unset: serve the built-in demo model (one encoder layer, d_model=512, 8 heads).",
+    )
+    model_name: str | None = Field(
+        None, description="Name under /v2/models/. Default: the model directory's name, or 'mha'."
+    )
+    host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 in containers).")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    device: str | None = Field(None, description="torch device: cuda, cuda:1, cpu. Default: auto.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute dtype; requests in any float type are converted to it."
+    )
+    max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="Most tokens (sum of sequence lengths) in one forward."
+    )
+    max_batch_delay_ms: float = Field(
+        2.0, ge=0, description="How long the first queued sequence waits for batch-mates."
+    )
+    max_queue: int = Field(
+        1024, ge=1, description="Most sequences waiting; beyond it requests get 429."
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline per request; a request still queued then gets 504."
+    )
+    max_seq_len: int = Field(2048, ge=1, description="Longest sequence (T and S) accepted.")
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."
+    )
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long accepted requests get to finish."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        if self.max_batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_seq_len "
+                f"({self.max_seq_len}), or a full-length sequence could never be batched; "
+                "raise --max-batch-tokens or lower --max-seq-len"
+            )
+        if self.max_queue < self.max_batch_size:
+            raise ValueError(
+                f"max_queue ({self.max_queue}) must be >= max_batch_size "
+                f"({self.max_batch_size}); raise --max-queue"
+            )
+        return self
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in URLs."""
+        if self.model_name:
+            return self.model_name
+        if self.model_dir is not None:
+            return Path(self.model_dir).resolve().name
+        return "mha"

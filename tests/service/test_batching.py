@@ -1,0 +1,146 @@
+"""The dynamic batcher seen from outside: batches form, numbers don't change, the queue is bounded,
+deadlines hold, disconnects free their slots, and SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as triton
+
+from tests.support import Server, fp32_request, run_server
+
+URL = "/v2/models/mha/infer"
+
+
+def post(server: Server, x: np.ndarray, **parameters: object) -> httpx.Response:
+    content, headers = fp32_request(x, **parameters)
+    return httpx.post(f"{server.url}{URL}", content=content, headers=headers, timeout=120)
+
+
+def output_of(response: httpx.Response) -> np.ndarray:
+    """The float32 'output' of a binary response."""
+    assert response.status_code == 200, response.text
+    length = int(response.headers["Inference-Header-Content-Length"])
+    header = json.loads(response.content[:length])
+    out = header["outputs"][0]
+    return np.frombuffer(response.content[length:], dtype=np.float32).reshape(out["shape"])
+
+
+def test_concurrent_requests_are_batched_with_same_numbers(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, int(t), 512)).astype(np.float32) for t in rng.integers(4, 40, 24)]
+    with run_server(tmp_path, "--max-batch-delay-ms", "20") as server:
+        client = triton.InferenceServerClient(server.address, concurrency=24)
+        before = server.metric("mha_batches_total", outcome="ok")
+        pending = []
+        for x in xs:
+            item = triton.InferInput("input", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            pending.append(client.async_infer("mha", [item]))
+        batched = [p.get_result().as_numpy("output") for p in pending]
+        batches = server.metric("mha_batches_total", outcome="ok") - before
+        # 24 requests arriving together over 20 ms windows run in far fewer than 24 forwards.
+        assert batches < len(xs) / 2, f"{batches} forwards for {len(xs)} requests"
+        single = [output_of(post(server, x)) for x in xs]
+    for one, many in zip(single, batched, strict=True):
+        # Batch invariance: grouping by length keeps each sequence's arithmetic the same.
+        torch.testing.assert_close(
+            torch.from_numpy(many), torch.from_numpy(one), atol=1e-5, rtol=1.3e-6
+        )
+
+
+def test_full_queue_answers_429_with_retry_after(tmp_path: Path) -> None:
+    args = ["--max-batch-size", "1", "--max-queue", "2", "--max-batch-delay-ms", "0"]
+    x = np.random.default_rng(1).standard_normal((1, 1024, 512)).astype(np.float32)
+    with run_server(tmp_path, *args) as server, ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda _: post(server, x), range(16)))
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) == {200, 429}, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["Retry-After"] == "1"
+                assert "queue full" in r.json()["error"]
+        assert server.metric("mha_request_failures_total", reason="overloaded") == codes.count(429)
+        assert server.metric("mha_queue_depth_sequences") == 0
+        assert post(server, x[:, :8]).status_code == 200  # and it recovers
+
+
+def _block_engine(server: Server) -> ThreadPoolExecutor:
+    """Start a ~1 s forward (32 sequences of 1024 tokens) and return once it is running."""
+    big = np.random.default_rng(2).standard_normal((32, 1024, 512)).astype(np.float32)
+    pool = ThreadPoolExecutor(1)
+    pool.submit(post, server, big)
+    deadline = time.monotonic() + 30
+    while server.metric("mha_engine_busy") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.metric("mha_engine_busy") == 1
+    return pool
+
+
+BLOCKING_ARGS = ("--max-batch-tokens", "32768", "--max-body-bytes", "100000000")
+
+
+def test_deadline_expires_in_queue_and_never_runs(tmp_path: Path) -> None:
+    small = np.ones((1, 4, 512), dtype=np.float32)
+    with run_server(tmp_path, *BLOCKING_ARGS) as server:
+        base_sequences = server.metric("mha_sequences_processed_total")
+        pool = _block_engine(server)
+        # tritonclient's `timeout` parameter is in microseconds: 50 ms here.
+        response = post(server, small, timeout=50_000)
+        assert response.status_code == 504, response.status_code
+        assert "timed out" in response.json()["error"]
+        pool.shutdown(wait=True)
+        assert server.metric("mha_request_failures_total", reason="timeout") == 1
+        # Only the 32 blocking sequences were computed; the expired one never was.
+        assert server.metric("mha_sequences_processed_total") - base_sequences == 32
+
+
+def test_disconnected_client_frees_its_queue_slot(tmp_path: Path) -> None:
+    with run_server(tmp_path, *BLOCKING_ARGS) as server:
+        base_sequences = server.metric("mha_sequences_processed_total")
+        pool = _block_engine(server)
+        content, headers = fp32_request(np.ones((3, 4, 512), dtype=np.float32))
+        request = (
+            f"POST {URL} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(content)}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            + "\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(request.encode() + content)
+            deadline = time.monotonic() + 10
+            while server.metric("mha_queue_depth_sequences") != 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.metric("mha_queue_depth_sequences") == 3
+        deadline = time.monotonic() + 10  # socket closed: the slot must free before the engine
+        while server.metric("mha_queue_depth_sequences") != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.metric("mha_queue_depth_sequences") == 0
+        pool.shutdown(wait=True)
+        assert server.metric("mha_request_failures_total", reason="disconnected") == 1
+        assert server.metric("mha_sequences_processed_total") - base_sequences == 32
+
+
+def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
+    x = np.random.default_rng(3).standard_normal((1, 512, 512)).astype(np.float32)
+    with run_server(tmp_path, "--max-batch-size", "1") as server, ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(post, server, x) for _ in range(12)]
+        deadline = time.monotonic() + 30
+        while server.metric("mha_requests_in_flight") < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.process.send_signal(signal.SIGTERM)
+        responses = [f.result() for f in futures]
+        assert [r.status_code for r in responses] == [200] * 12
+        # uvicorn re-raises the signal after its graceful shutdown, so the status is -SIGTERM.
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/v2/health/live", timeout=2)
+    assert "Finished server process" in server.log()
