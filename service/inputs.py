@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +62,12 @@ def _bool_param(parameters: dict[str, Any], name: str) -> bool:
 
 
 def _check_finite(name: str, datatype: str, array: np.ndarray) -> None:
-    # BF16 arrives as raw bits: an all-ones exponent is Inf or NaN.
-    bf16_ok = datatype == "BF16" and ((array & 0x7F80) != 0x7F80).all()
-    if not (bf16_ok or (datatype != "BF16" and np.isfinite(array).all())):
+    if datatype == "BF16":  # raw bits: an all-ones exponent is Inf or NaN
+        finite = not ((array & 0x7F80) == 0x7F80).any()
+    else:  # one pass, no temporary: NaN/Inf survive a float64 sum, finite values can't overflow it
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = math.isfinite(array.sum(dtype=np.float64))
+    if not finite:
         raise BadInput(f"input '{name}' holds NaN or Inf values")
 
 

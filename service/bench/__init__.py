@@ -1,0 +1,1 @@
+"""Service benchmarks: `python -m service.bench`."""
