@@ -8,9 +8,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service import __version__
+from service.openapi import ERROR_RESPONSES
 from service.routes.common import MODEL_VERSION, check_model, get_state
 
 router = APIRouter(tags=["health and metadata"])
+MODEL_ERRORS = {code: ERROR_RESPONSES[code] for code in (404, 503)}
 
 
 @router.get("/v2/health/live", summary="Server live")
@@ -18,7 +20,11 @@ async def live() -> dict[str, bool]:
     return {"live": True}
 
 
-@router.get("/v2/health/ready", summary="Server ready (all models loaded and warmed up)")
+@router.get(
+    "/v2/health/ready",
+    summary="Server ready (all models loaded and warmed up)",
+    responses={503: {"description": "Loading, warming up or draining"}},
+)
 async def ready(request: Request) -> JSONResponse:
     state = getattr(request.app.state, "service", None)
     is_ready = bool(state and state.ready and not state.draining)
@@ -34,8 +40,12 @@ def _tensor(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
     return {"name": name, "datatype": datatype, "shape": shape}
 
 
-@router.get("/v2/models/{model_name}", summary="Model metadata")
-@router.get("/v2/models/{model_name}/versions/{model_version}", summary="Model metadata")
+@router.get("/v2/models/{model_name}", summary="Model metadata", responses=MODEL_ERRORS)
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}",
+    summary="Model metadata",
+    responses=MODEL_ERRORS,
+)
 async def model_metadata(
     request: Request, model_name: str, model_version: str | None = None
 ) -> dict[str, Any]:
@@ -60,8 +70,12 @@ async def model_metadata(
     }
 
 
-@router.get("/v2/models/{model_name}/ready", summary="Model ready")
-@router.get("/v2/models/{model_name}/versions/{model_version}/ready", summary="Model ready")
+@router.get("/v2/models/{model_name}/ready", summary="Model ready", responses=MODEL_ERRORS)
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}/ready",
+    summary="Model ready",
+    responses=MODEL_ERRORS,
+)
 async def model_ready(
     request: Request, model_name: str, model_version: str | None = None
 ) -> JSONResponse:

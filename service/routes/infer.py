@@ -23,6 +23,7 @@ from service.errors import (
     ServiceError,
 )
 from service.inputs import OUTPUT_NAME, Payload, prepare
+from service.openapi import INFER_OPENAPI, INFER_RESPONSES
 from service.routes.common import check_model, get_state
 
 if TYPE_CHECKING:
@@ -146,8 +147,20 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
     )
 
 
-@router.post("/v2/models/{model_name}/infer", summary="Inference (JSON or binary tensors)")
-@router.post("/v2/models/{model_name}/versions/{model_version}/infer", summary="Inference")
+@router.post(
+    "/v2/models/{model_name}/infer",
+    summary="Inference (JSON or binary tensors)",
+    openapi_extra=INFER_OPENAPI,
+    responses=INFER_RESPONSES,
+    response_class=Response,
+)
+@router.post(
+    "/v2/models/{model_name}/versions/{model_version}/infer",
+    summary="Inference (JSON or binary tensors)",
+    openapi_extra=INFER_OPENAPI,
+    responses=INFER_RESPONSES,
+    response_class=Response,
+)
 async def infer(request: Request, model_name: str, model_version: str | None = None) -> Response:
     state = get_state(request)
     started = time.perf_counter()
