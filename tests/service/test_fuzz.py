@@ -34,28 +34,14 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(tmp_path: Path
     with run_server(tmp_path, *args) as server:
         # The coverage phase is skipped: schemathesis 4.32 crashes internally generating it
         # for our request schema; examples, fuzzing and stateful phases cover every route.
+        options = "--phases examples,fuzzing,stateful --max-examples 25 --request-timeout 20"
+        options += " --workers 2 --seed 7 --no-color"
         result = subprocess.run(
-            [
-                st,
-                "run",
-                f"{server.url}/openapi.json",
-                "--checks",
-                CHECKS,
-                "--phases",
-                "examples,fuzzing,stateful",
-                "--max-examples",
-                "25",
-                "--request-timeout",
-                "20",
-                "--workers",
-                "2",
-                "--seed",
-                "7",
-                "--no-color",
-            ],
+            [st, "run", f"{server.url}/openapi.json", "--checks", CHECKS, *options.split()],
             capture_output=True,
             text=True,
             timeout=240,
+            cwd=tmp_path,  # schemathesis writes a .schemathesis/ folder where it runs
         )
         assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
