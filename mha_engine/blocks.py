@@ -14,6 +14,11 @@ from torch import Tensor
 from .attention import FusedAttention
 
 AttnFn = Callable[[FusedAttention, Tensor], Tensor]
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact (erf), as nn.TransformerEncoderLayer and BERT's "gelu"
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # HF "gelu_new" / "gelu_pytorch_tanh"
+}
 
 
 class EncoderLayer:
@@ -31,7 +36,7 @@ class EncoderLayer:
         self.norm2 = (state[f"{prefix}norm2.weight"], state.get(f"{prefix}norm2.bias"))
         self.eps = float(config["layer_norm_eps"])
         self.norm_first = bool(config["norm_first"])
-        self.activation = F.gelu if config["activation"] == "gelu" else F.relu
+        self.activation = ACTIVATIONS[config["activation"]]
         self.embed_dim = E
 
     def _norm(self, x: Tensor, params: tuple[Tensor, Tensor | None]) -> Tensor:

@@ -4,6 +4,9 @@ Configs and state-dict keys use PyTorch's own names, so any nn.MultiheadAttentio
 nn.TransformerEncoderLayer or nn.TransformerEncoder state dict loads as is. A lone
 TransformerEncoderLayer is a transformer_encoder with num_layers=1 and keys prefixed `layers.0.`
 (unprefixed layer keys are accepted too). Everything is validated before a model is built.
+multihead_attention also loads other attention layouts (W_q/W_k/W_v/W_o, wq/wk/wv/wo, wqkv,
+q_proj/..., qkv_proj; see layouts.py) and grouped-query attention (num_kv_heads); a Hugging Face
+BERT-family directory (config.json with model_type) loads as a TextEncoderModel (hf_bert.py).
 """
 
 from __future__ import annotations
@@ -15,17 +18,18 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from . import hf_bert, layouts
 from .attention import FusedAttention
 from .blocks import EncoderStack
+from .errors import CheckpointError, check_state
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
+from .text import TextEmbeddings
+from .text_model import TextEncoderModel, read_text_settings
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCHITECTURES = ("multihead_attention", "transformer_encoder")
-
-
-class CheckpointError(ValueError):
-    """A model directory whose config or weights cannot give a correct model."""
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -69,14 +73,21 @@ def normalise_config(config: dict) -> dict:
         c["vdim"] = E if c.get("vdim") is None else _int(c, "vdim")
         for flag, default in (("bias", True), ("add_bias_kv", False), ("add_zero_attn", False)):
             c[flag] = bool(c.get(flag, default))
+        c["num_kv_heads"] = H if c.get("num_kv_heads") is None else _int(c, "num_kv_heads")
+        if H % c["num_kv_heads"]:
+            raise CheckpointError(
+                f"num_heads {H} is not divisible by num_kv_heads {c['num_kv_heads']}"
+            )
+        if c.get("attention_keys") is not None:
+            layouts.parse_key_map(c["attention_keys"])  # fail early, naming the field
     else:
         E, H = _int(c, "d_model"), _int(c, "nhead")
         _int(c, "dim_feedforward")
         c["num_layers"] = _int(c, "num_layers") if "num_layers" in c else 1
         c.setdefault("activation", "relu")
-        if c["activation"] not in ("relu", "gelu"):
+        if c["activation"] not in ACTIVATIONS:
             raise CheckpointError(
-                f"config.activation must be relu or gelu, got {c['activation']!r}"
+                f"config.activation must be relu or gelu (or gelu_tanh), got {c['activation']!r}"
             )
         c["layer_norm_eps"] = float(c.get("layer_norm_eps", 1e-5))
         for flag, default in (("norm_first", False), ("bias", True), ("final_norm", False)):
@@ -90,17 +101,18 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every state-dict key PyTorch would produce for this config, with its shape."""
     if config["architecture"] == "multihead_attention":
         E, kdim, vdim = config["embed_dim"], config["kdim"], config["vdim"]
+        KV = E // config["num_heads"] * config["num_kv_heads"]  # K/V width (E without GQA)
         shapes: dict[str, tuple[int, ...]] = {}
         if kdim == E and vdim == E:
-            shapes["in_proj_weight"] = (3 * E, E)
+            shapes["in_proj_weight"] = (E + 2 * KV, E)
         else:
-            shapes.update(q_proj_weight=(E, E), k_proj_weight=(E, kdim), v_proj_weight=(E, vdim))
+            shapes.update(q_proj_weight=(E, E), k_proj_weight=(KV, kdim), v_proj_weight=(KV, vdim))
         shapes["out_proj.weight"] = (E, E)
         if config["bias"]:
-            shapes["in_proj_bias"] = (3 * E,)
+            shapes["in_proj_bias"] = (E + 2 * KV,)
             shapes["out_proj.bias"] = (E,)
         if config["add_bias_kv"]:
-            shapes["bias_k"] = shapes["bias_v"] = (1, 1, E)
+            shapes["bias_k"] = shapes["bias_v"] = (1, 1, KV)
         return shapes
     E, F, bias = config["d_model"], config["dim_feedforward"], config["bias"]
     layer = {
@@ -132,25 +144,23 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 def validate_state_dict(state: dict, config: dict) -> None:
     """Raise CheckpointError for missing/unexpected keys, wrong shapes or non-float tensors."""
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"state dict does not match config ({config['architecture']}): "
-            f"missing keys {missing}, unexpected keys {unexpected}"
-        )
-    for key, shape in expected.items():
-        tensor = state[key]
-        if not isinstance(tensor, Tensor):
-            raise CheckpointError(f"{key}: expected a tensor, got {type(tensor).__name__}")
-        if not torch.is_floating_point(tensor):
-            raise CheckpointError(f"{key}: expected a floating point tensor, got {tensor.dtype}")
-        if tuple(tensor.shape) != shape:
-            raise CheckpointError(
-                f"{key}: expected shape {shape}, got {tuple(tensor.shape)} "
-                f"(from {config['architecture']} config)"
-            )
+    check_state(state, expected_shapes(config), f"{config['architecture']} config")
+
+
+def attention_to_pytorch_names(state: dict, config: dict) -> tuple[dict, dict]:
+    """A multihead_attention state dict in another layout, renamed and fused into PyTorch's.
+
+    The layout comes from config.attention_keys or is detected; PyTorch's own names pass
+    through. Such layouts say themselves whether they carry biases, so `bias` follows them.
+    """
+    key_map = config.get("attention_keys")
+    keys = layouts.parse_key_map(key_map) if key_map is not None else layouts.detect(state)
+    if keys is None:
+        return state, config
+    fields = ("embed_dim", "num_heads", "num_kv_heads", "kdim", "vdim")
+    dims = layouts.Dims(**{name: config[name] for name in fields})
+    state, has_bias = layouts.to_pytorch_names(state, keys, dims)
+    return state, dict(config, bias=has_bias, attention_layout=keys.describe())
 
 
 def model_from_state_dict(
@@ -164,6 +174,8 @@ def model_from_state_dict(
     bare_layer = not any(k.startswith("layers.") for k in state)
     if config["architecture"] == "transformer_encoder" and config["num_layers"] == 1 and bare_layer:
         state = {f"layers.0.{k}": v for k, v in state.items()}
+    if config["architecture"] == "multihead_attention":
+        state, config = attention_to_pytorch_names(state, config)
     validate_state_dict(state, config)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     weights = {k: v.detach().to(device=device, dtype=dtype) for k, v in state.items()}
@@ -214,8 +226,41 @@ def load_model(
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    if hf_bert.is_hf_config(config):
+        return text_model_from_directory(directory, config, device, dtype)
     config = normalise_config(config)  # fail on config errors before reading weights
     return model_from_state_dict(config, _read_weights(directory), device, dtype)
+
+
+def text_model_from_directory(
+    directory: Path,
+    hf_config: dict,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> TextEncoderModel:
+    """A Hugging Face BERT-family directory as a TextEncoderModel (encoder + embeddings)."""
+    config = hf_bert.engine_config(hf_config)  # fail on config errors before reading weights
+    settings = read_text_settings(directory)
+    encoder_state, embedding_state = hf_bert.engine_state(_read_weights(directory), config)
+    validate_state_dict(encoder_state, normalise_config(config))
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    weights = {k: v.detach().to(device=device, dtype=dtype) for k, v in encoder_state.items()}
+    # Embedding tables stay float32 for the lookup and LayerNorm, then cast once: a bf16 model
+    # then gets the same first-layer input as an fp32 one, rounded once.
+    emb = {k: v.detach().to(device=device, dtype=torch.float32) for k, v in embedding_state.items()}
+    embeddings = TextEmbeddings(
+        word=emb["word"],
+        position=emb["position"],
+        norm_weight=emb["norm_weight"],
+        norm_bias=emb["norm_bias"],
+        eps=config["layer_norm_eps"],
+        token_type=emb.get("token_type"),
+        position_offset=config["position_offset"],
+        pad_token_id=config["pad_token_id"],
+        positions_from_padding=config["model_type"] in ("roberta", "xlm-roberta"),
+    )
+    stack = EncoderStack(weights, config)
+    return TextEncoderModel(stack, embeddings, config, settings, device, dtype)
 
 
 def module_config(module: nn.Module) -> dict:

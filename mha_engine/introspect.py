@@ -40,6 +40,8 @@ def pytorch_fast_path_blockers(model: EngineModel) -> list[str]:
         reasons.append("torch.backends.mha.get_fastpath_enabled() was not True")
     if model.num_heads % 2:
         reasons.append("num_heads is odd")
+    if model.num_kv_heads != model.num_heads:
+        reasons.append("num_kv_heads differs from num_heads (nn.MultiheadAttention has no GQA)")
     if model.architecture == "multihead_attention":
         if not config.get("bias", True):
             reasons.append("in_proj_bias is None (bias=False)")
@@ -53,7 +55,7 @@ def pytorch_fast_path_blockers(model: EngineModel) -> list[str]:
         if not config.get("bias", True):
             reasons.append("self_attn was passed bias=False")
         if config.get("activation") not in ("relu", "gelu"):
-            reasons.append("activation_relu_or_gelu was not True")
+            reasons.append("activation_relu_or_gelu was not True (tanh-approximate gelu)")
     if model.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         reasons.append(f"dtype {model.dtype} is not supported by the native kernel")
     return reasons

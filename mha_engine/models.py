@@ -28,6 +28,7 @@ class EngineModel:
     dtype = property(lambda self: self._dtype)
     embed_dim = property(lambda self: self._attn_layers()[0].embed_dim)
     num_heads = property(lambda self: self._attn_layers()[0].num_heads)
+    num_kv_heads = property(lambda self: self._attn_layers()[0].num_kv_heads)
     head_dim = property(lambda self: self._attn_layers()[0].head_dim)
     kdim = property(lambda self: self._attn_layers()[0].kdim)
     vdim = property(lambda self: self._attn_layers()[0].vdim)

@@ -98,18 +98,18 @@ def packed_attention(
     E = attn.embed_dim
     fused = key is query and value is query and attn.w_qkv is not None
     if fused:
-        qkv = F.linear(query, attn.w_qkv, attn.b_qkv)  # (N, 3E): one GEMM for Q, K and V
+        qkv = F.linear(query, attn.w_qkv, attn.b_qkv)  # (N, E + 2KV): one GEMM for Q, K, V
     else:
-        q, k, v = attn.project(query, key, value)  # (N, E), (M, E), (M, E)
+        q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
     merged = query.new_empty(query.shape[0], E)  # (N, E) merged heads
     for g in plan.groups:
         if fused:
-            part = _take(qkv, g.q_rows, g.size, g.tgt_len)  # (G, T, 3E)
-            gq, gk, gv = part[..., :E], part[..., E : 2 * E], part[..., 2 * E :]
+            part = _take(qkv, g.q_rows, g.size, g.tgt_len)  # (G, T, E + 2KV)
+            gq, gk, gv = attn.split_qkv(part)
         else:
             gq = _take(q, g.q_rows, g.size, g.tgt_len)  # (G, T, E)
-            gk = _take(k, g.kv_rows, g.size, g.src_len)  # (G, S, E)
-            gv = _take(v, g.kv_rows, g.size, g.src_len)  # (G, S, E)
+            gk = _take(k, g.kv_rows, g.size, g.src_len)  # (G, S, KV)
+            gv = _take(v, g.kv_rows, g.size, g.src_len)  # (G, S, KV)
         y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal)  # (G, T, E)
         y = y.reshape(-1, E)  # (G*T, E)
         if isinstance(g.q_rows, slice):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 from types import FrameType
 
@@ -10,6 +9,7 @@ import uvicorn
 from pydantic_settings import CliApp
 
 from service.app import create_app
+from service.logs import configure_logging
 from service.settings import Settings
 
 
@@ -29,9 +29,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings) -> None:
     """Run the server until SIGTERM; accepted requests are answered before exit."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -39,7 +37,8 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.drain_grace_s,
-        access_log=False,
+        access_log=False,  # service.middleware.RequestContext logs each request, with its id
+        log_config=None,  # keep the root handlers configure_logging set up (text or JSON)
     )
     DrainingServer(config, app).run()
 

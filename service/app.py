@@ -22,8 +22,10 @@ from service.batcher import DynamicBatcher, Work
 from service.errors import ServiceError
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
-from service.routes import health, infer, metrics_route
+from service.middleware import ApiKeyAuth, RequestContext
+from service.routes import debug, embeddings, health, infer, metrics_route
 from service.settings import Settings
+from service.text import load_tokenizer
 
 log = logging.getLogger("service")
 
@@ -108,6 +110,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         name = settings.served_model_name
         model = await asyncio.to_thread(load_served_model, settings)
+        tokenizer = await asyncio.to_thread(
+            load_tokenizer, settings.model_dir, model, settings.max_seq_len
+        )  # None (/v1/embeddings then answers 400) unless the model dir has a tokenizer.json
         metrics = Metrics(name)
         info = model_info(model, name)
         metrics.set_model_info(info)
@@ -130,6 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_tokens=settings.max_batch_tokens,
         )
         state = ServiceState(settings, model, name, batcher, metrics, limits, info)
+        app.state.tokenizer = tokenizer
         app.state.service = state
         batcher.start()
         warm_up = asyncio.create_task(_warm_up(state))
@@ -147,9 +153,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    if settings.api_key is not None:
+        app.add_middleware(
+            ApiKeyAuth,
+            api_key=settings.api_key.get_secret_value(),
+            open_health_metrics=settings.open_health_metrics,
+        )
+    app.add_middleware(RequestContext)  # outermost: even a 401 gets an id and a log line
     app.include_router(health.router)
     app.include_router(infer.router)
     app.include_router(metrics_route.router)
+    app.include_router(embeddings.router)
+    debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:

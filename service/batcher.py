@@ -10,20 +10,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-import torch
-
-from service.errors import DeadlineExceeded, InferenceError, Overloaded
+from service.errors import (
+    DeadlineExceeded,
+    InferenceError,
+    Overloaded,
+    ServiceError,
+)
+from service.forward import forward_works
 from service.inputs import Payload
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+Runner = Callable[[Any, list[Payload]], list[Any]]
 
 
 class BatchObserver(Protocol):
@@ -42,6 +47,10 @@ class Work:
     payload: Payload
     deadline: float  # time.monotonic() by which it must have started
     loop: asyncio.AbstractEventLoop
+    # None: hidden states through model.forward_varlen. Otherwise the batch's works that share
+    # this runner go to it in one call, runner(model, payloads) -> per-payload outputs (e.g.
+    # token ids through the text model's embed_varlen for /v1/embeddings).
+    runner: Runner | None = None
     future: asyncio.Future = field(init=False)
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
@@ -63,18 +72,29 @@ class Work:
         self.loop.call_soon_threadsafe(deliver)
 
 
-def _to_torch(array: np.ndarray, datatype: str, device: torch.device, dtype: torch.dtype):
-    tensor = torch.from_numpy(array)
-    if datatype == "BF16":
-        tensor = tensor.view(torch.bfloat16)
-    return tensor.to(device=device, dtype=dtype, non_blocking=True)
+@dataclass(eq=False)
+class Exclusive:
+    """A callable the engine thread runs alone between batches (e.g. the attention-weights
+    debug path); it holds `sequences` queue slots and its future resolves to `fn()`."""
+
+    fn: Callable[[], Any]
+    sequences: int
+    deadline: float  # time.monotonic() by which it must have started
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future = field(init=False)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+
+    __post_init__ = Work.__post_init__
+    resolve = Work.resolve
 
 
-def _to_numpy(tensor: torch.Tensor, datatype: str) -> np.ndarray:
-    tensor = tensor.to(dtype=TORCH_DTYPES[datatype]).cpu()
-    if datatype == "BF16":
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
+def _slots(item: Work | Exclusive) -> int:
+    return item.sequences if isinstance(item, Exclusive) else item.payload.num_sequences
+
+
+def _tokens(item: Work | Exclusive) -> int:
+    return 0 if isinstance(item, Exclusive) else item.payload.num_tokens
 
 
 class DynamicBatcher:
@@ -103,8 +123,11 @@ class DynamicBatcher:
         self.max_batch_delay_s = max_batch_delay_s
         self.max_queue = max_queue
         self.observer = observer
-        self._queue: collections.deque[Work] = collections.deque()
+        self._queue: collections.deque[Work | Exclusive] = collections.deque()
         self._queued_sequences = 0
+        self._queued_tokens = 0
+        self._tokens_per_s: float | None = None  # moving average of the drain rate
+        self._last_done = 0.0
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
@@ -117,9 +140,10 @@ class DynamicBatcher:
     def queued_sequences(self) -> int:
         return self._queued_sequences
 
-    def submit(self, work: Work) -> None:
-        """Queue `work`, or raise Overloaded (429) when it would not fit in the queue."""
-        size = work.payload.num_sequences
+    def submit(self, work: Work | Exclusive) -> None:
+        """Queue `work`, or raise Overloaded (429) when the queue is full or would outlast its
+        deadline (queued tokens ÷ recent engine tokens/s): shed now rather than time out later."""
+        size = _slots(work)
         with self._cond:
             if self._stopping:
                 raise Overloaded("server is shutting down")
@@ -129,12 +153,29 @@ class DynamicBatcher:
                     "retry later",
                     headers={"Retry-After": "1"},
                 )
+            if self._tokens_per_s and self._queued_tokens:
+                wait = self._queued_tokens / self._tokens_per_s
+                budget = work.deadline - time.monotonic()
+                if wait > budget:
+                    raise Overloaded(
+                        f"queue holds ~{wait:.2f} s of work, more than this request's "
+                        f"{budget:.2f} s deadline; retry later",
+                        headers={"Retry-After": str(max(1, math.ceil(wait - budget)))},
+                    )
             self._queue.append(work)
             self._queued_sequences += size
+            self._queued_tokens += _tokens(work)
             self._report_depth()
             self._cond.notify()
 
-    def cancel(self, work: Work) -> bool:
+    def run_exclusive(self, fn: Callable[[], Any], *, sequences: int, deadline: float) -> Exclusive:
+        """Queue `fn` to run on the engine thread alone, in FIFO turn with batches; await
+        `.future` for its result. Counts `sequences` against --max-queue (429 when full)."""
+        item = Exclusive(fn, max(1, sequences), deadline, asyncio.get_running_loop())
+        self.submit(item)
+        return item
+
+    def cancel(self, work: Work | Exclusive) -> bool:
         """Drop `work` if it is still queued (never run); False if it has already started."""
         with self._cond:
             if work.started_at is not None:
@@ -143,7 +184,8 @@ class DynamicBatcher:
                 self._queue.remove(work)
             except ValueError:
                 return False
-            self._queued_sequences -= work.payload.num_sequences
+            self._queued_sequences -= _slots(work)
+            self._queued_tokens -= _tokens(work)
             self._report_depth()
             return True
 
@@ -165,22 +207,31 @@ class DynamicBatcher:
             batch = self._next_batch()
             if batch is None:
                 return
-            if batch:
+            if isinstance(batch, Exclusive):
+                self._run_exclusive(batch)
+            elif batch:
                 self._execute(batch)
 
-    def _fits(self, seqs: int, tokens: int, work: Work) -> bool:
-        return (
+    def _fits(self, seqs: int, tokens: int, work: Work | Exclusive) -> bool:
+        # An Exclusive never joins a batch: it closes the batch before it.
+        return not isinstance(work, Exclusive) and (
             seqs + work.payload.num_sequences <= self.max_batch_size
             and tokens + work.payload.num_tokens <= self.max_batch_tokens
         )
 
-    def _next_batch(self) -> list[Work] | None:
+    def _next_batch(self) -> list[Work] | Exclusive | None:
         """Wait for work, let the batch fill until full or the delay is up, then take it."""
         with self._cond:
             while not self._queue:
                 if self._stopping:
                     return None
                 self._cond.wait()
+            if isinstance(self._queue[0], Exclusive):
+                item = self._queue.popleft()
+                self._queued_sequences -= item.sequences
+                self._report_depth()
+                item.started_at = time.monotonic()
+                return item
             flush_at = self._queue[0].enqueued_at + self.max_batch_delay_s
             while not self._stopping:
                 seqs = tokens = 0
@@ -202,6 +253,7 @@ class DynamicBatcher:
             while self._queue and self._fits(seqs, tokens, self._queue[0]):
                 work = self._queue.popleft()
                 self._queued_sequences -= work.payload.num_sequences
+                self._queued_tokens -= work.payload.num_tokens
                 if now > work.deadline:
                     self._expire(work)
                     continue
@@ -212,65 +264,31 @@ class DynamicBatcher:
             self._report_depth()
             return batch
 
+    def _run_exclusive(self, item: Exclusive) -> None:
+        if item.started_at > item.deadline:
+            waited = item.started_at - item.enqueued_at
+            item.resolve(error=DeadlineExceeded(f"request timed out after {waited:.3f} s queued"))
+            return
+        try:
+            item.resolve(item.fn())
+        except ServiceError as exc:
+            item.resolve(error=exc)
+        except Exception:
+            log.exception("exclusive engine call failed")
+            item.resolve(error=InferenceError("inference failed for this request"))
+
     def _expire(self, work: Work) -> None:
         waited = time.monotonic() - work.enqueued_at
         work.resolve(error=DeadlineExceeded(f"request timed out after {waited:.3f} s in the queue"))
         if self.observer is not None:
             self.observer.expired(work)
 
-    def _forward(self, works: list[Work]) -> list[list[np.ndarray]]:
-        """Forward every sequence of `works`; returns each request's outputs, in order.
-
-        Self- and cross-attention requests go in separate engine calls, so a sequence's numbers
-        never depend on which kind of request it was batched with.
-        """
-        results: dict[int, list[np.ndarray]] = {}
-        for group in (
-            [w for w in works if w.payload.key is None],
-            [w for w in works if w.payload.key is not None],
-        ):
-            if group:
-                for work, out in zip(group, self._forward_group(group), strict=True):
-                    results[id(work)] = out
-        return [results[id(w)] for w in works]
-
-    def _forward_group(self, works: list[Work]) -> list[list[np.ndarray]]:
-        device, dtype = self.model.device, self.model.dtype
-        cross = works[0].payload.key is not None
-        query, key, value, masks, causal = [], [], [], [], []
-        for work in works:
-            p = work.payload
-            query += [_to_torch(q, p.datatype, device, dtype) for q in p.query]
-            if cross:
-                key += [_to_torch(k, p.datatype, device, dtype) for k in p.key]
-                value += [_to_torch(v, p.datatype, device, dtype) for v in p.value]
-            if p.key_padding_mask is not None:
-                masks += [torch.from_numpy(m).to(device) for m in p.key_padding_mask]
-            else:
-                masks += [None] * p.num_sequences
-            causal += [p.is_causal] * p.num_sequences
-        outputs = self.model.forward_varlen(
-            query,
-            key=key if cross else None,
-            value=value if cross else None,
-            key_padding_mask=masks if any(m is not None for m in masks) else None,
-            is_causal=causal,
-        )
-        results, start = [], 0
-        for work in works:
-            n = work.payload.num_sequences
-            results.append(
-                [_to_numpy(o, work.payload.datatype) for o in outputs[start : start + n]]
-            )
-            start += n
-        return results
-
     def _execute(self, works: list[Work]) -> None:
         if self.observer is not None:
             self.observer.batch_started(works)
         started = time.perf_counter()
         try:
-            results = self._forward(works)
+            results = forward_works(self.model, works)
         except Exception:
             log.exception("forward failed for a batch of %d requests", len(works))
             self._report_batch(works, time.perf_counter() - started, ok=False)
@@ -282,8 +300,22 @@ class DynamicBatcher:
                 works[0].resolve(error=InferenceError("inference failed for this request"))
             return
         self._report_batch(works, time.perf_counter() - started, ok=True)
+        self._update_drain_rate(works)
         for work, result in zip(works, results, strict=True):
-            work.resolve(result)
+            if isinstance(result, ServiceError):
+                work.resolve(error=result)
+            else:
+                work.resolve(result)
+
+    def _update_drain_rate(self, works: list[Work]) -> None:
+        """Tokens/s the queue drains at, over the wall time since the previous batch ended (or
+        since this batch's first arrival), so event-loop and copy overheads count too."""
+        now = time.monotonic()
+        since = max(self._last_done, min(w.enqueued_at for w in works))
+        rate = sum(w.payload.num_tokens for w in works) / max(now - since, 1e-6)
+        old = self._tokens_per_s
+        self._tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+        self._last_done = now
 
     def _report_batch(self, works: list[Work], compute_s: float, ok: bool) -> None:
         if self.observer is not None:

@@ -150,7 +150,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
         if name in inputs:
             raise BadInput(f"input '{name}' appears twice")
         datatype = raw.get("datatype")
-        if datatype not in KNOWN_DATATYPES:
+        if not isinstance(datatype, str) or datatype not in KNOWN_DATATYPES:
             raise BadInput(f"input '{name}': unknown datatype {datatype!r}")
         if datatype not in NUMPY_DTYPES:
             raise BadInput(f"input '{name}': datatype {datatype} is not supported here")

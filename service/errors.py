@@ -22,6 +22,12 @@ class BadInput(ServiceError):
     reason = "bad_input"
 
 
+class NonFiniteOutput(BadInput):
+    """Valid-looking inputs whose output overflowed to NaN/Inf (e.g. values near float max)."""
+
+    status = 422
+
+
 class PayloadTooLarge(BadInput):
     status = 413
 

@@ -1,9 +1,11 @@
 """Prometheus metrics (prefix `mha_`), one registry per app, plus the process collectors.
 
-Labels stay low-cardinality: model, endpoint, protocol, HTTP status code, failure reason.
-One uvicorn worker per device is the deployment model (one batcher, one copy of the weights),
-so a plain per-process registry is exact; several workers would need prometheus-client's
-multiprocess mode.
+Labels stay low-cardinality: model, endpoint, protocol, HTTP status code (or its class),
+failure reason, batch outcome. One uvicorn worker per device is the deployment model (one
+batcher, one copy of the weights), so a plain per-process registry is exact. If several uvicorn
+workers per device are ever allowed, this must switch to prometheus-client's multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR, a MultiProcessCollector registry, and explicit gauge modes), or
+each scrape would see one random worker.
 """
 
 from __future__ import annotations
@@ -25,18 +27,23 @@ from prometheus_client import (
     process_collector,
 )
 
-# Latency buckets: a T=16 forward takes ~0.2 ms on CPU, a full batch of long sequences
-# seconds; requests add queue wait and HTTP. 0.25 ms .. 20 s, about 2x apart.
+# Buckets are chosen for this workload. Latency: a T=16 forward takes ~0.2 ms on CPU, a full
+# batch of long sequences seconds; requests add queue wait (default batch delay 2 ms) and HTTP.
+# 0.25 ms .. 20 s, 1.3-2.5x apart, densest at 1-50 ms where a healthy service sits, so p99 is
+# interpolated inside a narrow bucket.
 LATENCY_BUCKETS = (
     0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05,
     0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 )  # fmt: skip
-# Codec work is smaller: JSON of a few KB to a few MB.
+# Codec work is smaller: binary bodies of a few KB take tens of µs, JSON of a few MB ~1 s.
 CODEC_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
+# Sequences per forward: --max-batch-size defaults to 32; finer steps where batches usually are.
 BATCH_SEQ_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+# Tokens (per sequence or per forward): powers of two up to 4x the default --max-batch-tokens.
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+# A fraction in [0, 1]; 0.0 is its own bucket because the packed engine never pads.
 RATIO_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
 FAILURE_REASONS = (
@@ -64,9 +71,11 @@ class Metrics:
             "mha_request_failures", "Requests that failed, by reason.",
             ["model", "endpoint", "reason"], registry=r,
         )  # fmt: skip
+        # status_class (2xx/4xx/5xx) keeps fast rejections out of the success percentiles.
         self.request_duration = Histogram(
-            "mha_request_duration_seconds", "End-to-end request time inside the server.",
-            ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r,
+            "mha_request_duration_seconds",
+            "End-to-end request time inside the server, by status class (2xx, 4xx, 5xx).",
+            ["model", "endpoint", "status_class"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_wait = Histogram(
             "mha_queue_wait_seconds", "Time a request waited in the batcher queue.",
@@ -96,6 +105,8 @@ class Metrics:
             "mha_request_sequence_length", "Query length (tokens) of each sequence received.",
             ["model"], buckets=TOKEN_BUCKETS, registry=r,
         )  # fmt: skip
+        # Kept for dashboards shared with padded servers: the engine packs a batch's sequences
+        # end to end and groups attention by exact length, so it computes no padding (always 0).
         self.padding_ratio = Histogram(
             "mha_batch_padding_ratio",
             "Padded tokens / computed tokens per forward (the engine packs sequences, so 0).",
@@ -117,7 +128,12 @@ class Metrics:
             "mha_engine_busy", "1 while the engine thread runs a forward.", ["model"], registry=r
         )
         self.ready = Gauge("mha_ready", "1 when ready to serve.", ["model"], registry=r)
-        self.info = Info("mha_model", "The served model.", registry=r)
+        self.info = Info(
+            "mha_model",
+            "The served model: name, architecture, embed_dim, num_heads, dtype, device, SDPA "
+            "backend.",
+            registry=r,
+        )
         self.sequences = Counter(
             "mha_sequences_processed", "Sequences computed.", ["model"], registry=r
         )
@@ -133,28 +149,39 @@ class Metrics:
         self.queue_depth_gauge.labels(model).set(0)
         self.in_flight.labels(model).set(0)
         self.engine_busy.labels(model).set(0)
-        if torch.cuda.is_available():  # not verified on a GPU: these machines have none
-            self._add_cuda_gauges()
+        self._cuda_gauges = False
 
-    def _add_cuda_gauges(self) -> None:
+    def _add_cuda_gauges(self, device: torch.device) -> None:
+        """Memory gauges of the model's CUDA device, read at scrape time (not on CPU runs)."""
         allocated = Gauge(
-            "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated().",
-            ["model"], registry=self.registry,
+            "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
+            ["model", "device"], registry=self.registry,
         )  # fmt: skip
         reserved = Gauge(
-            "mha_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved().",
-            ["model"], registry=self.registry,
+            "mha_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved() of the device.",
+            ["model", "device"], registry=self.registry,
         )  # fmt: skip
-        allocated.labels(self.model).set_function(torch.cuda.memory_allocated)
-        reserved.labels(self.model).set_function(torch.cuda.memory_reserved)
+        allocated.labels(self.model, str(device)).set_function(
+            lambda: torch.cuda.memory_allocated(device)
+        )
+        reserved.labels(self.model, str(device)).set_function(
+            lambda: torch.cuda.memory_reserved(device)
+        )
+        self._cuda_gauges = True
 
     # -- request side -----------------------------------------------------------------------
     def set_model_info(self, info: dict[str, Any]) -> None:
-        self.info.info({k: str(v) for k, v in info.items()})
+        """Publish mha_model_info (with a `model` label to join on); on CUDA, add memory gauges."""
+        self.info.info({"model": self.model, **{k: str(v) for k, v in info.items()}})
+        device = str(info.get("device", ""))
+        # Not verified on a GPU: the machines this was built on have none.
+        if device.startswith("cuda") and torch.cuda.is_available() and not self._cuda_gauges:
+            self._add_cuda_gauges(torch.device(device))
 
     def request_done(self, endpoint: str, status: int, seconds: float, reason: str | None) -> None:
         self.requests.labels(self.model, endpoint, str(status)).inc()
-        self.request_duration.labels(self.model, endpoint).observe(seconds)
+        status_class = f"{status // 100}xx"
+        self.request_duration.labels(self.model, endpoint, status_class).observe(seconds)
         if reason is not None:
             self.failures.labels(self.model, endpoint, reason).inc()
 
@@ -176,7 +203,12 @@ class Metrics:
     def batch_done(self, works: list[Any], compute_s: float, ok: bool) -> None:
         self.engine_busy.labels(self.model).set(0)
         self.batches.labels(self.model, "ok" if ok else "error").inc()
+        wait = self.queue_wait.labels(self.model)
         if not ok:
+            # A failed batch of several requests is retried one request at a time, which
+            # reports again; a failed single request reports its wait now, once.
+            if len(works) == 1:
+                wait.observe(works[0].started_at - works[0].enqueued_at)
             return
         seqs = sum(w.payload.num_sequences for w in works)
         tokens = sum(w.payload.num_tokens for w in works)
@@ -186,7 +218,6 @@ class Metrics:
         self.padding_ratio.labels(self.model).observe(0.0)
         self.sequences.labels(self.model).inc(seqs)
         self.tokens.labels(self.model).inc(tokens)
-        wait = self.queue_wait.labels(self.model)
         for work in works:
             wait.observe(work.started_at - work.enqueued_at)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -57,6 +57,19 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or as JSON objects (one per line) for collectors."
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="When set, every route but health, metrics and docs needs "
+        "'Authorization: Bearer <key>' (401 without, 403 wrong).",
+    )
+    open_health_metrics: bool = Field(
+        True,
+        description="Leave /v2/health/* and /metrics open when --api-key is set "
+        "(--no-open-health-metrics puts them behind the key too).",
+    )
 
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:
@@ -81,3 +94,22 @@ class Settings(BaseSettings):
         if self.model_dir is not None:
             return Path(self.model_dir).resolve().name
         return "mha"
+
+    # -- attention-weights debug endpoint (service/routes/debug.py); off unless asked for -----
+    debug_endpoint: bool = Field(
+        False,
+        description="Serve POST /v2/models/{name}/attention and GET .../heads (slow path that "
+        "materialises attention weights). Off: those routes do not exist (404).",
+    )
+    debug_token: SecretStr | None = Field(
+        None,
+        description="Bearer token the debug routes require (Authorization: Bearer <token>). "
+        "Unset: no auth, and a warning is logged at start.",
+    )
+    debug_max_seq_len: int = Field(
+        512, ge=1, description="Longest sequence (T and S) the debug routes accept."
+    )
+    debug_max_batch_size: int = Field(4, ge=1, description="Most sequences in one debug request.")
+    debug_max_concurrency: int = Field(
+        2, ge=1, description="Most debug requests handled at once; beyond it they get 429."
+    )

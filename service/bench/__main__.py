@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import numpy as np
 import torch
 
 import mha_engine
 from service.bench.client import LoadResult, run_load
+from service.bench.server import HOST, running
 
-HOST = "127.0.0.1"
 EMBED_DIM = 512  # the demo model's d_model
 
 
@@ -40,53 +35,6 @@ class Case:
     payload: str  # "binary", "json" or "naive"
     seq_len: int
     args: tuple[str, ...] = ()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@contextlib.contextmanager
-def _server(case: Case) -> Iterator[tuple[int, int]]:
-    port = _free_port()
-    if case.server == "naive":
-        cmd = [sys.executable, "-m", "service.bench.naive_server", "--port", str(port)]
-        probe = f"http://{HOST}:{port}/docs"
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "service",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            *case.args,
-        ]
-        probe = f"http://{HOST}:{port}/v2/health/ready"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(probe, timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None:
-                raise RuntimeError(f"server {cmd} exited with {proc.returncode}")
-            time.sleep(0.2)
-        yield port, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def _body(payload: str, seq_len: int) -> tuple[str, bytes, dict[str, str]]:
@@ -124,11 +72,11 @@ def _body(payload: str, seq_len: int) -> tuple[str, bytes, dict[str, str]]:
 def run_case(case: Case, clients: int, seconds: float) -> tuple[LoadResult, float]:
     """Throughput/latency of one configuration and the server's CPU-seconds per request."""
     path, body, headers = _body(case.payload, case.seq_len)
-    with _server(case) as (port, pid):
-        asyncio.run(run_load(HOST, port, path, body, headers, clients, 1.0, warmup_s=0.5))
-        cpu_before = _cpu_seconds(pid)
-        result = asyncio.run(run_load(HOST, port, path, body, headers, clients, seconds, 0.0))
-        cpu = _cpu_seconds(pid) - cpu_before
+    with running(*case.args, naive=case.server == "naive") as server:
+        asyncio.run(run_load(HOST, server.port, path, body, headers, clients, 1.0, 0.5))
+        cpu_before = server.cpu_seconds()
+        result = asyncio.run(run_load(HOST, server.port, path, body, headers, clients, seconds, 0))
+        cpu = server.cpu_seconds() - cpu_before
     bad = {s: n for s, n in result.statuses.items() if s != 200}
     if bad:
         print(f"  warning: {case.name} got non-200 answers {bad}", file=sys.stderr)

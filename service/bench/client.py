@@ -41,17 +41,16 @@ def build_request(path: str, body: bytes, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-async def _read_response(reader: asyncio.StreamReader) -> int:
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    length = 0
+    headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value)
-    await reader.readexactly(length)
-    return status
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    await reader.readexactly(int(headers.get("content-length", 0)))
+    return int(lines[0].split(" ", 2)[1]), headers
 
 
 async def _worker(
@@ -61,7 +60,7 @@ async def _worker(
     try:
         while (now := time.perf_counter()) < stop:
             writer.write(request)
-            status = await _read_response(reader)
+            status, _ = await _read_response(reader)
             done = time.perf_counter()
             if now >= start:
                 result.latencies.append(done - now)
@@ -88,4 +87,62 @@ async def run_load(
     await asyncio.gather(
         *(_worker(host, port, request, start, stop, result) for _ in range(concurrency))
     )
+    return result
+
+
+@dataclass
+class OpenLoopResult:
+    """An open-loop run: every scheduled request with its status and latency."""
+
+    seconds: float
+    records: list[tuple[int, float, bool]] = field(default_factory=list)  # status, latency, retry
+    errors: collections.Counter = field(default_factory=collections.Counter)  # connection-level
+
+    @property
+    def statuses(self) -> collections.Counter:
+        return collections.Counter(status for status, _, _ in self.records)
+
+    def latencies(self, status: int) -> list[float]:
+        return sorted(latency for s, latency, _ in self.records if s == status)
+
+
+async def run_open_loop(
+    host: str,
+    port: int,
+    request: bytes,
+    rate: float,
+    seconds: float,
+    connections: int = 128,
+    timeout: float = 30.0,
+) -> OpenLoopResult:
+    """Offer `rate` requests/s for `seconds` whatever the answers, over a pool of connections.
+
+    Each request starts at its scheduled time on a free connection (a new one if all are busy,
+    so the offered rate holds); `retry` records whether a 429 carried Retry-After.
+    """
+    result = OpenLoopResult(seconds)
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    start = time.perf_counter()
+
+    async def one(at: float) -> None:
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        conn = idle.pop() if idle else await asyncio.open_connection(host, port, limit=2**26)
+        sent = time.perf_counter()
+        try:
+            conn[1].write(request)
+            status, headers = await asyncio.wait_for(_read_response(conn[0]), timeout)
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            result.errors[type(exc).__name__] += 1
+            conn[1].close()
+            return
+        result.records.append((status, time.perf_counter() - sent, "retry-after" in headers))
+        if len(idle) < connections and headers.get("connection") != "close":
+            idle.append(conn)
+        else:
+            conn[1].close()
+
+    total = int(rate * seconds)
+    await asyncio.gather(*(one(start + i / rate) for i in range(total)))
+    for _, writer in idle:
+        writer.close()
     return result

@@ -16,15 +16,11 @@ from service.batcher import Work
 from service.codecs import BINARY_HEADER, OutputTensor, decode_request, encode_response
 from service.errors import (
     BadInput,
-    ClientDisconnected,
-    DeadlineExceeded,
-    NotReady,
     PayloadTooLarge,
-    ServiceError,
 )
 from service.inputs import OUTPUT_NAME, Payload, prepare
 from service.openapi import INFER_OPENAPI, INFER_RESPONSES
-from service.routes.common import check_model, get_state
+from service.routes.common import await_queued, check_model, ensure_serving, get_state, observed
 
 if TYPE_CHECKING:
     from service.app import ServiceState
@@ -76,37 +72,17 @@ def _deadline_s(state: ServiceState, parameters: dict[str, Any]) -> float:
     return timeout
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def run_work(state: ServiceState, request: Request, payload: Payload, timeout: float) -> Any:
     """Queue `payload` and wait for its outputs, honouring the deadline and client disconnects."""
     loop = asyncio.get_running_loop()
     work = Work(payload, deadline=time.monotonic() + timeout, loop=loop)
     state.batcher.submit(work)
-    disconnect = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait(
-            {work.future, disconnect}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        if work.future in done:
-            return work.future.result()
-        if disconnect in done:
-            state.batcher.cancel(work)
-            raise ClientDisconnected("client disconnected")
-        if state.batcher.cancel(work):
-            raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
-        return await work.future  # already running: it finishes within one forward
-    finally:
-        disconnect.cancel()
+    return await await_queued(state, request, work.future, [work], timeout)
 
 
 async def _infer(state: ServiceState, request: Request, model_name: str, version: str | None):
     check_model(state, model_name, version)
-    if state.draining or not state.ready:
-        raise NotReady("server is draining" if state.draining else "model is warming up")
+    ensure_serving(state)
     body = await read_body(request, state.settings.max_body_bytes)
     header_length = request.headers.get(BINARY_HEADER)
     protocol = "json" if header_length is None else "binary"
@@ -129,7 +105,7 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
     args = (
         state.model_name,
         version,
-        decoded.id,
+        decoded.id or request.state.request_id,  # OIP id, else the X-Request-ID
         [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
         binary,
     )
@@ -163,18 +139,5 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
 )
 async def infer(request: Request, model_name: str, model_version: str | None = None) -> Response:
     state = get_state(request)
-    started = time.perf_counter()
-    status, reason = 200, None
-    in_flight = state.metrics.in_flight.labels(state.model_name)
-    in_flight.inc()
-    try:
+    with observed(state, "infer"):
         return await _infer(state, request, model_name, model_version or None)
-    except ServiceError as exc:
-        status, reason = exc.status, exc.reason
-        raise
-    except Exception:
-        status, reason = 500, "inference_error"
-        raise
-    finally:
-        in_flight.dec()
-        state.metrics.request_done("infer", status, time.perf_counter() - started, reason)

@@ -1,0 +1,104 @@
+# syntax=docker/dockerfile:1
+#
+# mha-serve container image. One file, two variants, chosen by the VARIANT build argument:
+#
+#   docker build -t mha-serve:cpu .                            # VARIANT=cpu (default)
+#   docker build --build-arg VARIANT=cuda -t mha-serve:cuda .  # CUDA
+#
+#   cpu:  python:3.11-slim-bookworm + torch's CPU wheel, which lives on PyTorch's own index
+#         (https://download.pytorch.org/whl/cpu): PyPI's x86_64 Linux wheel is the CUDA build,
+#         several GB of CUDA libraries a CPU image does not need.
+#   cuda: nvidia/cuda "base" (the CUDA compat package and the NVIDIA_* variables the container
+#         toolkit reads, no CUDA libraries) + torch from PyPI, whose wheel brings its own CUDA
+#         runtime, cuDNN and NCCL as nvidia-* wheels. The host needs an NVIDIA driver new
+#         enough for that CUDA release and the NVIDIA container toolkit
+#         (`docker run --gpus device=0 ...`). Override CUDA_BASE to match your driver.
+#
+# Run (the built-in demo model when no model is mounted):
+#   docker run --rm -p 8000:8000 mha-serve:cpu
+#   docker run --rm -p 8000:8000 -v "$PWD/models:/models:ro" -e MHA_MODEL_DIR=/models/attn \
+#       mha-serve:cpu
+#
+# One container = one replica = one device (one engine thread, one copy of the weights).
+# Scale with more containers behind a load balancer (docker-compose.yml, deploy/k8s/).
+
+ARG VARIANT=cpu
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG CUDA_BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
+
+# ---- runtime bases: the OS + Python each variant runs on ---------------------------------------
+FROM ${PYTHON_IMAGE} AS base-cpu
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+FROM ${CUDA_BASE} AS base-cuda
+# DL3008 (pin apt versions): Ubuntu replaces python3 on every security update, so a pinned
+# version stops resolving within weeks; the base image tag is the pin.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+ENV TORCH_INDEX_URL=https://pypi.org/simple
+
+# DL3006 (tag the image): this is not an image but one of the two stages above, by name.
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS base
+
+# ---- build: a virtualenv with torch and mha-serve, nothing else -------------------------------
+FROM base AS build
+ARG TORCH_VERSION=2.13.0
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first, from the variant's index; `pip install .` then finds it already satisfied.
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
+    "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY mha_engine ./mha_engine
+COPY service ./service
+# Optional extras of pyproject.toml, comma-separated: `embeddings` (tokenizers, for
+# /v1/embeddings on text models) by default; add `debug` for PNG attention heatmaps
+# (matplotlib), or pass EXTRAS="" for the tensor API alone.
+ARG EXTRAS=embeddings
+# Not editable: the package is copied into the venv, and /src stays behind in this stage.
+RUN /opt/venv/bin/pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+    && /opt/venv/bin/python -c "import service, mha_engine"
+
+# ---- loadtest: Locust workers/master for `docker compose --profile loadtest up` -----------------
+FROM ${PYTHON_IMAGE} AS loadtest
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+RUN pip install --no-cache-dir "locust==2.47.0" "numpy==2.4.6" \
+    && useradd --system --uid 10001 --user-group --no-create-home locust
+WORKDIR /opt/mha
+COPY loadtest ./loadtest
+USER 10001:10001
+EXPOSE 8089
+ENTRYPOINT ["locust", "-f", "loadtest/locustfile.py"]
+
+# ---- runtime: the image `docker build` produces by default (last stage) ------------------------
+FROM base AS runtime
+# A fixed numeric uid/gid, so Kubernetes' runAsNonRoot can verify it without a passwd lookup.
+RUN groupadd --system --gid 10001 mha \
+    && useradd --system --uid 10001 --gid mha --home-dir /home/mha --create-home \
+       --shell /usr/sbin/nologin mha \
+    && mkdir /models && chown mha:mha /models
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    MHA_HOST=0.0.0.0 \
+    MHA_PORT=8000
+USER 10001:10001
+WORKDIR /home/mha
+# Mount a directory of models here and point MHA_MODEL_DIR at one of them; with MHA_MODEL_DIR
+# unset the server builds its demo model and /models is not read.
+VOLUME ["/models"]
+EXPOSE 8000
+# Ready = model loaded and warmed up, and not draining. Python is the only HTTP client in the
+# image; urlopen raises on the 503 of a loading or draining replica, so the exit code is 1.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('MHA_PORT', '8000') + '/v2/health/ready', timeout=4)"]
+# Exec form and no shell or init wrapper: mha-serve is PID 1 and gets SIGTERM itself, turns
+# readiness off, finishes accepted requests (up to MHA_DRAIN_GRACE_S, default 30 s) and exits.
+# Give `docker stop -t` / compose's stop_grace_period / Kubernetes' grace period more than that.
+STOPSIGNAL SIGTERM
+CMD ["mha-serve"]

@@ -1,0 +1,238 @@
+"""Hugging Face BERT-family directories (bert, roberta, xlm-roberta, distilbert) in engine terms.
+
+`engine_config` turns the HF config.json into a post-norm transformer_encoder config plus the
+text fields (vocabulary, positions); `engine_state` checks every tensor under its HF name, then
+fuses query/key/value into in_proj and renames the rest onto EncoderStack and TextEmbeddings.
+Heads outside the base model (pooler, MLM/classification heads) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import Tensor
+
+from .errors import CheckpointError, check_state
+from .layouts import AttentionKeys, Dims, to_pytorch_names
+
+# hidden_act -> the engine's activation; the tanh forms are the same function under two names.
+ACTIVATIONS = {
+    "gelu": "gelu",
+    "relu": "relu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a model type keeps its config fields and layer weights."""
+
+    fields: dict[str, str]  # engine field -> HF config field
+    layers: str  # prefix of layer i, with {i}
+    attention: AttentionKeys  # names inside layer i
+    norm1: str
+    linear1: str
+    linear2: str
+    norm2: str
+    token_types: bool
+    positions_from_padding: bool  # RoBERTa numbers positions from pad_token_id + 1
+
+
+BERT = Family(
+    fields={
+        "d_model": "hidden_size",
+        "nhead": "num_attention_heads",
+        "num_layers": "num_hidden_layers",
+        "dim_feedforward": "intermediate_size",
+        "activation": "hidden_act",
+    },
+    layers="encoder.layer.{i}.",
+    attention=AttentionKeys(
+        q="attention.self.query",
+        k="attention.self.key",
+        v="attention.self.value",
+        out="attention.output.dense",
+    ),
+    norm1="attention.output.LayerNorm",
+    linear1="intermediate.dense",
+    linear2="output.dense",
+    norm2="output.LayerNorm",
+    token_types=True,
+    positions_from_padding=False,
+)
+ROBERTA = replace(BERT, positions_from_padding=True)
+DISTILBERT = Family(
+    fields={
+        "d_model": "dim",
+        "nhead": "n_heads",
+        "num_layers": "n_layers",
+        "dim_feedforward": "hidden_dim",
+        "activation": "activation",
+    },
+    layers="transformer.layer.{i}.",
+    attention=AttentionKeys(
+        q="attention.q_lin", k="attention.k_lin", v="attention.v_lin", out="attention.out_lin"
+    ),
+    norm1="sa_layer_norm",
+    linear1="ffn.lin1",
+    linear2="ffn.lin2",
+    norm2="output_layer_norm",
+    token_types=False,
+    positions_from_padding=False,
+)
+FAMILIES = {"bert": BERT, "roberta": ROBERTA, "xlm-roberta": ROBERTA, "distilbert": DISTILBERT}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+BUFFERS = ("position_ids", "token_type_ids")  # non-persistent index buffers some files carry
+
+
+def is_hf_config(config: object) -> bool:
+    """A Hugging Face config.json (has model_type) rather than an engine one (architecture)."""
+    return isinstance(config, dict) and "model_type" in config and "architecture" not in config
+
+
+def _positive(config: dict, name: str) -> int:
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"config.{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def engine_config(config: dict) -> dict:
+    """HF config -> engine transformer_encoder config (+ model_type, vocab and position fields)."""
+    model_type = config.get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise CheckpointError(
+            f"unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    for flag in ("is_decoder", "add_cross_attention"):
+        if config.get(flag):
+            raise CheckpointError(f"config.{flag} is set; only encoder-only models are supported")
+    position_type = config.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise CheckpointError(
+            f"config.position_embedding_type {position_type!r} is not supported (only absolute)"
+        )
+    c: dict = {"architecture": "transformer_encoder", "model_type": model_type}
+    for field, hf_field in family.fields.items():
+        if field == "activation":
+            act = config.get(hf_field, "gelu")
+            if act not in ACTIVATIONS:
+                raise CheckpointError(
+                    f"config.{hf_field} {act!r} is not supported; use one of {list(ACTIVATIONS)}"
+                )
+            c[field] = ACTIVATIONS[act]
+        else:
+            c[field] = _positive(config, hf_field)
+    if c["d_model"] % c["nhead"]:
+        raise CheckpointError(
+            f"hidden size {c['d_model']} is not divisible by the number of heads {c['nhead']}"
+        )
+    # DistilBERT hard-codes eps=1e-12 in its LayerNorms; BERT and RoBERTa read it from config.
+    c["layer_norm_eps"] = float(config.get("layer_norm_eps", 1e-12))
+    c.update(norm_first=False, bias=True, final_norm=False)
+    c["vocab_size"] = _positive(config, "vocab_size")
+    c["max_position_embeddings"] = _positive(config, "max_position_embeddings")
+    c["type_vocab_size"] = int(config.get("type_vocab_size", 0)) if family.token_types else 0
+    pad = config.get("pad_token_id")
+    c["pad_token_id"] = pad if isinstance(pad, int) else None
+    if family.positions_from_padding and c["pad_token_id"] is None:
+        raise CheckpointError(f"config.pad_token_id is needed for {model_type} position ids")
+    c["position_offset"] = c["pad_token_id"] + 1 if family.positions_from_padding else 0
+    return c
+
+
+def _base_prefix(state: dict) -> str:
+    """'' for a base model's keys, 'bert.' (etc.) for a model with a task head."""
+    name = "embeddings.word_embeddings.weight"
+    if name in state:
+        return ""
+    prefixes = sorted(k[: -len(name)] for k in state if k.endswith("." + name))
+    if len(prefixes) != 1:
+        raise CheckpointError(
+            f"no {name} in the weights (found {len(state)} keys, e.g. {sorted(state)[:5]})"
+        )
+    return prefixes[0]
+
+
+def _legacy_names(key: str) -> str:
+    """TF-converted checkpoints name LayerNorm parameters gamma/beta; transformers renames too."""
+    if key.endswith(".gamma"):
+        return key[: -len("gamma")] + "weight"
+    if key.endswith(".beta"):
+        return key[: -len("beta")] + "bias"
+    return key
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every HF key (without the task prefix) the config implies, with its shape."""
+    family = FAMILIES[config["model_type"]]
+    E, F = config["d_model"], config["dim_feedforward"]
+    shapes = {
+        "embeddings.word_embeddings.weight": (config["vocab_size"], E),
+        "embeddings.position_embeddings.weight": (config["max_position_embeddings"], E),
+        "embeddings.LayerNorm.weight": (E,),
+        "embeddings.LayerNorm.bias": (E,),
+    }
+    if family.token_types and config["type_vocab_size"] > 0:
+        shapes["embeddings.token_type_embeddings.weight"] = (config["type_vocab_size"], E)
+    a = family.attention
+    for i in range(config["num_layers"]):
+        p = family.layers.format(i=i)
+        for name, rows, cols in (
+            (a.q, E, E),
+            (a.k, E, E),
+            (a.v, E, E),
+            (a.out, E, E),
+            (family.linear1, F, E),
+            (family.linear2, E, F),
+        ):
+            shapes[f"{p}{name}.weight"] = (rows, cols)
+            shapes[f"{p}{name}.bias"] = (rows,)
+        for norm in (family.norm1, family.norm2):
+            shapes[f"{p}{norm}.weight"] = shapes[f"{p}{norm}.bias"] = (E,)
+    return shapes
+
+
+def engine_state(
+    state: dict[str, Tensor], config: dict
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(encoder state in EncoderStack names, embedding tensors by role) from an HF state dict."""
+    family = FAMILIES[config["model_type"]]
+    prefix = _base_prefix(state)
+    section = family.layers.split(".", 1)[0] + "."  # 'encoder.' or 'transformer.'
+    base = {
+        _legacy_names(k[len(prefix) :]): v
+        for k, v in state.items()
+        if k.startswith(prefix)
+        and k[len(prefix) :].startswith(("embeddings.", section))
+        and k.rsplit(".", 1)[-1] not in BUFFERS
+    }
+    check_state(base, expected_shapes(config), f"{config['model_type']} config")
+
+    E, H = config["d_model"], config["nhead"]
+    dims = Dims(embed_dim=E, num_heads=H, num_kv_heads=H, kdim=E, vdim=E)
+    encoder: dict[str, Tensor] = {}
+    for i in range(config["num_layers"]):
+        src, dst = family.layers.format(i=i), f"layers.{i}."
+        attn, _ = to_pytorch_names(base, family.attention, dims, prefix=src, strict=False)
+        encoder.update({f"{dst}self_attn.{k}": v for k, v in attn.items()})
+        for name, ours in (
+            (family.norm1, "norm1"),
+            (family.linear1, "linear1"),
+            (family.linear2, "linear2"),
+            (family.norm2, "norm2"),
+        ):
+            for kind in ("weight", "bias"):
+                encoder[f"{dst}{ours}.{kind}"] = base[f"{src}{name}.{kind}"]
+    embeddings = {
+        "word": base["embeddings.word_embeddings.weight"],
+        "position": base["embeddings.position_embeddings.weight"],
+        "norm_weight": base["embeddings.LayerNorm.weight"],
+        "norm_bias": base["embeddings.LayerNorm.bias"],
+    }
+    token_type = base.get("embeddings.token_type_embeddings.weight")
+    if token_type is not None:
+        embeddings["token_type"] = token_type
+    return encoder, embeddings

@@ -1,0 +1,124 @@
+"""Text pieces around an encoder: token embeddings in front, pooling and normalisation behind.
+
+They work on packed tokens (N, ...) with per-sequence lengths, the layout forward_varlen uses,
+and on padded (B, T, ...) batches where a function says so. Additions follow Hugging Face's
+order (word + token type, then + position) so fp32 results match it closely.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+POOLING_MODES = ("mean", "cls")
+
+
+def packed_positions(lengths: list[int], device: torch.device) -> Tensor:
+    """0..T_i-1 for every sequence, concatenated: (N,) long."""
+    lens = torch.tensor(lengths, dtype=torch.long, device=device)  # (B,)
+    starts = torch.cumsum(lens, 0) - lens  # (B,)
+    total = int(lens.sum())
+    return torch.arange(total, device=device) - starts.repeat_interleave(lens, output_size=total)
+
+
+def segment_ids(lengths: list[int], device: torch.device) -> Tensor:
+    """Sequence index of every packed token: (N,) long."""
+    lens = torch.tensor(lengths, dtype=torch.long, device=device)
+    return torch.arange(len(lengths), device=device).repeat_interleave(lens)
+
+
+class TextEmbeddings:
+    """word + token-type + absolute position embeddings, then LayerNorm (BERT family)."""
+
+    def __init__(
+        self,
+        word: Tensor,
+        position: Tensor,
+        norm_weight: Tensor,
+        norm_bias: Tensor,
+        eps: float,
+        token_type: Tensor | None = None,
+        position_offset: int = 0,
+        pad_token_id: int | None = None,
+        positions_from_padding: bool = False,
+    ) -> None:
+        self.word = word  # (vocab_size, D)
+        self.position = position  # (max_position_embeddings, D)
+        self.token_type = token_type  # (type_vocab_size, D) or None (DistilBERT)
+        self.norm = (norm_weight, norm_bias)
+        self.eps = eps
+        self.embed_dim = word.shape[1]
+        self.vocab_size = word.shape[0]
+        self.position_offset = position_offset  # RoBERTa: pad_token_id + 1
+        self.pad_token_id = pad_token_id
+        self.positions_from_padding = positions_from_padding
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence the position table covers."""
+        return self.position.shape[0] - self.position_offset
+
+    def padded_positions(self, input_ids: Tensor) -> Tensor:
+        """(B, T) position ids as Hugging Face numbers a padded batch.
+
+        BERT counts 0..T-1 whatever the padding; RoBERTa counts only non-pad tokens, from
+        pad_token_id + 1, and gives pad tokens pad_token_id.
+        """
+        if self.positions_from_padding:
+            real = input_ids.ne(self.pad_token_id).long()  # (B, T)
+            return torch.cumsum(real, dim=1) * real + self.pad_token_id
+        T = input_ids.shape[-1]
+        return torch.arange(T, device=input_ids.device).expand_as(input_ids) + self.position_offset
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """Embed ids of any shape (.., ) -> (.., D); token types default to 0."""
+        x = F.embedding(input_ids, self.word)  # (..., D)
+        if self.token_type is not None:
+            if token_type_ids is None:
+                x = x + self.token_type[0]
+            else:
+                x = x + F.embedding(token_type_ids, self.token_type)
+        x = x + F.embedding(position_ids, self.position)
+        return F.layer_norm(x, (self.embed_dim,), *self.norm, self.eps)
+
+    def forward_packed(self, input_ids: Tensor, lengths: list[int]) -> Tensor:
+        """Packed ids (N,) of unpadded sequences -> (N, D); positions restart per sequence."""
+        positions = packed_positions(lengths, input_ids.device) + self.position_offset  # (N,)
+        return self.forward(input_ids, positions)
+
+
+def pool_packed(hidden: Tensor, lengths: list[int], mode: str) -> Tensor:
+    """Sentence vectors (B, D) in float32 from packed token states (N, D).
+
+    mean: average over each sequence's tokens (every packed token is real, nothing to mask);
+    cls: each sequence's first token.
+    """
+    if mode == "cls":
+        lens = torch.tensor(lengths, dtype=torch.long, device=hidden.device)
+        starts = torch.cumsum(lens, 0) - lens  # (B,)
+        return hidden.index_select(0, starts).float()  # (B, D)
+    if mode != "mean":
+        raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
+    seg = segment_ids(lengths, hidden.device)  # (N,)
+    sums = hidden.new_zeros(len(lengths), hidden.shape[-1], dtype=torch.float32)  # (B, D)
+    sums.index_add_(0, seg, hidden.float())
+    counts = torch.tensor(lengths, dtype=torch.float32, device=hidden.device)  # (B,)
+    return sums / counts[:, None]  # (B, D)
+
+
+def pool_padded(hidden: Tensor, attention_mask: Tensor, mode: str) -> Tensor:
+    """Sentence vectors (B, D) in float32 from a padded batch (B, T, D); mask 1 = real token."""
+    if mode == "cls":
+        return hidden[:, 0].float()
+    if mode != "mean":
+        raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
+    mask = attention_mask.to(torch.float32).unsqueeze(-1)  # (B, T, 1)
+    return (hidden.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1e-9)  # (B, D)
+
+
+def normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """Unit L2 norm along the last axis (what sentence-transformers' Normalize does)."""
+    return F.normalize(x, p=2.0, dim=-1, eps=eps)

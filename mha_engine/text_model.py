@@ -1,0 +1,183 @@
+"""Text encoder models: a transformer_encoder that also takes token ids and gives sentence vectors.
+
+The hidden-state API ([B, T, D] + padding mask, forward_varlen) is TransformerEncoderModel's,
+unchanged; `encode` / `encode_varlen` put the embeddings layer in front and `embed_varlen` adds
+pooling and normalisation behind, as sentence-transformers configures them for the directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .blocks import EncoderStack
+from .errors import CheckpointError
+from .models import TransformerEncoderModel
+from .text import POOLING_MODES, TextEmbeddings, normalize, pool_packed, pool_padded
+from .varlen import make_plan, packed_attention
+
+ST_POOLING = "sentence_transformers.models.Pooling"
+ST_NORMALIZE = "sentence_transformers.models.Normalize"
+ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+
+
+@dataclass(frozen=True)
+class TextSettings:
+    """How token states become a sentence vector, and the longest input (in tokens)."""
+
+    pooling: str = "mean"
+    normalize: bool = False
+    max_seq_len: int | None = None  # None: as many as the position table holds
+
+
+def _json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON: {exc}") from exc
+
+
+def read_text_settings(directory: Path) -> TextSettings:
+    """Pooling, normalisation and max length from sentence-transformers files, if present.
+
+    A plain Hugging Face directory gets sentence-transformers' defaults for a bare model:
+    mean pooling, no normalisation. Modules the engine does not run (Dense, ...) are refused,
+    since skipping them would give different vectors.
+    """
+    pooling, norm, max_len = "mean", False, None
+    modules_path = directory / "modules.json"
+    pooling_dir = None
+    if modules_path.is_file():
+        modules = _json(modules_path)
+        if not isinstance(modules, list):
+            raise CheckpointError(f"{modules_path} must hold a list of modules")
+        for module in modules:
+            kind = module.get("type") if isinstance(module, dict) else None
+            if kind == ST_POOLING:
+                pooling_dir = directory / str(module.get("path", ""))
+            elif kind == ST_NORMALIZE:
+                norm = True
+            elif kind != ST_TRANSFORMER:
+                raise CheckpointError(
+                    f"{modules_path} lists module {kind!r}; the engine runs only Transformer, "
+                    "Pooling and Normalize"
+                )
+    if pooling_dir is not None and (pooling_dir / "config.json").is_file():
+        config = _json(pooling_dir / "config.json")
+        modes = [
+            k.removeprefix("pooling_mode_")
+            for k, v in (config.items() if isinstance(config, dict) else [])
+            if k.startswith("pooling_mode_") and v is True
+        ]
+        names = {"mean_tokens": "mean", "cls_token": "cls"}
+        if len(modes) != 1 or modes[0] not in names:
+            raise CheckpointError(
+                f"{pooling_dir / 'config.json'} asks for pooling {modes}; supported: "
+                "exactly one of mean_tokens, cls_token"
+            )
+        pooling = names[modes[0]]
+    st_config = directory / "sentence_bert_config.json"
+    if st_config.is_file():
+        value = _json(st_config)
+        length = value.get("max_seq_length") if isinstance(value, dict) else None
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            max_len = length
+    return TextSettings(pooling, norm, max_len)
+
+
+class TextEncoderModel(TransformerEncoderModel):
+    """A BERT-family encoder: transformer_encoder tensor API plus token ids in, vectors out."""
+
+    def __init__(
+        self,
+        stack: EncoderStack,
+        embeddings: TextEmbeddings,
+        config: dict,
+        settings: TextSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        max_len = embeddings.max_len
+        if settings.max_seq_len is not None:
+            max_len = min(max_len, settings.max_seq_len)
+        if settings.pooling not in POOLING_MODES:
+            raise CheckpointError(f"pooling must be one of {POOLING_MODES}")
+        config = dict(
+            config, pooling=settings.pooling, normalize=settings.normalize, max_seq_len=max_len
+        )
+        super().__init__(stack, config, device, dtype)
+        self._embeddings = embeddings
+        self.model_type: str = config["model_type"]
+        self.max_seq_len: int = max_len
+        self.pooling: str = settings.pooling
+        self.normalize: bool = settings.normalize
+        self.vocab_size: int = embeddings.vocab_size
+
+    def _check_ids(self, ids: Tensor, what: str) -> Tensor:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{what} must be int64 or int32, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"{what} holds ids outside [0, {self.vocab_size})")
+        return ids.to(device=self._device, dtype=torch.long)
+
+    @torch.inference_mode()
+    def encode(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Last hidden state (B, T, D) of a padded (B, T) batch, like Hugging Face's BertModel.
+
+        attention_mask is 1 for real tokens, 0 for padding (padded rows are computed too).
+        """
+        ids = self._check_ids(input_ids, "input_ids")  # (B, T)
+        if ids.shape[-1] > self.max_seq_len:
+            raise ValueError(f"sequence length {ids.shape[-1]} > max_seq_len {self.max_seq_len}")
+        types = None if token_type_ids is None else token_type_ids.to(self._device).long()
+        positions = self._embeddings.padded_positions(ids)  # (B, T)
+        x = self._embeddings.forward(ids, positions, types).to(self._dtype)  # (B, T, D)
+        kpm = None if attention_mask is None else attention_mask.to(self._device) == 0  # (B, T)
+        return self._run(x, None, kpm, False, keep_weights=False)[0]
+
+    def _encode_packed(self, input_ids: list[Tensor]) -> tuple[Tensor, list[int]]:
+        lengths = [int(t.shape[0]) for t in input_ids]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("every sequence needs at least one token")
+        if max(lengths) > self.max_seq_len:
+            raise ValueError(f"sequence length {max(lengths)} > max_seq_len {self.max_seq_len}")
+        ids = self._check_ids(torch.cat(input_ids), "input_ids")  # (N,)
+        x = self._embeddings.forward_packed(ids, lengths).to(self._dtype)  # (N, D)
+        n = len(lengths)
+        plan = make_plan(lengths, lengths, [False] * n, [None] * n, ids.device)
+        out = self._stack.forward(x, lambda attn, h: packed_attention(attn, h, h, h, plan))
+        return out, lengths  # (N, D)
+
+    @torch.inference_mode()
+    def encode_varlen(self, input_ids: list[Tensor]) -> list[Tensor]:
+        """Token states (T_i, D) of unpadded id sequences (T_i,), packed into one forward."""
+        out, lengths = self._encode_packed(input_ids)
+        return list(out.split(lengths))
+
+    @torch.inference_mode()
+    def embed_varlen(
+        self, input_ids: list[Tensor], pooling: str | None = None, normalize: bool | None = None
+    ) -> Tensor:
+        """Sentence vectors (B, D) in float32: encode, pool, normalise (defaults: the model's)."""
+        out, lengths = self._encode_packed(input_ids)  # (N, D)
+        pooled = pool_packed(out, lengths, pooling or self.pooling)  # (B, D)
+        return _normalize_if(pooled, self.normalize if normalize is None else normalize)
+
+    @torch.inference_mode()
+    def embed(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Sentence vectors (B, D) in float32 from a padded batch (padded positions excluded)."""
+        hidden = self.encode(input_ids, attention_mask)  # (B, T, D)
+        return _normalize_if(pool_padded(hidden, attention_mask, self.pooling), self.normalize)
+
+
+def _normalize_if(x: Tensor, flag: bool) -> Tensor:
+    return normalize(x) if flag else x

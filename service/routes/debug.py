@@ -1,0 +1,254 @@
+"""Debug routes, off by default: attention weights through the slow path, and head importance.
+
+POST /v2/models/{name}/attention takes the /infer body and answers outputs `output` and
+`attention_weights` (or, with ?format=png or Accept: image/png, a heatmap grid of the first
+sequence). GET /v2/models/{name}/heads answers each head's share of out_proj (JSON or PNG).
+The routes exist only with --debug-endpoint; --debug-token requires `Authorization: Bearer`.
+Weights are computed on the engine thread, alone between batches, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from service import heatmap
+from service.attention_weights import WEIGHTS_NAME, compute, first_sequence, panels, parse_options
+from service.codecs import (
+    BINARY_HEADER,
+    InferRequest,
+    OutputTensor,
+    decode_request,
+    encode_response,
+)
+from service.errors import (
+    BadInput,
+    Forbidden,
+    Overloaded,
+    Unauthorized,
+)
+from service.inputs import OUTPUT_NAME, prepare
+from service.routes.common import await_queued, check_model, ensure_serving, get_state, observed
+from service.routes.infer import read_body
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.app import ServiceState
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["debug"])
+
+
+class Gate:
+    """At most `limit` debug requests at once. Handlers run on the one event loop, so a plain
+    counter is race-free; a request over the limit is refused at once (429), never queued."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        if self.active >= self.limit:
+            raise Overloaded(
+                f"{self.active} debug requests are running; at most {self.limit} at once "
+                "(--debug-max-concurrency); retry later",
+                headers={"Retry-After": "1"},
+            )
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+
+def install(app: FastAPI, settings: Settings) -> None:
+    """Add the debug routes when --debug-endpoint is on; otherwise they do not exist (404)."""
+    if not settings.debug_endpoint:
+        return
+    if settings.debug_token is None:
+        log.warning(
+            "debug endpoint is on without --debug-token: anyone who reaches this port can read "
+            "attention weights; set MHA_DEBUG_TOKEN or keep the port private"
+        )
+    app.state.debug_gate = Gate(settings.debug_max_concurrency)
+    app.state.debug_heads = None  # head-importance report, computed on first use
+    app.include_router(router)
+
+
+def check_token(request: Request, settings: Settings) -> None:
+    """401 without a Bearer token, 403 with a wrong one (constant-time compare)."""
+    if settings.debug_token is None:
+        return
+    challenge = {"WWW-Authenticate": 'Bearer realm="mha-serve debug"'}
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise Unauthorized(
+            "the debug endpoints need 'Authorization: Bearer <token>' (--debug-token)", challenge
+        )
+    expected = settings.debug_token.get_secret_value().encode()
+    if not hmac.compare_digest(given.strip().encode(), expected):
+        raise Forbidden("wrong debug token", challenge)
+
+
+def wants_png(request: Request) -> bool:
+    """?format=png|json wins; otherwise PNG when the Accept header names image/png."""
+    fmt = request.query_params.get("format")
+    if fmt is not None:
+        if fmt not in ("json", "png"):
+            raise BadInput(f"query parameter 'format' must be json or png, got {fmt!r}")
+        return fmt == "png"
+    return "image/png" in request.headers.get("accept", "").lower()
+
+
+async def _guarded(
+    request: Request, endpoint: str, handler: Callable[[ServiceState], Awaitable[Response]]
+) -> Response:
+    """Auth, the concurrency gate and request metrics around a debug handler."""
+    state = get_state(request)
+    with observed(state, endpoint, in_flight=False):
+        check_token(request, state.settings)
+        with request.app.state.debug_gate.slot():
+            return await handler(state)
+
+
+def _check_sizes(request: InferRequest, settings: Settings) -> None:
+    """The debug limits, named by their flags (the weights are O(B·H·T·S) memory)."""
+    max_len, flag = settings.debug_max_seq_len, "--debug-max-seq-len"
+    if settings.max_seq_len < max_len:
+        max_len, flag = settings.max_seq_len, "--max-seq-len"
+    for name in ("input", "key"):
+        tensor = request.inputs.get(name)
+        if tensor is None or len(tensor.shape) not in (2, 3):
+            continue  # prepare() names the problem
+        if tensor.shape[-2] > max_len:
+            raise BadInput(
+                f"input '{name}' has sequence length {tensor.shape[-2]}, over the debug limit "
+                f"of {max_len} ({flag})"
+            )
+        if len(tensor.shape) == 3 and tensor.shape[0] > settings.debug_max_batch_size:
+            raise BadInput(
+                f"input '{name}' has {tensor.shape[0]} sequences; the debug endpoint takes at "
+                f"most {settings.debug_max_batch_size} (--debug-max-batch-size)"
+            )
+
+
+async def _on_engine(
+    state: ServiceState, request: Request, fn: Callable[[], Any], sequences: int
+) -> Any:
+    """Run `fn` on the engine thread, alone between batches (FIFO with the fast path's batches);
+    504 if it never got its turn, and it leaves the queue if the client goes away."""
+    timeout = state.settings.request_timeout_s
+    item = state.batcher.run_exclusive(fn, sequences=sequences, deadline=time.monotonic() + timeout)
+    return await await_queued(state, request, item.future, [item], timeout)
+
+
+async def _attention(
+    state: ServiceState, request: Request, model_name: str, version: str | None
+) -> Response:
+    check_model(state, model_name, version)
+    ensure_serving(state)
+    png = wants_png(request)
+    settings, model = state.settings, state.model
+    body = await read_body(request, settings.max_body_bytes)
+    decoded = await run_in_threadpool(decode_request, body, request.headers.get(BINARY_HEADER))
+    asked = dict(decoded.outputs)
+    unknown = sorted(set(asked) - {OUTPUT_NAME, WEIGHTS_NAME})
+    if unknown:
+        raise BadInput(
+            f"unknown output(s) {unknown}; this endpoint has '{OUTPUT_NAME}' and '{WEIGHTS_NAME}'"
+        )
+    _check_sizes(decoded, settings)
+    limits = replace(
+        state.limits,
+        max_seq_len=min(settings.debug_max_seq_len, settings.max_seq_len),
+        max_sequences=settings.debug_max_batch_size,
+    )
+    payload = await run_in_threadpool(prepare, replace(decoded, outputs={}), limits)
+    options = parse_options(decoded.parameters, model.architecture, model.num_layers)
+
+    if png:
+        first = first_sequence(payload)
+        result = await _on_engine(state, request, lambda: compute(model, first, options, "FP32"), 1)
+        weights = panels(result, options)  # (L, H, T, S)
+        layer_ids = list(range(weights.shape[0])) if result.has_layer_axis else [options.layer or 0]
+        mask = None if first.key_padding_mask is None else first.key_padding_mask[0]
+        image = await run_in_threadpool(
+            heatmap.attention_png,
+            weights,
+            layer_ids,
+            averaged=options.average,
+            key_padding_mask=mask,
+            causal=first.is_causal,
+            title=f"{state.model_name}: attention weights, sequence 0",
+        )
+        rows, cols = heatmap.grid_shape(weights.shape[0], weights.shape[1])
+        return Response(image, media_type="image/png", headers={"X-Heatmap-Grid": f"{rows}x{cols}"})
+
+    result = await _on_engine(
+        state, request, lambda: compute(model, payload, options), payload.num_sequences
+    )
+    tensors = [
+        OutputTensor(OUTPUT_NAME, payload.datatype, result.output),
+        OutputTensor(WEIGHTS_NAME, payload.datatype, result.weights),
+    ]
+    if asked:
+        tensors = [t for t in tensors if t.name in asked]
+    binary = {t.name: asked.get(t.name, decoded.binary_output_default) for t in tensors}
+    content, json_length = await run_in_threadpool(
+        encode_response, state.model_name, version, decoded.id, tensors, binary
+    )
+    if json_length is None:
+        return Response(content, media_type="application/json")
+    return Response(
+        content, media_type="application/octet-stream", headers={BINARY_HEADER: str(json_length)}
+    )
+
+
+async def _heads(
+    state: ServiceState, request: Request, model_name: str, version: str | None
+) -> Response:
+    check_model(state, model_name, version)
+    png = wants_png(request)
+    report = request.app.state.debug_heads
+    if report is None:  # computed once from the weights, on the engine thread
+        report = await _on_engine(state, request, state.model.head_importance, 1)
+        request.app.state.debug_heads = report
+    if png:
+        title = f"{state.model_name}: head importance (W^O blocks)"
+        image = await run_in_threadpool(heatmap.heads_png, report, title)
+        return Response(image, media_type="image/png")
+    return JSONResponse(
+        {
+            "model_name": state.model_name,
+            "architecture": state.model.architecture,
+            "layers": report,
+        }
+    )
+
+
+@router.post("/v2/models/{model_name}/attention", summary="Attention weights (debug, slow path)")
+@router.post("/v2/models/{model_name}/versions/{model_version}/attention", summary="Weights")
+async def attention(request: Request, model_name: str, model_version: str | None = None):
+    version = model_version or None
+    return await _guarded(
+        request, "attention", lambda state: _attention(state, request, model_name, version)
+    )
+
+
+@router.get("/v2/models/{model_name}/heads", summary="Head importance from W^O (debug)")
+@router.get("/v2/models/{model_name}/versions/{model_version}/heads", summary="Head importance")
+async def heads(request: Request, model_name: str, model_version: str | None = None):
+    version = model_version or None
+    return await _guarded(
+        request, "heads", lambda state: _heads(state, request, model_name, version)
+    )

