@@ -74,6 +74,25 @@ class RequestContext:
             )
 
 
+class HeaderLimit:
+    """431 for a request whose header block is over `limit` bytes. uvicorn's httptools parser
+    has no limit of its own, so this bounds what reaches the app (a proxy in front, e.g. nginx's
+    large_client_header_buffers, bounds it before parsing)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+            if size > self.limit:
+                message = f"request headers are {size} bytes, over the limit of {self.limit}"
+                await _reject(send, 431, message + " (--max-header-bytes)")
+                return
+        await self.app(scope, receive, send)
+
+
 class ApiKeyAuth:
     """`Authorization: Bearer <key>` on every route except the open ones (constant-time compare).
 

@@ -104,7 +104,11 @@ def _error(description: str) -> dict[str, Any]:
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("Malformed request or tensors that don't fit the model"),
     404: _error("Unknown model or version"),
+    401: _error("--api-key is set and the Bearer token is missing"),
+    403: _error("--api-key is set and the Bearer token is wrong"),
     413: _error("Body over --max-body-bytes"),
+    422: _error("The model's output for these inputs overflowed to NaN/Inf"),
+    431: _error("Request headers over --max-header-bytes"),
     429: _error("Queue full; retry after Retry-After seconds"),
     499: _error("Client disconnected (logged, never seen by the client)"),
     500: _error("The forward pass failed"),

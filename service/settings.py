@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."
     )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request header block; larger gets 431."
+    )
     drain_grace_s: float = Field(
         30.0, ge=0, description="On SIGTERM, how long accepted requests get to finish."
     )

@@ -90,6 +90,9 @@ async def run_load(
     return result
 
 
+IDLE_REUSE_S = 4.0
+
+
 @dataclass
 class OpenLoopResult:
     """An open-loop run: every scheduled request with its status and latency."""
@@ -121,12 +124,22 @@ async def run_open_loop(
     so the offered rate holds); `retry` records whether a 429 carried Retry-After.
     """
     result = OpenLoopResult(seconds)
-    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
     start = time.perf_counter()
+
+    async def connection() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # Reuse only connections idle for less than uvicorn's 5 s keep-alive; older ones the
+        # server may be closing, and a request written into one would be lost by the client.
+        while idle:
+            reader, writer, since = idle.pop()
+            if time.perf_counter() - since < IDLE_REUSE_S:
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(host, port, limit=2**26)
 
     async def one(at: float) -> None:
         await asyncio.sleep(max(0.0, at - time.perf_counter()))
-        conn = idle.pop() if idle else await asyncio.open_connection(host, port, limit=2**26)
+        conn = await connection()
         sent = time.perf_counter()
         try:
             conn[1].write(request)
@@ -137,12 +150,12 @@ async def run_open_loop(
             return
         result.records.append((status, time.perf_counter() - sent, "retry-after" in headers))
         if len(idle) < connections and headers.get("connection") != "close":
-            idle.append(conn)
+            idle.append((*conn, time.perf_counter()))
         else:
             conn[1].close()
 
     total = int(rate * seconds)
     await asyncio.gather(*(one(start + i / rate) for i in range(total)))
-    for _, writer in idle:
+    for _, writer, _ in idle:
         writer.close()
     return result

@@ -141,3 +141,11 @@ def test_pickle_checkpoint_is_refused_at_start(tmp_path: Path) -> None:
         -2000:
     ]
     assert not marker.exists(), "the checkpoint's pickle payload ran"
+
+
+def test_oversized_headers_get_431(keyed_server) -> None:
+    big = {"X-Padding": "a" * 70_000}
+    response = httpx.get(f"{keyed_server.url}/v2/health/live", headers=big)
+    assert response.status_code == 431
+    assert "--max-header-bytes" in response.json()["error"]
+    assert httpx.get(f"{keyed_server.url}/v2/health/live").status_code == 200
