@@ -17,9 +17,6 @@ import csv
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -29,8 +26,7 @@ from pathlib import Path
 
 from loadtest import report
 from loadtest.run import RESULTS, new_results_dir, run
-
-ROOT = Path(__file__).resolve().parents[1]
+from service.bench.server import running
 
 
 @dataclass
@@ -48,43 +44,11 @@ class SweepRow:
     exit_code: int
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
-def serve(args: list[str], log_path: Path, timeout: float = 120) -> Iterator[str]:
+def serve(args: list[str], log_path: Path) -> Iterator[str]:
     """`python -m service` on a free loopback port; yields its URL once ready, stops it after."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as response,
-            ):
-                if response.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not ready after {timeout} s; see {log_path}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with running(*args, log_path=log_path) as server:
+        yield server.url
 
 
 def mean_batch(url: str) -> float:

@@ -3,48 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import jsonschema
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from service.bench.server import ROOT, Proc, free_port, running
+
+__all__ = ["ROOT", "Server", "free_port", "run_server"]
 OIP_SPEC = ROOT.parent / "shared" / "oip" / "open_inference_rest.yaml"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Server:
-    """A running `python -m service` process."""
-
-    process: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+class Server(Proc):
+    """A running `python -m service` process, with its /metrics readable by name."""
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -56,8 +30,7 @@ class Server:
             if line.startswith("#") or not line.startswith(name):
                 continue
             series, value = line.rsplit(" ", 1)
-            metric_name = series.split("{", 1)[0]
-            if metric_name != name:
+            if series.split("{", 1)[0] != name:
                 continue
             if all(f'{k}="{v}"' in series for k, v in labels.items()):
                 total += float(value)
@@ -67,47 +40,14 @@ class Server:
         return total
 
 
-def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"server not ready after {timeout} s:\n{log_path.read_text()}")
-
-
 @contextlib.contextmanager
 def run_server(
     tmp_dir: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True
 ) -> Iterator[Server]:
-    """Start `python -m service` on a free loopback port; stop it (SIGTERM, then SIGKILL) after."""
-    port = free_port()
-    log_path = tmp_dir / f"server-{port}.log"
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *args],
-            cwd=ROOT,
-            env=full_env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    server = Server(process, port, log_path)
-    try:
-        if wait:
-            wait_ready(server.url, process, log_path)
-        yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    """`python -m service ARGS` on a free loopback port, logging to `tmp_dir`; stopped after."""
+    log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
+    with running(*args, log_path=log_path, env=env, wait=wait) as proc:
+        yield Server(proc.port, proc.process, proc.log_path)
 
 
 def oip_schemas() -> dict:

@@ -72,7 +72,8 @@ def _body(payload: str, seq_len: int) -> tuple[str, bytes, dict[str, str]]:
 def run_case(case: Case, clients: int, seconds: float) -> tuple[LoadResult, float]:
     """Throughput/latency of one configuration and the server's CPU-seconds per request."""
     path, body, headers = _body(case.payload, case.seq_len)
-    with running(*case.args, naive=case.server == "naive") as server:
+    args = () if case.server == "naive" else (*case.args, "--log-level", "warning")
+    with running(*args, naive=case.server == "naive") as server:
         asyncio.run(run_load(HOST, server.port, path, body, headers, clients, 1.0, 0.5))
         cpu_before = server.cpu_seconds()
         result = asyncio.run(run_load(HOST, server.port, path, body, headers, clients, seconds, 0))

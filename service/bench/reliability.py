@@ -24,6 +24,7 @@ from service.bench.client import build_request, run_load, run_open_loop
 from service.bench.server import HOST, Proc, running
 
 PATH = "/v2/models/mha/infer"
+QUIET = ("--log-level", "warning")  # no access-log line per request during measurements
 
 
 def binary_body(batch: int, seq_len: int, embed_dim: int = 512) -> tuple[bytes, dict[str, str]]:
@@ -188,13 +189,13 @@ def main() -> None:
     args = parser.parse_args()
     run: dict[str, Any] = {}
     if args.scenario in ("overload", "all"):
-        with running("--max-queue", "48", "--request-timeout-s", "3") as server:
+        with running(*QUIET, "--max-queue", "48", "--request-timeout-s", "3") as server:
             run["overload"] = overload(server.port, seconds=min(args.seconds, 30))
     if args.scenario in ("soak", "all"):
-        with running() as server:
+        with running(*QUIET) as server:
             run["soak"] = soak(server, args.seconds)
     if args.scenario in ("drain", "all"):
-        with running("--max-batch-size", "1") as server:
+        with running(*QUIET, "--max-batch-size", "1") as server:
             run["drain"] = drain(server, requests=24)
     print(json.dumps(run, indent=2, default=str))
 

@@ -1,19 +1,22 @@
-"""Start a server process on a free loopback port for benchmarks and reliability runs."""
+"""Start `python -m service` on a free loopback port: for benchmarks, the sweep and the tests."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 HOST = "127.0.0.1"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -24,14 +27,22 @@ def free_port() -> int:
 
 @dataclass
 class Proc:
-    """A running server: its port and process."""
+    """A running server: its port, process and (when asked for) log file."""
 
     port: int
     process: subprocess.Popen
+    log_path: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
 
     def cpu_seconds(self) -> float:
         """utime + stime of the process (all threads), from /proc."""
@@ -50,30 +61,52 @@ class Proc:
     def open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.process.pid}/fd"))
 
-
-@contextlib.contextmanager
-def running(*args: str, naive: bool = False, timeout: float = 120) -> Iterator[Proc]:
-    """`python -m service ARGS` (or the naive baseline) until ready; SIGTERM and wait after."""
-    port = free_port()
-    if naive:
-        cmd = [sys.executable, "-m", "service.bench.naive_server", "--port", str(port)]
-        probe = f"http://{HOST}:{port}/docs"
-    else:
-        cmd = [sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"]
-        cmd += args
-        probe = f"http://{HOST}:{port}/v2/health/ready"
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    def wait_ready(self, probe: str = "/v2/health/ready", timeout: float = 120) -> None:
+        """Poll `probe` until it answers 200; raise with the log if the process dies first."""
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(probe, timeout=2).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server {cmd} did not become ready ({process.returncode})")
+                if httpx.get(f"{self.url}{probe}", timeout=2).status_code == 200:
+                    return
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
             time.sleep(0.2)
-        yield Proc(port, process)
+
+
+@contextlib.contextmanager
+def running(
+    *args: str,
+    naive: bool = False,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+) -> Iterator[Proc]:
+    """`python -m service ARGS` (or the naive baseline) until ready; SIGTERM, then SIGKILL, after.
+
+    Output goes to `log_path` when given (else it is discarded).
+    """
+    port = free_port()
+    if naive:
+        cmd = [sys.executable, "-m", "service.bench.naive_server", "--port", str(port)]
+    else:
+        cmd = [sys.executable, "-m", "service", "--host", HOST, "--port", str(port), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "wb") if log_path else open(os.devnull, "wb") as log_file:
+        process = subprocess.Popen(
+            cmd, cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+    server = Proc(port, process, log_path)
+    try:
+        if wait:
+            server.wait_ready("/docs" if naive else "/v2/health/ready")
+        yield server
     finally:
         if process.poll() is None:
-            process.terminate()
-            process.wait(timeout=60)
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -23,7 +23,7 @@ import torch
 import mha_engine
 from service.settings import Settings
 from tests.deploy.nginx import nginx_binary, run_nginx
-from tests.support import Server, fp32_request, run_server, wait_ready
+from tests.support import Server, fp32_request, run_server
 
 # One torch thread per replica: two replicas, nginx and the client share 2 cores.
 REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -159,7 +159,7 @@ def test_sigterm_mid_load_loses_no_request(tmp_path: Path) -> None:
             run_server(tmp_path, *REPLICA_ARGS, env=REPLICA_ENV, wait=False)
         )
         for replica in (replica_1, replica_2):
-            wait_ready(replica.url, replica.process, replica.log_path)
+            replica.wait_ready()
         nginx = stack.enter_context(run_nginx(replica_1.address, replica_2.address))
         before = {1: infer_ok(replica_1), 2: infer_ok(replica_2)}
 

@@ -31,7 +31,7 @@ from tests.observability.monitoring import (
     split_alert,
     substitute,
 )
-from tests.support import Server, fp32_request, free_port, run_server, wait_ready
+from tests.support import Server, fp32_request, free_port, run_server
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
@@ -185,7 +185,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # Prometheus starts meanwhile: its target discovery takes ~5 s to hand over targets.
         url = stack.enter_context(_prometheus(tmp, [main.address, small.address]))
         for server in (main, small):
-            wait_ready(server.url, server.process, server.log_path)
+            server.wait_ready()
         _wait_targets_up(url, 2)
 
         stop = time.monotonic() + LOAD_S

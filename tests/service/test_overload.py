@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from service.bench import reliability
+from service.bench.reliability import QUIET
 from service.bench.server import running
 
 MAX_QUEUE = 48
@@ -15,7 +16,9 @@ TIMEOUT_S = 3.0
 
 
 def test_four_times_capacity_is_shed_with_429_and_recovers() -> None:
-    with running("--max-queue", str(MAX_QUEUE), "--request-timeout-s", str(TIMEOUT_S)) as server:
+    with running(
+        *QUIET, "--max-queue", str(MAX_QUEUE), "--request-timeout-s", str(TIMEOUT_S)
+    ) as server:
         r = reliability.overload(server.port, factor=4.0, seconds=6.0)
     assert not r["connection_errors"], r
     assert r["answered"] == r["offered"], r  # every request answered
@@ -30,7 +33,7 @@ def test_four_times_capacity_is_shed_with_429_and_recovers() -> None:
 
 
 def test_short_soak_keeps_memory_fds_and_threads_flat() -> None:
-    with running() as server:
+    with running(*QUIET) as server:
         r = reliability.soak(server, seconds=12.0)
     assert r["requests"] > 0 and set(r["statuses"]) == {200}, r
     assert r["rss_growth"] < 0.05, r
@@ -39,7 +42,7 @@ def test_short_soak_keeps_memory_fds_and_threads_flat() -> None:
 
 
 def test_sigterm_under_load_answers_every_accepted_request() -> None:
-    with running("--max-batch-size", "1") as server:
+    with running(*QUIET, "--max-batch-size", "1") as server:
         r = reliability.drain(server, requests=12)
         with pytest.raises(httpx.ConnectError):  # and new connections are refused
             httpx.get(f"{server.url}/v2/health/live", timeout=2)
