@@ -11,6 +11,7 @@ import httpx
 import jsonschema
 import yaml
 
+from service.bench.client import binary_infer_body
 from service.bench.server import ROOT, Proc, free_port, running
 
 __all__ = ["ROOT", "Server", "free_port", "run_server"]
@@ -75,19 +76,4 @@ def binary_request(header: dict, *chunks: bytes) -> tuple[bytes, dict[str, str]]
     }
 
 
-def fp32_request(x, **parameters: object) -> tuple[bytes, dict[str, str]]:
-    """A binary request carrying float32 `x` as input 'input'."""
-    header: dict = {
-        "inputs": [
-            {
-                "name": "input",
-                "shape": list(x.shape),
-                "datatype": "FP32",
-                "parameters": {"binary_data_size": x.nbytes},
-            }
-        ],
-        "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
-    }
-    if parameters:
-        header["parameters"] = parameters
-    return binary_request(header, x.tobytes())
+fp32_request = binary_infer_body  # the binary OIP request the tests send

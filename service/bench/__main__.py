@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import mha_engine
-from service.bench.client import LoadResult, run_load
+from service.bench.client import LoadResult, binary_infer_body, run_load
 from service.bench.server import HOST, running
 
 EMBED_DIM = 512  # the demo model's d_model
@@ -53,20 +53,8 @@ def _body(payload: str, seq_len: int) -> tuple[str, bytes, dict[str, str]]:
             json.dumps(body).encode(),
             {"Content-Type": "application/json"},
         )
-    header = json.dumps(
-        {
-            "inputs": [{**tensor, "parameters": {"binary_data_size": x.nbytes}}],
-            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
-        }
-    ).encode()
-    return (
-        "/v2/models/mha/infer",
-        header + x.tobytes(),
-        {
-            "Inference-Header-Content-Length": str(len(header)),
-            "Content-Type": "application/octet-stream",
-        },
-    )
+    body, headers = binary_infer_body(x)
+    return "/v2/models/mha/infer", body, headers
 
 
 def run_case(case: Case, clients: int, seconds: float) -> tuple[LoadResult, float]:

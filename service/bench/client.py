@@ -11,6 +11,9 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+import orjson
+
 
 @dataclass
 class LoadResult:
@@ -33,6 +36,29 @@ class LoadResult:
             return float("nan")
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def binary_infer_body(x: np.ndarray, **parameters: object) -> tuple[bytes, dict[str, str]]:
+    """An OIP request carrying float32 `x` as input 'input' in Triton's binary extension, asking
+    for a binary 'output'; `parameters` become request parameters (e.g. is_causal, timeout)."""
+    header: dict = {
+        "inputs": [
+            {
+                "name": "input",
+                "shape": list(x.shape),
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": x.nbytes},
+            }
+        ],
+        "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+    }
+    if parameters:
+        header["parameters"] = parameters
+    head = orjson.dumps(header)
+    return head + np.ascontiguousarray(x, dtype=np.float32).tobytes(), {
+        "Inference-Header-Content-Length": str(len(head)),
+        "Content-Type": "application/octet-stream",
+    }
 
 
 def build_request(path: str, body: bytes, headers: dict[str, str]) -> bytes:

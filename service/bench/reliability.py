@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.bench.client import build_request, run_load, run_open_loop
+from service.bench.client import binary_infer_body, build_request, run_load, run_open_loop
 from service.bench.server import HOST, Proc, running
 
 PATH = "/v2/models/mha/infer"
@@ -28,25 +28,9 @@ QUIET = ("--log-level", "warning")  # no access-log line per request during meas
 
 
 def binary_body(batch: int, seq_len: int, embed_dim: int = 512) -> tuple[bytes, dict[str, str]]:
-    """A Triton binary-extension request of random float32 hidden states."""
-    x = np.random.default_rng(0).standard_normal((batch, seq_len, embed_dim)).astype(np.float32)
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "input",
-                    "shape": list(x.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": x.nbytes},
-                }
-            ],
-            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
-        }
-    ).encode()
-    return header + x.tobytes(), {
-        "Inference-Header-Content-Length": str(len(header)),
-        "Content-Type": "application/octet-stream",
-    }
+    """A binary-extension request of random float32 hidden states (B, T, E)."""
+    rng = np.random.default_rng(0)
+    return binary_infer_body(rng.standard_normal((batch, seq_len, embed_dim), np.float32))
 
 
 def metric(url: str, name: str) -> float:
