@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from . import hf_bert, layouts
 from .attention import FusedAttention
 from .blocks import EncoderStack
-from .errors import CheckpointError, check_state
+from .errors import CheckpointError, check_state, positive_int
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .text import TextEmbeddings
 from .text_model import TextEncoderModel, read_text_settings
@@ -52,13 +52,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _int(config: dict, name: str) -> int:
-    value = config.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"config.{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def normalise_config(config: dict) -> dict:
     """Check a config and fill PyTorch's defaults; raises CheckpointError naming the field."""
     if not isinstance(config, dict):
@@ -68,12 +61,12 @@ def normalise_config(config: dict) -> dict:
         raise CheckpointError(f"unknown architecture {arch!r}; expected one of {ARCHITECTURES}")
     c = dict(config)
     if arch == "multihead_attention":
-        E, H = _int(c, "embed_dim"), _int(c, "num_heads")
-        c["kdim"] = E if c.get("kdim") is None else _int(c, "kdim")
-        c["vdim"] = E if c.get("vdim") is None else _int(c, "vdim")
+        E, H = positive_int(c, "embed_dim"), positive_int(c, "num_heads")
+        c["kdim"] = E if c.get("kdim") is None else positive_int(c, "kdim")
+        c["vdim"] = E if c.get("vdim") is None else positive_int(c, "vdim")
         for flag, default in (("bias", True), ("add_bias_kv", False), ("add_zero_attn", False)):
             c[flag] = bool(c.get(flag, default))
-        c["num_kv_heads"] = H if c.get("num_kv_heads") is None else _int(c, "num_kv_heads")
+        c["num_kv_heads"] = H if c.get("num_kv_heads") is None else positive_int(c, "num_kv_heads")
         if H % c["num_kv_heads"]:
             raise CheckpointError(
                 f"num_heads {H} is not divisible by num_kv_heads {c['num_kv_heads']}"
@@ -81,9 +74,9 @@ def normalise_config(config: dict) -> dict:
         if c.get("attention_keys") is not None:
             layouts.parse_key_map(c["attention_keys"])  # fail early, naming the field
     else:
-        E, H = _int(c, "d_model"), _int(c, "nhead")
-        _int(c, "dim_feedforward")
-        c["num_layers"] = _int(c, "num_layers") if "num_layers" in c else 1
+        E, H = positive_int(c, "d_model"), positive_int(c, "nhead")
+        positive_int(c, "dim_feedforward")
+        c["num_layers"] = positive_int(c, "num_layers") if "num_layers" in c else 1
         c.setdefault("activation", "relu")
         if c["activation"] not in ACTIVATIONS:
             raise CheckpointError(

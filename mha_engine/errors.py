@@ -1,4 +1,4 @@
-"""CheckpointError and the state-dict check every loader uses, so errors name key and shapes."""
+"""CheckpointError and the checks every loader uses, so errors name the field, key and shapes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,14 @@ from torch import Tensor
 
 class CheckpointError(ValueError):
     """A model directory whose config or weights cannot give a correct model."""
+
+
+def positive_int(config: dict, name: str) -> int:
+    """config[name] as a positive int, else CheckpointError naming the field."""
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"config.{name} must be a positive integer, got {value!r}")
+    return value
 
 
 def check_state(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from .errors import CheckpointError, check_state
+from .errors import CheckpointError, check_state, positive_int
 from .layouts import AttentionKeys, Dims, to_pytorch_names
 
 # hidden_act -> the engine's activation; the tanh forms are the same function under two names.
@@ -91,13 +91,6 @@ def is_hf_config(config: object) -> bool:
     return isinstance(config, dict) and "model_type" in config and "architecture" not in config
 
 
-def _positive(config: dict, name: str) -> int:
-    value = config.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"config.{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def engine_config(config: dict) -> dict:
     """HF config -> engine transformer_encoder config (+ model_type, vocab and position fields)."""
     model_type = config.get("model_type")
@@ -124,7 +117,7 @@ def engine_config(config: dict) -> dict:
                 )
             c[field] = ACTIVATIONS[act]
         else:
-            c[field] = _positive(config, hf_field)
+            c[field] = positive_int(config, hf_field)
     if c["d_model"] % c["nhead"]:
         raise CheckpointError(
             f"hidden size {c['d_model']} is not divisible by the number of heads {c['nhead']}"
@@ -132,8 +125,8 @@ def engine_config(config: dict) -> dict:
     # DistilBERT hard-codes eps=1e-12 in its LayerNorms; BERT and RoBERTa read it from config.
     c["layer_norm_eps"] = float(config.get("layer_norm_eps", 1e-12))
     c.update(norm_first=False, bias=True, final_norm=False)
-    c["vocab_size"] = _positive(config, "vocab_size")
-    c["max_position_embeddings"] = _positive(config, "max_position_embeddings")
+    c["vocab_size"] = positive_int(config, "vocab_size")
+    c["max_position_embeddings"] = positive_int(config, "max_position_embeddings")
     c["type_vocab_size"] = int(config.get("type_vocab_size", 0)) if family.token_types else 0
     pad = config.get("pad_token_id")
     c["pad_token_id"] = pad if isinstance(pad, int) else None
