@@ -144,6 +144,16 @@ class TextEncoderModel(TransformerEncoderModel):
         kpm = None if attention_mask is None else attention_mask.to(self._device) == 0  # (B, T)
         return self._run(x, None, kpm, False, keep_weights=False)[0]
 
+    @torch.inference_mode()
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The embeddings layer's output (B, T, D) for unpadded (B, T) ids (token type 0): the
+        hidden states that `__call__`, `attention_weights` and the tensor API take."""
+        ids = self._check_ids(input_ids, "input_ids")  # (B, T)
+        if ids.shape[-1] > self.max_seq_len:
+            raise ValueError(f"sequence length {ids.shape[-1]} > max_seq_len {self.max_seq_len}")
+        positions = self._embeddings.padded_positions(ids)  # (B, T)
+        return self._embeddings.forward(ids, positions).to(self._dtype)  # (B, T, D)
+
     def _encode_packed(self, input_ids: list[Tensor]) -> tuple[Tensor, list[int]]:
         lengths = [int(t.shape[0]) for t in input_ids]
         if not lengths or min(lengths) < 1:
