@@ -324,7 +324,8 @@ async function connect(event) {
     const text = info.input === "text";
     $("text-control").hidden = !text;
     $("tensor-control").hidden = text;
-    $("random-length").max = String(info.max_tokens);
+    // No max= on the field: the server checks the limit and its 400 names the flag.
+    $("length-limit").textContent = `(at most ${info.max_tokens}, ${info.max_tokens_flag})`;
     $("model-line").textContent =
       `${info.model_name}: ${info.architecture}, ${info.num_layers} layer(s), ` +
       `${info.num_heads} heads, d=${info.embed_dim}; ` +
