@@ -247,8 +247,8 @@ async def _text_attention(
         )
     max_tokens, flag = _max_len(state.settings)
     parsed = text_attention.parse_text_request(
-        header, model.architecture, model.num_layers, max_tokens
-    )
+        header, model.architecture, model.num_layers, min(max_tokens, tokenizer.max_length)
+    )  # the text's length is bounded before tokenizing
     labelled = await run_in_threadpool(
         text_attention.tokenize, tokenizer, parsed.text, max_tokens, flag
     )
