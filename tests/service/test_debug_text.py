@@ -353,3 +353,30 @@ def test_tensor_model_page_control_and_request() -> None:
         response = app.attention("hello", headers={})
         assert response.status_code == 400
         assert "tokenizer.json" in response.json()["error"]
+
+
+def test_page_requests_share_the_debug_concurrency_limit(minilm) -> None:
+    """/debug/info and text requests take a slot of --debug-max-concurrency like any debug call."""
+    gate = minilm.app.state.debug_gate
+
+    async def while_full() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=minilm.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            with gate.slot(), gate.slot():  # both slots (the limit is 2) taken
+                return [
+                    await client.get("/debug/info", headers=AUTH),
+                    await client.post(
+                        f"/v2/models/{NAME}/attention",
+                        json={"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
+                                          "data": ["hi"]}]},
+                        headers=AUTH,
+                    ),
+                    await client.get("/debug"),  # the static page is not a debug computation
+                ]  # fmt: skip
+
+    info, text, page = minilm._call(while_full())
+    for response in (info, text):
+        assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+        assert "--debug-max-concurrency" in response.json()["error"]
+    assert page.status_code == 200
+    assert minilm.request("GET", "/debug/info", headers=AUTH).status_code == 200  # freed
