@@ -28,6 +28,7 @@ TOKENS_NAME = "tokens"
 TOKEN_IDS_NAME = "token_ids"
 SPECIAL_NAME = "special_tokens_mask"
 OUTPUTS = (TOKENS_NAME, TOKEN_IDS_NAME, SPECIAL_NAME, WEIGHTS_NAME, OUTPUT_NAME)
+FIELDS = {"id", "inputs", "outputs", "parameters"}
 CHARS_PER_TOKEN = 64  # texts over CHARS_PER_TOKEN * the token limit are refused untokenized
 
 
@@ -64,6 +65,9 @@ def parse_text_request(
     header: dict, architecture: str, num_layers: int, max_tokens: int
 ) -> TextRequest:
     """Check the one `text` input, parameters and requested outputs; BadInput names problems."""
+    unknown = sorted(set(header) - FIELDS)
+    if unknown:
+        raise BadInput(f"unknown field(s) {unknown}; a text request has {sorted(FIELDS)}")
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadInput("'id' must be a string")

@@ -179,6 +179,15 @@ def test_page_shows_a_sentence_with_token_labels(browser, minilm_debug_server, t
     assert heatmap.get_attribute("data-head") == str(OTHER_HEAD)
     shown = _dom_weights(page, count, count)
     np.testing.assert_allclose(shown, api_weights[OTHER_HEAD], rtol=1e-5, atol=1e-7)
+
+    # Another layer: the page fetches it by itself and keeps the head.
+    page.select_option("#layer", "5")
+    page.wait_for_selector("#heatmap[data-layer='5']", timeout=60_000)
+    assert heatmap.get_attribute("data-head") == str(OTHER_HEAD)
+    _, layer_5 = _api_weights(server, 5)
+    shown = _dom_weights(page, count, count)
+    np.testing.assert_allclose(shown, layer_5[OTHER_HEAD], rtol=1e-5, atol=1e-7)
+    assert "layer 5" in page.text_content("#importance-title")
     assert errors == []
     page.close()
     # The page's requests went through the debug routes (and their metrics).

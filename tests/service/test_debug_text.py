@@ -242,6 +242,7 @@ BAD_TEXT = [
     ("causal", {}, {"parameters": {"is_causal": True}}, "is_causal"),
     ("binary answer", {}, {"parameters": {"binary_data_output": True}}, "binary_data_output"),
     ("unknown output", {}, {"outputs": [{"name": "logits"}]}, "logits"),
+    ("unknown field", {}, {"text": "hello"}, "unknown field(s) ['text']"),
 ]  # fmt: skip
 
 

@@ -387,6 +387,10 @@ async function run(event) {
     page.busy = false;
     $("run").disabled = false;
   }
+  if (page.result && document.body.dataset.state === "ready" &&
+      Number($("layer").value) !== page.result.layer) {
+    run();  // the layer picker changed while this request was running
+  }
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -394,7 +398,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("run-form").addEventListener("submit", run);
   $("layer").addEventListener("change", () => {
     renderImportance();
-    if (page.result) run();
+    if (page.result) run();  // while busy, the finished run picks the new layer up
   });
   $("head").addEventListener("change", () => selectHead(Number($("head").value)));
   $("heatmap").addEventListener("mousemove", showTooltip);
