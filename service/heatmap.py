@@ -26,6 +26,8 @@ TOKEN_PX = 12  # with token labels: pixels per token on each axis (readable up t
 LABEL_PX = 78  # with token labels: room for them left of and below each panel
 LABEL_CHARS = 12  # longer token labels are cut, ending in "…"
 SPECIAL_COLOR = "tab:red"  # special tokens ([CLS], [SEP], ...) on the axes
+MAX_LABELLED_TOKENS = 64  # longer sequences get position ticks; the JSON answer has the tokens
+MAX_PIXELS = 25_000_000  # a token-labelled grid larger than this is refused before drawing
 
 
 class PlottingUnavailable(ServiceError):
@@ -56,9 +58,27 @@ def grid_shape(num_layers: int, num_heads: int) -> tuple[int, int]:
     return math.ceil(num_heads / cols), cols
 
 
+def labels_tokens(seq_len: int, has_tokens: bool) -> bool:
+    """Whether the axes name the tokens: only up to MAX_LABELLED_TOKENS, where they stay legible."""
+    return has_tokens and seq_len <= MAX_LABELLED_TOKENS
+
+
 def panel_px(seq_len: int, labelled: bool) -> int:
     """Side of one grid cell: fixed, or growing with the tokens when they label the axes."""
     return max(PANEL_PX, LABEL_PX + 24 + TOKEN_PX * seq_len) if labelled else PANEL_PX
+
+
+def labelled_size(num_layers: int, num_heads: int, seq_len: int) -> tuple[int, int]:
+    """(width, height) of the grid attention_png draws for `seq_len` tokens; ValueError over
+    MAX_PIXELS, so a caller can refuse the request before any drawing."""
+    rows, cols = grid_shape(num_layers, num_heads)
+    width, height = image_size(rows, cols, panel_px(seq_len, labels_tokens(seq_len, True)))
+    if width * height > MAX_PIXELS:
+        raise ValueError(
+            f"a token-labelled heatmap of {num_layers} layer(s) x {num_heads} head(s) at "
+            f"{seq_len} tokens would be {width}x{height} pixels, over {MAX_PIXELS // 10**6} Mpx"
+        )
+    return width, height
 
 
 def image_size(rows: int, cols: int, panel: int = PANEL_PX) -> tuple[int, int]:
@@ -106,9 +126,9 @@ def attention_png(
     (self-attention over text, T == S) both axes name them and `special` ones are coloured."""
     matplotlib, Figure, FigureCanvasAgg = _matplotlib()
     num_layers, num_heads, tgt_len, src_len = weights.shape
-    labelled = tokens is not None
-    if labelled and not len(tokens) == tgt_len == src_len:
+    if tokens is not None and not len(tokens) == tgt_len == src_len:
         raise ValueError(f"{len(tokens)} tokens for weights of shape {weights.shape}")
+    labelled = labels_tokens(tgt_len, tokens is not None)
     rows, cols = grid_shape(num_layers, num_heads)
     panel = panel_px(tgt_len, labelled)
     width, height = image_size(rows, cols, panel)
@@ -167,6 +187,8 @@ def attention_png(
         notes += "; grey = padded keys"
     if labelled and special is not None and special.any():
         notes += "; red = special tokens"
+    elif tokens is not None and not labelled:
+        notes += f"; over {MAX_LABELLED_TOKENS} tokens: positions, not tokens, on the axes"
     fig.text(0.5, 1 - 8 / height, title, ha="center", va="top", fontsize=10)
     fig.text(0.5, 1 - 30 / height, notes, ha="center", va="top", fontsize=8, color="0.3")
     return _png(fig, FigureCanvasAgg)

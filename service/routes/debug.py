@@ -253,6 +253,15 @@ async def _text_attention(
         text_attention.tokenize, tokenizer, parsed.text, max_tokens, flag
     )
     ids, options = labelled.encoded.ids, parsed.options
+    if png:  # bound the picture before computing anything
+        layers = model.num_layers if options.layer is None else 1
+        try:
+            heatmap.labelled_size(layers, 1 if options.average else model.num_heads, len(ids))
+        except ValueError as exc:
+            raise BadInput(
+                f"{exc}: ask for one layer ('layer'), averaged heads ('average_attn_weights') "
+                "or a shorter text"
+            ) from None
     output, weights = await _on_engine(
         state, request, lambda: text_attention.compute(model, ids, options), 1
     )

@@ -213,6 +213,18 @@ def test_png_labels_both_axes_with_tokens(minilm, reference) -> None:
     heads = minilm.attention(SENTENCES[0], query="?format=png", parameters={"layer": 1})
     assert heads.headers["X-Heatmap-Grid"] == "3x4"  # 12 heads of one layer
     assert _red_pixels(heads.content) > 12 * 4 * 20
+    too_big = minilm.attention(text, query="?format=png")  # 6 x 12 panels of 64 tokens
+    assert too_big.status_code == 400
+    width, height = heatmap.image_size(6, 12, panel)
+    assert (width, height) == (12 * 870 + 90, 6 * 870 + 60) and width * height > 25e6
+    assert f"would be {width}x{height} pixels" in too_big.json()["error"]
+    assert "ask for one layer ('layer')" in too_big.json()["error"]
+    unlabelled = minilm.attention(
+        " ".join(["word"] * 63), query="?format=png", parameters=mean
+    )  # 65 tokens: position ticks, same panel as a tensor request
+    with Image.open(io.BytesIO(unlabelled.content)) as image:
+        assert image.size == heatmap.image_size(1, 1)
+    assert _red_pixels(unlabelled.content) == 0
     tensor_png = minilm.request(
         "POST",
         f"/v2/models/{NAME}/attention?format=png",
