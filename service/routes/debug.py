@@ -179,7 +179,7 @@ async def _attention(
     text_header = await run_in_threadpool(text_attention.is_text_body, body, binary_header)
     if text_header is not None:
         return await _text_attention(state, request, text_header, png, version)
-    decoded = await run_in_threadpool(decode_request, body, request.headers.get(BINARY_HEADER))
+    decoded = await run_in_threadpool(decode_request, body, binary_header)
     asked = dict(decoded.outputs)
     unknown = sorted(set(asked) - {OUTPUT_NAME, WEIGHTS_NAME})
     if unknown:
