@@ -22,7 +22,7 @@ from service.batcher import DynamicBatcher, Work
 from service.errors import ServiceError
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
-from service.middleware import ApiKeyAuth, HeaderLimit, RequestContext
+from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
 from service.routes import debug, embeddings, health, infer, metrics_route
 from service.settings import Settings
 from service.text import load_tokenizer
@@ -159,6 +159,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             api_key=settings.api_key.get_secret_value(),
             open_health_metrics=settings.open_health_metrics,
         )
+    app.add_middleware(HeadAsGet)
     app.add_middleware(HeaderLimit, limit=settings.max_header_bytes)
     app.add_middleware(RequestContext)  # outermost: even a 401 gets an id and a log line
     app.include_router(health.router)
@@ -186,7 +187,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", log_safe(request.url.path))
         return JSONResponse({"error": "internal server error"}, status_code=500)
 
     return app
