@@ -79,20 +79,20 @@ def _check_parameters(value: Any, where: str) -> dict[str, Any]:
 
 
 def _check_shape(shape: Any, name: str, body_bytes: int) -> tuple[tuple[int, ...], int]:
-    """The shape and its element count, in Python ints (no int64 overflow), refused before any
-    allocation when no body of `body_bytes` bytes could carry it (every value takes >= 1 byte)."""
+    """The shape and its element count in Python ints (no int64 wrap-around: callers compare
+    the count with the data, never allocate from it). A dimension larger than the body could
+    carry is refused here, so even a zero-sized shape never reaches numpy with huge dims."""
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
         raise BadInput(f"input '{name}': 'shape' must be a list of at most {MAX_RANK} integers")
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise BadInput(f"input '{name}': shape {shape} must hold non-negative integers")
-    count = math.prod(shape)
-    if count > body_bytes or max(shape, default=0) > body_bytes:
-        raise BadInput(
-            f"input '{name}': shape {shape} ({count} values) is larger than a body of "
-            f"{body_bytes} bytes can carry"
-        )
-    return tuple(shape), count
+        if dim > body_bytes:
+            raise BadInput(
+                f"input '{name}': shape {shape} has dimension {dim}, larger than a body of "
+                f"{body_bytes} bytes can carry"
+            )
+    return tuple(shape), math.prod(shape)
 
 
 def _float_data(data: list, datatype: str, name: str, may_hold_booleans: bool) -> np.ndarray:

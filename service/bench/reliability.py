@@ -135,11 +135,15 @@ def drain(server: Proc, requests: int = 12, seq_len: int = 512) -> dict:
     """Send `requests` concurrent requests, SIGTERM once all are in flight, count the answers."""
     body, headers = binary_body(1, seq_len)
     statuses: collections.Counter = collections.Counter()
+    no_retry_after = 0
 
     async def one(client: httpx.AsyncClient) -> None:
+        nonlocal no_retry_after
         try:
             response = await client.post(f"{server.url}{PATH}", content=body, headers=headers)
             statuses[response.status_code] += 1
+            if response.status_code == 503 and "retry-after" not in response.headers:
+                no_retry_after += 1
         except httpx.HTTPError as exc:
             statuses[type(exc).__name__] += 1
 
@@ -163,6 +167,7 @@ def drain(server: Proc, requests: int = 12, seq_len: int = 512) -> dict:
         "statuses": dict(statuses),
         "exit_after_s": exit_after,
         "returncode": server.process.returncode,
+        "503_without_retry_after": no_retry_after,
     }
 
 

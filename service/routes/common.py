@@ -76,6 +76,9 @@ async def await_queued(
         return await result  # everything already running: it finishes within one forward
     finally:
         disconnect.cancel()
+        if not result.done():  # cancelled (e.g. by the server's shutdown): never compute it
+            for item in items:
+                state.batcher.cancel(item)
 
 
 @contextmanager
