@@ -25,7 +25,7 @@ from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
 from service.routes import debug, embeddings, health, infer, metrics_route
 from service.settings import Settings
-from service.text import load_tokenizer
+from service.text import CharLimits, load_tokenizer
 
 log = logging.getLogger("service")
 
@@ -155,6 +155,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state = ServiceState(settings, model, name, batcher, metrics, limits, info)
         state.loop = asyncio.get_running_loop()
         app.state.tokenizer = tokenizer
+        if tokenizer is not None:
+            app.state.char_limits = CharLimits.resolve(
+                settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
+            )
         app.state.service = state
         batcher.start()
         warm_up = asyncio.create_task(_warm_up(state))

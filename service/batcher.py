@@ -145,9 +145,13 @@ class DynamicBatcher:
     def queued_sequences(self) -> int:
         return self._queued_sequences
 
-    def _check_room(self, size: int) -> None:
+    def check_open(self) -> None:
+        """503 + Retry-After once the drain grace has ended (nothing more is queued)."""
         if self._closed or self._stopping:
             raise NotReady(SHUTTING_DOWN, headers={"Retry-After": "1"})
+
+    def _check_room(self, size: int) -> None:
+        self.check_open()
         waiting = self._queued_sequences + self._reserved
         if waiting + size > self.max_queue:
             raise Overloaded(
