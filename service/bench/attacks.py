@@ -210,8 +210,9 @@ def decoding(root: Path, json_mb: int = 16) -> dict[str, Any]:
 
 
 def _health_under_json_header(server: Proc, json_mb: int) -> dict[str, Any]:
-    values = np.random.default_rng(0).standard_normal(json_mb * 2**20 // 10).round(6)
-    tensor = {"name": "input", "shape": [1, len(values)], "datatype": "FP32",
+    batch = max(1, json_mb * 2**20 // 10 // (1024 * 512))  # ~10 bytes per JSON value
+    values = np.random.default_rng(0).standard_normal(batch * 1024 * 512).round(6)
+    tensor = {"name": "input", "shape": [batch, 1024, 512], "datatype": "FP32",
               "data": values.tolist()}  # fmt: skip
     body = json.dumps({"inputs": [tensor]}).encode()
     latencies: list[float] = []
