@@ -15,13 +15,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
 from service.bench.client import binary_infer_body, build_request, run_load, run_open_loop
-from service.bench.server import HOST, Proc, running
+from service.bench.server import HOST, ROOT, Proc, running
 
 PATH = "/v2/models/mha/infer"
 QUIET = ("--log-level", "warning")  # no access-log line per request during measurements
@@ -175,16 +176,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scenario", choices=["overload", "soak", "drain", "all"])
     parser.add_argument("--seconds", type=float, default=60.0, help="soak/overload duration")
+    parser.add_argument(
+        "--root", type=Path, default=ROOT, help="source tree to run the server from (default: this)"
+    )
     args = parser.parse_args()
+    root = args.root
     run: dict[str, Any] = {}
     if args.scenario in ("overload", "all"):
-        with running(*QUIET, "--max-queue", "48", "--request-timeout-s", "3") as server:
+        with running(*QUIET, "--max-queue", "48", "--request-timeout-s", "3", root=root) as server:
             run["overload"] = overload(server.port, seconds=min(args.seconds, 30))
     if args.scenario in ("soak", "all"):
-        with running(*QUIET) as server:
+        with running(*QUIET, root=root) as server:
             run["soak"] = soak(server, args.seconds)
     if args.scenario in ("drain", "all"):
-        with running(*QUIET, "--max-batch-size", "1") as server:
+        with running(*QUIET, "--max-batch-size", "1", root=root) as server:
             run["drain"] = drain(server, requests=24)
     print(json.dumps(run, indent=2, default=str))
 
