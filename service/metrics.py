@@ -113,7 +113,8 @@ class Metrics:
             ["model"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_depth_gauge = Gauge(
-            "mha_queue_depth_sequences", "Sequences waiting in the batcher queue.",
+            "mha_queue_depth_sequences",
+            "Sequences waiting in the batcher queue (and /v1/embeddings inputs being tokenized).",
             ["model"], registry=r,
         )  # fmt: skip
         self.queue_capacity = Gauge(

@@ -47,7 +47,12 @@ def check_model(state: ServiceState, model_name: str, model_version: str | None)
 def ensure_serving(state: ServiceState) -> None:
     """503 while warming up or draining: work is accepted only by a ready server."""
     if state.draining or not state.ready:
-        raise NotReady("server is draining" if state.draining else "model is warming up")
+        raise NotReady(
+            "server is draining; retry on another replica"
+            if state.draining
+            else "model is warming up",
+            headers={"Retry-After": "1"},
+        )
 
 
 async def wait_disconnect(request: Request) -> None:
