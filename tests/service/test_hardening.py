@@ -253,3 +253,15 @@ def test_json_body_with_binary_header_is_decoded_off_the_event_loop() -> None:
         assert on_loop == [], f"{on_loop} ran on the event loop"
 
     run(test)
+
+
+def test_requests_while_draining_get_503_with_retry_after() -> None:
+    async def test(client: httpx.AsyncClient) -> None:
+        client.app.state.service.start_draining()  # type: ignore[attr-defined]
+        response = await client.post(INFER, content=ok_body())
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert "draining" in response.json()["error"]
+        assert (await client.get("/v2/health/ready")).status_code == 503
+        assert (await client.get("/v2/health/live")).status_code == 200
+
+    run(test)
