@@ -78,3 +78,13 @@ class InferenceError(ServiceError):
 class ClientDisconnected(ServiceError):
     status = 499
     reason = "disconnected"
+
+
+class BodyTimeout(ServiceError):
+    """The request body arrived too slowly (--body-min-rate); the connection is closed."""
+
+    status = 408
+    reason = "body_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"connection": "close"})

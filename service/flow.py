@@ -1,0 +1,141 @@
+"""Pure-ASGI flow limits: a minimum request-body rate, and bounded memory for unread responses.
+
+uvicorn pauses a response while the socket's send buffer is over its high-water mark, but only
+between `send` calls: a response sent as one body message lands in the transport's buffer whole.
+`ResponseBackpressure` sends large bodies in slices, so a client that does not read holds at most
+the high-water mark in socket buffers plus the one response object, and caps the bytes of
+responses being written at once across all connections (503 past it). The connection's write
+timeout (`service.connections`) frees what a stalled reader holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from service.errors import BodyTimeout
+
+Scope = dict[str, Any]
+ASGIApp = Any
+
+SLICE_BYTES = 256 * 1024
+
+
+class BodyRate:
+    """408 for a request body that arrives slower than `min_rate` bytes/s once `grace_s` has
+    passed since the headers: the body must have reached `min_rate * (elapsed - grace_s)` bytes.
+
+    The handler's `receive` waits at most until that is due, so a stalled uploader neither holds
+    a handler (nor `mha_requests_in_flight`) open nor needs a timer of its own.
+    """
+
+    def __init__(self, app: ASGIApp, grace_s: float, min_rate: int) -> None:
+        self.app = app
+        self.grace_s = grace_s
+        self.min_rate = min_rate
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or self.min_rate <= 0:
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        received = 0
+        complete = False
+
+        async def timed_receive() -> dict:
+            nonlocal received, complete
+            if complete:
+                return await receive()  # body done: e.g. waiting for a disconnect, untimed
+            due = started + self.grace_s + received / self.min_rate
+            try:
+                message = await asyncio.wait_for(receive(), max(due - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise BodyTimeout(
+                    f"request body arrived slower than {self.min_rate} bytes/s after "
+                    f"{self.grace_s:g} s ({received} bytes in "
+                    f"{time.monotonic() - started:.1f} s; --body-min-rate, --body-timeout-s)"
+                ) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
+    for key, value in headers:
+        if key.lower() == b"content-length" and value.isdigit():
+            return int(value)
+    return 0
+
+
+class ResponseBackpressure:
+    """Large response bodies go out in SLICE_BYTES slices (each waits for the client to drain
+    the socket); at most `max_pending_bytes` of large responses are being written at once, a
+    response past that gets 503 + Retry-After instead and its body is dropped at once."""
+
+    def __init__(self, app: ASGIApp, max_pending_bytes: int) -> None:
+        self.app = app
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0  # bytes of large responses not yet handed to a socket
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held = 0  # this response's share of pending_bytes
+        refused = False
+
+        async def sliced_send(message: dict) -> None:
+            nonlocal held, refused
+            if message["type"] == "http.response.start":
+                length = _content_length(message.get("headers", []))
+                if length > SLICE_BYTES:
+                    if self.pending_bytes + length > self.max_pending_bytes:
+                        refused = True
+                        await _send_busy(send, length, self.pending_bytes, self.max_pending_bytes)
+                        return
+                    held = length
+                    self.pending_bytes += length
+                await send(message)
+                return
+            if refused:
+                return
+            body = message.get("body", b"")
+            if message["type"] != "http.response.body" or len(body) <= SLICE_BYTES:
+                await send(message)
+                return
+            more = message.get("more_body", False)
+            view = memoryview(body)
+            for start in range(0, len(view), SLICE_BYTES):
+                piece = view[start : start + SLICE_BYTES]
+                last = start + SLICE_BYTES >= len(view)
+                await send(
+                    {"type": "http.response.body", "body": piece, "more_body": more or not last}
+                )
+                sent = min(len(piece), held)
+                held -= sent
+                self.pending_bytes -= sent
+
+        try:
+            await self.app(scope, receive, sliced_send)
+        finally:
+            self.pending_bytes -= held
+
+
+async def _send_busy(send: Any, length: int, pending: int, limit: int) -> None:
+    body = (
+        f'{{"error":"server is already writing {pending} bytes of responses to slow clients; '
+        f'this {length}-byte response would pass --max-pending-response-bytes ({limit})"}}'
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
