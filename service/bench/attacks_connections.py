@@ -2,7 +2,7 @@
 
 - idle: 200 sockets (idle, half-sent headers, half-sent bodies, idle keep-alive) — how many are
   still open after `--wait` seconds, and what `mha_requests_in_flight` says;
-- cap: the server under a 256 open-file limit while 241 idle sockets are held — health-probe
+- cap: the server under a 256 open-file limit while 250 idle sockets are held — health-probe
   statuses and latency, and one inference request;
 - stalled: 12 clients send 33 MB binary requests asking for JSON output and never read — the
   server's RSS before, at its peak and at the end, and health latency meanwhile.
@@ -127,7 +127,7 @@ def _fd_limit(soft: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, old)
 
 
-def scenario_cap(args: tuple[str, ...], held: int = 241, fd_limit: int = 256) -> dict:
+def scenario_cap(args: tuple[str, ...], held: int = 250, fd_limit: int = 256) -> dict:
     """Health and inference while `held` idle sockets sit on a server limited to `fd_limit` fds."""
     stack = contextlib.ExitStack()
     with stack:
@@ -209,6 +209,7 @@ def scenario_stalled(hold: float, args: tuple[str, ...], clients: int = 12) -> d
             "rss_mb_before": round(before / 1024),
             "rss_mb_peak": round(max(samples) / 1024),
             "rss_mb_end": round(samples[-1] / 1024),
+            "rss_mb_every_10s": [round(r / 1024) for r in samples[::20]],
             "health_ms_p50": statistics.median(health),
             "health_ms_max": max(health),
             "clients_still_connected": sum(map(_still_open, socks)),
@@ -222,7 +223,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="idle,cap,stalled")
     parser.add_argument("--wait", type=float, default=15.0, help="idle: seconds before counting")
-    parser.add_argument("--hold", type=float, default=60.0, help="stalled: seconds to watch RSS")
+    parser.add_argument("--hold", type=float, default=75.0, help="stalled: seconds to watch RSS")
+    parser.add_argument("--held", type=int, default=250, help="cap: idle sockets to hold")
     parser.add_argument("--server-args", default="", help="extra flags for the server")
     opts = parser.parse_args()
     extra = tuple(opts.server_args.split())
@@ -230,7 +232,7 @@ def main() -> None:
         if name == "idle":
             result = scenario_idle(opts.wait, extra)
         elif name == "cap":
-            result = scenario_cap(extra)
+            result = scenario_cap(extra, opts.held)
         elif name == "stalled":
             result = scenario_stalled(opts.hold, extra)
         else:
