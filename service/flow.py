@@ -11,7 +11,6 @@ timeout (`service.connections`) frees what a stalled reader holds.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from service.errors import BodyTimeout
@@ -26,8 +25,9 @@ class BodyRate:
     """408 for a request body that arrives slower than `min_rate` bytes/s once `grace_s` has
     passed since the headers: the body must have reached `min_rate * (elapsed - grace_s)` bytes.
 
-    The handler's `receive` waits at most until that is due, so a stalled uploader neither holds
-    a handler (nor `mha_requests_in_flight`) open nor needs a timer of its own.
+    One timer per request checks the rule when it falls due and, if the handler is then waiting
+    in `receive`, cancels that wait; so a stalled uploader neither holds a handler (nor
+    `mha_requests_in_flight`) open, and a fast body costs one timer.
     """
 
     def __init__(self, app: ASGIApp, grace_s: float, min_rate: int) -> None:
@@ -36,26 +36,52 @@ class BodyRate:
         self.min_rate = min_rate
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self.min_rate <= 0:
+        if scope["type"] != "http" or self.min_rate <= 0 or not _has_body(scope):
             await self.app(scope, receive, send)
             return
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         received = 0
-        complete = False
+        complete = expired = False
+        waiter: asyncio.Task | None = None
+
+        def due() -> float:
+            return started + self.grace_s + received / self.min_rate
+
+        def check() -> None:
+            nonlocal timer, expired
+            if complete:
+                return
+            if loop.time() < due():
+                timer = loop.call_at(due(), check)
+                return
+            expired = True
+            if waiter is not None:
+                waiter.cancel()
+
+        def too_slow() -> BodyTimeout:
+            return BodyTimeout(
+                f"request body arrived slower than {self.min_rate} bytes/s after "
+                f"{self.grace_s:g} s ({received} bytes in {loop.time() - started:.1f} s; "
+                "--body-min-rate, --body-timeout-s)"
+            )
 
         async def timed_receive() -> dict:
-            nonlocal received, complete
+            nonlocal received, complete, waiter
             if complete:
                 return await receive()  # body done: e.g. waiting for a disconnect, untimed
-            due = started + self.grace_s + received / self.min_rate
+            if expired:
+                raise too_slow()
+            waiter = asyncio.current_task()
             try:
-                message = await asyncio.wait_for(receive(), max(due - time.monotonic(), 0.0))
-            except TimeoutError:
-                raise BodyTimeout(
-                    f"request body arrived slower than {self.min_rate} bytes/s after "
-                    f"{self.grace_s:g} s ({received} bytes in "
-                    f"{time.monotonic() - started:.1f} s; --body-min-rate, --body-timeout-s)"
-                ) from None
+                message = await receive()
+            except asyncio.CancelledError:
+                if not expired or waiter is None:
+                    raise
+                waiter.uncancel()
+                raise too_slow() from None
+            finally:
+                waiter = None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
@@ -63,7 +89,19 @@ class BodyRate:
                 complete = True
             return message
 
-        await self.app(scope, timed_receive, send)
+        timer = loop.call_at(due(), check)
+        try:
+            await self.app(scope, timed_receive, send)
+        finally:
+            timer.cancel()
+
+
+def _has_body(scope: Scope) -> bool:
+    """A request body follows the headers (HTTP/1.1 framing: Content-Length or chunked)."""
+    for key, value in scope.get("headers", ()):
+        if key == b"transfer-encoding" or (key == b"content-length" and value != b"0"):
+            return True
+    return False
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
