@@ -137,6 +137,17 @@ async def test_cors_off_by_default() -> None:
 
 
 # -- logs --------------------------------------------------------------------------------------
+@pytest.fixture
+def restore_logging():
+    """configure_logging changes the root logger; put pytest's set-up back afterwards."""
+    root, access = logging.getLogger(), logging.getLogger("service.access")
+    saved = (root.level, list(root.handlers), list(access.filters))
+    yield
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    access.filters[:] = saved[2]
+
+
 def _captured(access_log_probes: bool) -> io.StringIO:
     configure_logging("info", "json", access_log_probes)
     stream = io.StringIO()
@@ -144,14 +155,11 @@ def _captured(access_log_probes: bool) -> io.StringIO:
     return stream
 
 
-async def test_json_log_time_is_rfc3339_utc_millis() -> None:
+async def test_json_log_time_is_rfc3339_utc_millis(restore_logging) -> None:
     stream = _captured(True)
-    try:
-        async with _client() as client:
-            await client.get("/docs")
-            await client.get("/v2/health/live")
-    finally:
-        configure_logging("warning", "text")
+    async with _client() as client:
+        await client.get("/docs")
+        await client.get("/v2/health/live")
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     paths = [line.get("path") for line in lines]
     assert "/docs" in paths and "/v2/health/live" in paths
@@ -159,14 +167,11 @@ async def test_json_log_time_is_rfc3339_utc_millis() -> None:
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"]), line
 
 
-async def test_probe_access_lines_can_be_dropped() -> None:
+async def test_probe_access_lines_can_be_dropped(restore_logging) -> None:
     stream = _captured(False)
-    try:
-        async with _client() as client:
-            for path in ("/v2/health/live", "/v2/health/ready", "/metrics", "/docs"):
-                await client.get(path)
-    finally:
-        configure_logging("warning", "text")
+    async with _client() as client:
+        for path in ("/v2/health/live", "/v2/health/ready", "/metrics", "/docs"):
+            await client.get(path)
     paths = [json.loads(line).get("path") for line in stream.getvalue().splitlines()]
     assert "/docs" in paths
     assert not [p for p in paths if p and (p.startswith("/v2/health") or p == "/metrics")]
