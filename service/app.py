@@ -21,7 +21,7 @@ import mha_engine
 from service import __version__, docs
 from service.batcher import DynamicBatcher, Work
 from service.errors import ServiceError
-from service.flow import BodyRate, ResponseBackpressure
+from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeaderLimit, RequestContext
@@ -173,7 +173,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_headers=["*"],
             expose_headers=["x-request-id", "inference-header-content-length", "retry-after"],
         )
-    app.add_middleware(ResponseBackpressure, max_pending_bytes=settings.max_pending_response_bytes)
+    app.state.response_budget = ResponseBudget(settings.max_pending_response_bytes)
+    app.add_middleware(ResponseBackpressure, budget=app.state.response_budget)
     app.add_middleware(RequestContext)  # outermost: even a 401 gets an id and a log line
     app.include_router(health.router)
     app.include_router(infer.router)

@@ -88,3 +88,13 @@ class BodyTimeout(ServiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"connection": "close"})
+
+
+class ResponsesBacklogged(ServiceError):
+    """Too many bytes of responses are waiting for slow clients (--max-pending-response-bytes)."""
+
+    status = 503
+    reason = "backpressure"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"retry-after": "1"})

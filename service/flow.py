@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from service.errors import BodyTimeout
+from service.errors import BodyTimeout, ResponsesBacklogged
 
 Scope = dict[str, Any]
 ASGIApp = Any
@@ -111,15 +111,34 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
     return 0
 
 
+class ResponseBudget:
+    """Bytes of large responses being written to clients, shared by the middleware (which
+    counts them) and the routes (which can refuse before encoding a response that won't fit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= SLICE_BYTES or self.pending + nbytes <= self.limit
+
+    def check(self, nbytes: int) -> None:
+        """503 + Retry-After now if a response of at least `nbytes` could not be written."""
+        if not self.fits(nbytes):
+            raise ResponsesBacklogged(
+                f"server is already writing {self.pending} bytes of responses to slow clients; "
+                f"a {nbytes}-byte response would pass --max-pending-response-bytes ({self.limit})"
+            )
+
+
 class ResponseBackpressure:
     """Large response bodies go out in SLICE_BYTES slices (each waits for the client to drain
     the socket); at most `max_pending_bytes` of large responses are being written at once, a
     response past that gets 503 + Retry-After instead and its body is dropped at once."""
 
-    def __init__(self, app: ASGIApp, max_pending_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, budget: ResponseBudget) -> None:
         self.app = app
-        self.max_pending_bytes = max_pending_bytes
-        self.pending_bytes = 0  # bytes of large responses not yet handed to a socket
+        self.budget = budget  # budget.pending: bytes of large responses not yet sent
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -133,12 +152,12 @@ class ResponseBackpressure:
             if message["type"] == "http.response.start":
                 length = _content_length(message.get("headers", []))
                 if length > SLICE_BYTES:
-                    if self.pending_bytes + length > self.max_pending_bytes:
+                    if not self.budget.fits(length):
                         refused = True
-                        await _send_busy(send, length, self.pending_bytes, self.max_pending_bytes)
+                        await _send_busy(send, length, self.budget.pending, self.budget.limit)
                         return
                     held = length
-                    self.pending_bytes += length
+                    self.budget.pending += length
                 await send(message)
                 return
             if refused:
@@ -157,12 +176,12 @@ class ResponseBackpressure:
                 )
                 sent = min(len(piece), held)
                 held -= sent
-                self.pending_bytes -= sent
+                self.budget.pending -= sent
 
         try:
             await self.app(scope, receive, sliced_send)
         finally:
-            self.pending_bytes -= held
+            self.budget.pending -= held
 
 
 async def _send_busy(send: Any, length: int, pending: int, limit: int) -> None:

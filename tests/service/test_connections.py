@@ -170,6 +170,7 @@ def test_stalled_reader_is_bounded_then_aborted(quick) -> None:
     assert second.status_code == 503, (second.status_code, len(second.content))
     assert second.headers["retry-after"] == "1"
     assert "--max-pending-response-bytes" in second.json()["error"]
+    assert quick.metric("mha_request_failures_total", reason="backpressure") == 1  # not encoded
     # The stalled reader is cut off after --write-timeout-s; its share of the cap comes back.
     time.sleep(4.5)
     data, closed = _read_until_closed(stalled, 5)
