@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import signal
+import sys
 from types import FrameType
+from typing import Any, NoReturn
 
 import uvicorn
-from pydantic_settings import CliApp
+from pydantic import ValidationError
+from pydantic_settings import CliApp, CliSettingsSource
 
+from service import __version__
 from service.app import create_app
+from service.connections import connection_cap, protocol_class
 from service.logs import configure_logging
 from service.settings import Settings
+
+PROG = "mha-serve"
 
 
 class DrainingServer(uvicorn.Server):
@@ -29,7 +38,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings) -> None:
     """Run the server until SIGTERM; accepted requests are answered before exit."""
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -40,15 +49,66 @@ def serve(settings: Settings) -> None:
         # running forward finishes, so connections close by grace + one forward; uvicorn's own
         # cut-off (which would answer 500) is only a backstop for clients still sending bodies.
         timeout_graceful_shutdown=settings.drain_grace_s + settings.request_timeout_s,
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        http=protocol_class(
+            settings.header_timeout_s,
+            settings.write_timeout_s,
+            connection_cap(settings.max_connections),
+        ),
         access_log=False,  # service.middleware.RequestContext logs each request, with its id
         log_config=None,  # keep the root handlers configure_logging set up (text or JSON)
     )
     DrainingServer(config, app).run()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2) and plain metavars (PATH, not {Path,null})."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
+
+
+def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> Any:
+    metavar = kwargs.get("metavar")
+    if isinstance(metavar, str) and not kwargs.get("choices"):
+        kinds = re.sub(r"[{}]", "", metavar).split(",")
+        plain = [k for k in kinds if k != "null"]
+        if len(plain) == 1:  # "{Path,null}" -> PATH; a choice list stays as it is
+            kwargs["metavar"] = {"SecretStr": "TEXT", "str": "TEXT"}.get(plain[0], plain[0]).upper()
+    return parser.add_argument(*names, **kwargs)
+
+
+def _explain(exc: ValidationError) -> str:
+    """One line per bad value: the flag, its env var, what was given and what is wanted."""
+    lines = []
+    for error in exc.errors():
+        if not error["loc"]:  # a check across fields: its message names the flags already
+            lines.append(f"{PROG}: error: {error['msg'].removeprefix('Value error, ')}")
+            continue
+        field = str(error["loc"][0])
+        flag, env = "--" + field.replace("_", "-"), "MHA_" + field.upper()
+        lines.append(
+            f"{PROG}: error: {flag} / {env}: {error['input']!r} is not valid: "
+            f"{error['msg'].lower()} (see {PROG} --help)"
+        )
+    return "\n".join(lines)
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    """Settings from flags and MHA_* env vars; a bad value exits 2 with one line, no traceback."""
+    parser = _Parser(prog=PROG, description=Settings.__doc__)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    source = CliSettingsSource(Settings, root_parser=parser, add_argument_method=_add_argument)
+    try:
+        return CliApp.run(Settings, cli_args=argv, cli_settings_source=source)
+    except ValidationError as exc:
+        print(_explain(exc), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
-    serve(CliApp.run(Settings, cli_args=argv))
+    serve(parse_settings(argv))
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import mha_engine
-from service import __version__
+from service import __version__, docs
 from service.batcher import DynamicBatcher, Work
 from service.errors import ServiceError
+from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
@@ -177,6 +179,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         description="Multi-head attention and transformer blocks over the Open Inference Protocol.",
         lifespan=lifespan,
+        docs_url=None,  # service.docs serves /docs with local assets
+        redoc_url=None,  # ReDoc has no offline bundle here
     )
     app.state.settings = settings
     if settings.api_key is not None:
@@ -187,11 +191,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     app.add_middleware(HeadAsGet)
     app.add_middleware(HeaderLimit, limit=settings.max_header_bytes)
+    app.add_middleware(BodyRate, grace_s=settings.body_timeout_s, min_rate=settings.body_min_rate)
+    if settings.cors_origins:  # outside the API key: browser preflights carry no credentials
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=[o.strip() for o in settings.cors_origins.split(",") if o.strip()],
+            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", "inference-header-content-length", "retry-after"],
+        )
+    app.state.response_budget = ResponseBudget(settings.max_pending_response_bytes)
+    app.add_middleware(ResponseBackpressure, budget=app.state.response_budget)
     app.add_middleware(RequestContext)  # outermost: even a 401 gets an id and a log line
     app.include_router(health.router)
     app.include_router(infer.router)
     app.include_router(metrics_route.router)
     app.include_router(embeddings.router)
+    docs.install(app)
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)

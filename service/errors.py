@@ -80,3 +80,23 @@ class ClientDisconnected(ServiceError):
 
     status = 499
     reason = "client_disconnected"
+
+
+class BodyTimeout(ServiceError):
+    """The request body arrived too slowly (--body-min-rate); the connection is closed."""
+
+    status = 408
+    reason = "body_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"connection": "close"})
+
+
+class ResponsesBacklogged(ServiceError):
+    """Too many bytes of responses are waiting for slow clients (--max-pending-response-bytes)."""
+
+    status = 503
+    reason = "backpressure"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"retry-after": "1"})

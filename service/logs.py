@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -15,7 +16,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "time": rfc3339(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -26,8 +27,26 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry).decode()
 
 
-def configure_logging(level: str, fmt: str) -> None:
+def rfc3339(created: float) -> str:
+    """A log record's time as RFC 3339 UTC with milliseconds: 2026-11-23T07:31:02.123Z."""
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
+
+
+PROBE_PATHS = ("/v2/health/", "/metrics")
+
+
+def _not_probe(record: logging.LogRecord) -> bool:
+    """Drops access-log lines of health probes and metrics scrapes (--no-access-log-probes)."""
+    return not str(getattr(record, "path", "")).startswith(PROBE_PATHS)
+
+
+def configure_logging(level: str, fmt: str, access_log_probes: bool = True) -> None:
     """Root logging for the server process: `fmt` is "text" or "json"."""
+    access = logging.getLogger("service.access")
+    for old in [f for f in access.filters if f is _not_probe]:
+        access.removeFilter(old)
+    if not access_log_probes:
+        access.addFilter(_not_probe)
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

@@ -17,6 +17,7 @@ class Settings(BaseSettings):
         cli_prog_name="mha-serve",
         cli_kebab_case=True,
         cli_implicit_flags=True,
+        cli_show_env_vars=True,
         protected_namespaces=(),
     )
 
@@ -73,11 +74,63 @@ class Settings(BaseSettings):
         description="/v1/embeddings: most characters in one request, all inputs together, "
         "checked before tokenizing (413). Unset: 64 x --max-input-chars.",
     )
+    # -- connections (service/connections.py, service/flow.py; uvicorn's keep-alive) ----------
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Request line and headers must arrive within this many seconds "
+        "of the connection opening (or of the next request starting); else 408 and close.",
+    )
+    body_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="Grace before --body-min-rate applies to a request body.",
+    )
+    body_min_rate: int = Field(
+        64 * 1024,
+        ge=0,
+        description="After the grace, the body must average at least this many "
+        "bytes/s or the request gets 408 and the connection closes (0: no limit).",
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Close a keep-alive connection idle this long (proxies in front "
+        "must drop idle upstream connections sooner: nginx keepalive_timeout 4s).",
+    )
+    write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Abort a connection whose client reads none of its response "
+        "for this long (like nginx's send_timeout).",
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description="Most open client connections; at the cap a new one closes the "
+        "longest-idle one (or gets 503 if all are busy). Lowered to fit the open-file limit.",
+    )
+    max_pending_response_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Most bytes of large responses being "
+        "written to clients at once; a response past it gets 503 + Retry-After.",
+    )
+    cors_origins: str | None = Field(
+        None,
+        description="Comma-separated origins allowed to call the API from a browser "
+        "(CORS; '*' for any). Unset: no CORS headers, preflights get 405.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text, or as JSON objects (one per line) for collectors."
+    )
+    access_log_probes: bool = Field(
+        True,
+        description="Write access-log lines for /v2/health/* and /metrics "
+        "(--no-access-log-probes drops them; other requests are always logged).",
     )
     api_key: SecretStr | None = Field(
         None,

@@ -123,6 +123,8 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
         [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
         binary,
     )
+    # Refuse before encoding what could not be sent now (JSON: ~11 bytes a value, counted at 8).
+    request.app.state.response_budget.check(array.nbytes if binary[OUTPUT_NAME] else 8 * array.size)
     if not binary[OUTPUT_NAME] and array.nbytes > OFFLOAD_BYTES:
         content, header_bytes = await run_in_threadpool(encode_response, *args)
     else:
