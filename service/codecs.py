@@ -95,13 +95,14 @@ def _check_shape(shape: Any, name: str, body_bytes: int) -> tuple[tuple[int, ...
     return tuple(shape), math.prod(shape)
 
 
-def _float_data(data: list, datatype: str, name: str, may_hold_booleans: bool) -> np.ndarray:
+def _float_data(data: list, datatype: str, name: str, suspect: bool) -> np.ndarray:
     """FP32/FP16/BF16 JSON data as a flat array; only JSON numbers pass. numpy infers the dtype
-    in C (strings, null and objects give a non-numeric dtype); booleans mixed with numbers
-    become numbers there, so they get an element check, only when the body holds true/false."""
+    in C (strings, null, objects and all-boolean data give a non-numeric dtype); booleans mixed
+    with numbers become numbers there, so when the text may hold some in `data` (`suspect`) an
+    element check looks for them."""
     raw = np.asarray(data)
     if raw.dtype.kind not in "iuf" or (
-        may_hold_booleans and any(type(v) is bool for v in np.asarray(data, dtype=object).flat)
+        suspect and any(type(v) is bool for v in np.asarray(data, dtype=object).flat)
     ):
         raise BadInput(
             f"input '{name}': {datatype} data must be JSON numbers (not strings, booleans or null)"
@@ -114,7 +115,7 @@ def _float_data(data: list, datatype: str, name: str, may_hold_booleans: bool) -
 
 
 def _json_array(
-    data: Any, datatype: str, shape: tuple[int, ...], count: int, name: str, booleans: bool
+    data: Any, datatype: str, shape: tuple[int, ...], count: int, name: str, suspect: bool
 ) -> np.ndarray:
     """Turn an OIP JSON `data` field (flat or nested, row-major) into an array of `shape`."""
     if not isinstance(data, list):
@@ -126,7 +127,7 @@ def _json_array(
                 raise BadInput(f"input '{name}': BOOL data must be true/false values")
             array = flat.astype(np.bool_)
         elif datatype in ("FP32", "FP16", "BF16"):
-            array = _float_data(data, datatype, name, booleans)
+            array = _float_data(data, datatype, name, suspect)
         else:
             array = np.array(data, dtype=NUMPY_DTYPES[datatype]).reshape(-1)
     except BadInput:
@@ -141,6 +142,27 @@ def _json_array(
             f"input '{name}': shape {list(shape)} needs {count} values, 'data' has {array.size}"
         )
     return array.reshape(shape)
+
+
+def _without_data(value: Any) -> Any:
+    """The parsed header with every `data` field emptied (dicts, and lists holding dicts)."""
+    if isinstance(value, dict):
+        return {k: [] if k == "data" else _without_data(v) for k, v in value.items()}
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return [_without_data(v) for v in value]
+    return value
+
+
+def _data_may_hold_booleans(body: bytes | bytearray, json_end: int, header: Any) -> bool:
+    """Whether `data` may hold true/false: the text has more 't' or 'f' bytes than the header
+    re-serialized without its data (numbers have neither). Byte counts run in numpy (~ms per
+    10 MB). Best effort: a client that writes a key's letters as \\u escapes can hide one."""
+    text = np.frombuffer(body, np.uint8, count=json_end)
+    rest = np.frombuffer(orjson.dumps(_without_data(header)), np.uint8)
+    return any(
+        np.count_nonzero(text == letter) > np.count_nonzero(rest == letter)
+        for letter in (ord("t"), ord("f"))
+    )
 
 
 def json_length(header_length: str | None, body_bytes: int) -> int:
@@ -183,7 +205,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
 
     view = memoryview(body)
     offset = json_end
-    booleans = body.find(b"true", 0, json_end) >= 0 or body.find(b"false", 0, json_end) >= 0
+    suspect = _data_may_hold_booleans(body, json_end, header)
     inputs: dict[str, InferTensor] = {}
     for raw in raw_inputs:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
@@ -224,7 +246,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
         else:
             if "data" not in raw:
                 raise BadInput(f"input '{name}' has neither 'data' nor binary_data_size")
-            array = _json_array(raw["data"], datatype, shape, count, name, booleans)
+            array = _json_array(raw["data"], datatype, shape, count, name, suspect)
         inputs[name] = InferTensor(name, datatype, shape, array)
     if offset != len(body):
         raise BadInput(

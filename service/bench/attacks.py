@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -247,13 +249,32 @@ def _health_under_json_header(server: Proc, json_mb: int) -> dict[str, Any]:
     }
 
 
+def decode_cost(root: Path, repeats: int = 5) -> dict[str, Any]:
+    """Not an attack: what strict decoding costs. Best time of `decode_request` (from `root`'s
+    service/codecs.py) on a 1M-value FP32 JSON body with `is_causal: true`, in this process."""
+    spec = importlib.util.spec_from_file_location("codecs_under_test", root / "service/codecs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    values = np.random.default_rng(0).standard_normal((4, 512, 512)).astype(np.float32)
+    tensor = {"name": "input", "shape": [4, 512, 512], "datatype": "FP32",
+              "data": values.tolist()}  # fmt: skip
+    body = json.dumps({"inputs": [tensor], "parameters": {"is_causal": True}}).encode()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        module.decode_request(bytearray(body), None)
+        times.append(time.perf_counter() - started)
+    return {"body_mb": round(len(body) / 2**20, 1), "best_s": round(min(times), 3)}
+
+
 def _log_path() -> Path:
     return Path(tempfile.mkdtemp(prefix="attacks-")) / "server.log"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    names = ["embeddings", "shapes", "disconnects", "drain", "auth", "decoding"]
+    names = ["embeddings", "shapes", "disconnects", "drain", "auth", "decoding", "decode_cost"]
     parser.add_argument("attack", choices=[*names, "all"])
     parser.add_argument(
         "--root", type=Path, default=ROOT, help="source tree to run the server from"
