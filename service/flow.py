@@ -133,7 +133,7 @@ class ResponseBudget:
 
 class ResponseBackpressure:
     """Large response bodies go out in SLICE_BYTES slices (each waits for the client to drain
-    the socket); at most `max_pending_bytes` of large responses are being written at once, a
+    the socket); at most `budget.limit` bytes of large responses are being written at once, a
     response past that gets 503 + Retry-After instead and its body is dropped at once."""
 
     def __init__(self, app: ASGIApp, budget: ResponseBudget) -> None:
@@ -144,7 +144,7 @@ class ResponseBackpressure:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        held = 0  # this response's share of pending_bytes
+        held = 0  # this response's share of budget.pending
         refused = False
 
         async def sliced_send(message: dict) -> None:
