@@ -103,10 +103,14 @@ async def test_docs_reference_only_local_assets() -> None:
         assert (await client.get("/openapi.json")).status_code == 200
 
 
-async def test_docs_open_with_an_api_key() -> None:
+async def test_docs_behind_an_api_key() -> None:
+    """--api-key guards every route but health and metrics, the docs and their assets too."""
     async with _client(api_key="k") as client:
-        assert (await client.get("/docs")).status_code == 200
-        assert (await client.get("/docs/assets/swagger-ui.css")).status_code == 200
+        assert (await client.get("/docs")).status_code == 401
+        assert (await client.get("/docs/assets/swagger-ui.css")).status_code == 401
+        key = {"Authorization": "Bearer k"}
+        assert (await client.get("/docs", headers=key)).status_code == 200
+        assert (await client.get("/docs/assets/swagger-ui.css", headers=key)).status_code == 200
 
 
 # -- CORS --------------------------------------------------------------------------------------
