@@ -75,6 +75,8 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -
         plain = [k for k in kinds if k != "null"]
         if len(plain) == 1:  # "{Path,null}" -> PATH; a choice list stays as it is
             kwargs["metavar"] = {"SecretStr": "TEXT", "str": "TEXT"}.get(plain[0], plain[0]).upper()
+    if isinstance(kwargs.get("help"), str):  # pydantic's "null" is JSON, not what a user types
+        kwargs["help"] = kwargs["help"].replace("(default: null)", "(default: unset)")
     return parser.add_argument(*names, **kwargs)
 
 

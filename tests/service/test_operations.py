@@ -69,7 +69,7 @@ def test_help_shows_plain_types_and_env_vars(capsys) -> None:
         parse_settings(["--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    assert "{Path,null}" not in text and "null}" not in text and "SecretStr" not in text
+    assert "{Path,null}" not in text and "null" not in text and "SecretStr" not in text
     assert "--model-dir PATH" in text and "--max-batch-size INT" in text
     assert "--api-key TEXT" in text
     flags = set(re.findall(r"^  --([a-z-]+)", text, re.M)) - {"help", "version"}
