@@ -1,49 +1,69 @@
-"""Loaded models: the public callables the service uses (batched, varlen, attention weights)."""
+"""Loaded models as nn.Modules: the calls the service uses (batched, varlen, attention weights).
+
+MultiheadAttentionModel wraps one FusedAttention (`attn`), TransformerEncoderModel one
+EncoderStack (`encoder`); `forward` follows nn.MultiheadAttention / nn.TransformerEncoder
+(batch_first=True). The service sees them through the ServedModel protocol (protocol.py).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import introspect
 from .attention import FusedAttention
 from .blocks import EncoderStack
-from .varlen import make_plan, normalise_varlen_args, packed_attention, split
+from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
+from .varlen import make_plan, normalise_varlen_args, split
 
 
-class EngineModel:
-    """Shared read-only attributes and input handling of every loaded model."""
+class EngineModel(nn.Module):
+    """Shared read-only attributes and input handling of every loaded model.
+
+    Dimensions come from `config` (a frozen config dataclass); device and dtype are those of
+    the weights, so `.to(device=..., dtype=...)` moves and casts the model in place.
+    """
 
     architecture: str = ""
 
-    def __init__(self, config: dict, device: torch.device, dtype: torch.dtype) -> None:
-        self._config = dict(config)
-        self._device = device
-        self._dtype = dtype
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
+        self.config = config
 
-    config = property(lambda self: dict(self._config), doc="Copy of config.json's contents.")
-    device = property(lambda self: self._device)
-    dtype = property(lambda self: self._dtype)
-    embed_dim = property(lambda self: self._attn_layers()[0].embed_dim)
-    num_heads = property(lambda self: self._attn_layers()[0].num_heads)
-    num_kv_heads = property(lambda self: self._attn_layers()[0].num_kv_heads)
-    head_dim = property(lambda self: self._attn_layers()[0].head_dim)
-    kdim = property(lambda self: self._attn_layers()[0].kdim)
-    vdim = property(lambda self: self._attn_layers()[0].vdim)
-    num_layers = property(lambda self: len(self._attn_layers()))
-    is_cross_attention_capable: bool = False
+    embed_dim = property(lambda self: self.config.attention.embed_dim)
+    num_heads = property(lambda self: self.config.attention.num_heads)
+    num_kv_heads = property(lambda self: self.config.attention.num_kv_heads)
+    head_dim = property(lambda self: self.config.attention.head_dim)
+    kdim = property(lambda self: self.config.attention.kdim)
+    vdim = property(lambda self: self.config.attention.vdim)
+    num_layers = property(lambda self: len(self.attention_layers()))
+    is_cross_attention_capable = property(lambda self: self.config.cross_attention)
 
-    def _attn_layers(self) -> list[FusedAttention]:
+    @property
+    def device(self) -> torch.device:
+        return self.attention_layers()[0].out_proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (text models keep their embedding tables in float32)."""
+        return self.attention_layers()[0].out_proj.weight.dtype
+
+    def attention_layers(self) -> list[FusedAttention]:
+        raise NotImplementedError
+
+    @property
+    def core(self) -> nn.Module:
+        """The module whose state_dict has PyTorch's names (what save_model writes)."""
         raise NotImplementedError
 
     def _cast(self, x: Tensor | None) -> Tensor | None:
         """Move a floating input to the model's device and dtype (no copy when already there)."""
         if x is None or x.dtype == torch.bool:
-            return None if x is None else x.to(self._device)
+            return None if x is None else x.to(self.device)
         if torch.is_floating_point(x):
-            return x.to(device=self._device, dtype=self._dtype)
+            return x.to(device=self.device, dtype=self.dtype)
         raise TypeError(f"expected a floating point or bool tensor, got {x.dtype}")
 
     def diagnostics(self, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]:
@@ -52,27 +72,28 @@ class EngineModel:
 
     def head_importance(self) -> list[dict[str, Any]]:
         """Per layer: each head's share of out_proj and the head-by-head cosine correlation."""
-        return introspect.head_importance(self._attn_layers())
+        return introspect.head_importance(self.attention_layers())
 
-    def __repr__(self) -> str:
+    def extra_repr(self) -> str:
         return (
-            f"{type(self).__name__}(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-            f"num_layers={self.num_layers}, device={self.device}, dtype={self.dtype})"
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_layers={self.num_layers}, device={self.device}, dtype={self.dtype}"
         )
 
 
 class MultiheadAttentionModel(EngineModel):
     """nn.MultiheadAttention(batch_first=True) as a fused, inference-only callable."""
 
-    architecture = "multihead_attention"
-    is_cross_attention_capable = True
+    architecture = MultiheadAttentionConfig.architecture
 
-    def __init__(self, attn: FusedAttention, config: dict, device, dtype) -> None:
-        super().__init__(config, device, dtype)
-        self._attn = attn
+    def __init__(self, config: MultiheadAttentionConfig) -> None:
+        super().__init__(config)
+        self.attn = FusedAttention(config)
 
-    def _attn_layers(self) -> list[FusedAttention]:
-        return [self._attn]
+    def attention_layers(self) -> list[FusedAttention]:
+        return [self.attn]
+
+    core = property(lambda self: self.attn, doc="nn.MultiheadAttention's names")
 
     def _prepare(self, query, key, value, key_padding_mask, attn_mask):
         """Default key/value to query, cast once keeping `is` identity, add a missing batch dim."""
@@ -96,8 +117,7 @@ class MultiheadAttentionModel(EngineModel):
         masks = self._cast(key_padding_mask), self._cast(attn_mask)
         return query, key, value, masks, batched
 
-    @torch.inference_mode()
-    def __call__(
+    def forward(
         self,
         query: Tensor,
         key: Tensor | None = None,
@@ -112,7 +132,7 @@ class MultiheadAttentionModel(EngineModel):
         q, k, v, (kpm, mask), batched = self._prepare(
             query, key, value, key_padding_mask, attn_mask
         )
-        out, weights = self._attn.forward(q, k, v, kpm, mask, is_causal, need_weights)
+        out, weights = self.attn(q, k, v, kpm, mask, is_causal, need_weights)  # (B, T, E)
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (B, T, S)
         if not batched:
@@ -120,8 +140,7 @@ class MultiheadAttentionModel(EngineModel):
             weights = None if weights is None else weights.squeeze(0)
         return out, weights
 
-    forward = __call__
-
+    @torch.inference_mode()
     def attention_weights(
         self,
         query: Tensor,
@@ -161,22 +180,24 @@ class MultiheadAttentionModel(EngineModel):
             k = self._cast(torch.cat(key))  # (M, kdim)
             v = k if value is key else self._cast(torch.cat(value))  # (M, vdim)
         plan = make_plan(
-            [t.shape[0] for t in query], [t.shape[0] for t in key], causal, kpm, self._device
+            [t.shape[0] for t in query], [t.shape[0] for t in key], causal, kpm, self.device
         )
-        return split(packed_attention(self._attn, q, k, v, plan), plan)
+        return split(self.attn.forward_packed(q, plan, k, v), plan)
 
 
 class TransformerEncoderModel(EngineModel):
     """nn.TransformerEncoder(batch_first=True) (optionally with final norm) as a fused callable."""
 
-    architecture = "transformer_encoder"
+    architecture = TransformerEncoderConfig.architecture
 
-    def __init__(self, stack: EncoderStack, config: dict, device, dtype) -> None:
-        super().__init__(config, device, dtype)
-        self._stack = stack
+    def __init__(self, config: TransformerEncoderConfig) -> None:
+        super().__init__(config)
+        self.encoder = EncoderStack(config)
 
-    def _attn_layers(self) -> list[FusedAttention]:
-        return [layer.self_attn for layer in self._stack.layers]
+    def attention_layers(self) -> list[FusedAttention]:
+        return [layer.self_attn for layer in self.encoder.layers]
+
+    core = property(lambda self: self.encoder, doc="nn.TransformerEncoder's names")
 
     def _run(self, src, mask, src_key_padding_mask, is_causal, keep_weights):
         src, mask, kpm = self._cast(src), self._cast(mask), self._cast(src_key_padding_mask)
@@ -184,22 +205,13 @@ class TransformerEncoderModel(EngineModel):
         if not batched:
             src = src.unsqueeze(0)  # (1, T, E)
             kpm = None if kpm is None else kpm.unsqueeze(0)
-        collected: list[Tensor] = []
-
-        def attn_fn(attn: FusedAttention, h: Tensor) -> Tensor:
-            out, w = attn.forward(h, h, h, kpm, mask, is_causal, need_weights=keep_weights)
-            if w is not None:
-                collected.append(w)  # (B, H, T, S)
-            return out
-
-        out = self._stack.forward(src, attn_fn)  # (B, T, E)
+        out, collected = self.encoder(src, kpm, mask, is_causal, need_weights=keep_weights)
         if not batched:
             out = out.squeeze(0)
             collected = [w.squeeze(0) for w in collected]
         return out, collected
 
-    @torch.inference_mode()
-    def __call__(
+    def forward(
         self,
         src: Tensor,
         mask: Tensor | None = None,
@@ -208,8 +220,6 @@ class TransformerEncoderModel(EngineModel):
     ) -> Tensor:
         """Like nn.TransformerEncoder(batch_first=True).forward (padded rows are computed too)."""
         return self._run(src, mask, src_key_padding_mask, is_causal, keep_weights=False)[0]
-
-    forward = __call__
 
     @torch.inference_mode()
     def attention_weights(
@@ -246,7 +256,7 @@ class TransformerEncoderModel(EngineModel):
             query, None, None, key_padding_mask, is_causal
         )
         lens = [t.shape[0] for t in query]
-        plan = make_plan(lens, lens, causal, kpm, self._device)
+        plan = make_plan(lens, lens, causal, kpm, self.device)
         x = self._cast(torch.cat(query))  # (N, E)
-        out = self._stack.forward(x, lambda attn, h: packed_attention(attn, h, h, h, plan))
+        out, _ = self.encoder(x, plan=plan)  # (N, E)
         return split(out, plan)

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .blocks import EncoderStack
+from .config import TextEncoderConfig
 from .errors import CheckpointError
 from .models import TransformerEncoderModel
-from .text import POOLING_MODES, TextEmbeddings, normalize, pool_packed, pool_padded
-from .varlen import make_plan, packed_attention
+from .text import TextEmbeddings, normalize, pool_packed, pool_padded
+from .varlen import make_plan
 
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
@@ -90,39 +90,27 @@ def read_text_settings(directory: Path) -> TextSettings:
 
 
 class TextEncoderModel(TransformerEncoderModel):
-    """A BERT-family encoder: transformer_encoder tensor API plus token ids in, vectors out."""
+    """A BERT-family encoder: transformer_encoder tensor API plus token ids in, vectors out.
 
-    def __init__(
-        self,
-        stack: EncoderStack,
-        embeddings: TextEmbeddings,
-        config: dict,
-        settings: TextSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        max_len = embeddings.max_len
-        if settings.max_seq_len is not None:
-            max_len = min(max_len, settings.max_seq_len)
-        if settings.pooling not in POOLING_MODES:
-            raise CheckpointError(f"pooling must be one of {POOLING_MODES}")
-        config = dict(
-            config, pooling=settings.pooling, normalize=settings.normalize, max_seq_len=max_len
-        )
-        super().__init__(stack, config, device, dtype)
-        self._embeddings = embeddings
-        self.model_type: str = config["model_type"]
-        self.max_seq_len: int = max_len
-        self.pooling: str = settings.pooling
-        self.normalize: bool = settings.normalize
-        self.vocab_size: int = embeddings.vocab_size
+    Submodules: `embeddings` (TextEmbeddings, float32) and `encoder` (EncoderStack).
+    """
+
+    def __init__(self, config: TextEncoderConfig) -> None:
+        super().__init__(config)
+        self.embeddings = TextEmbeddings(config)
+
+    model_type = property(lambda self: self.config.model_type)
+    max_seq_len = property(lambda self: self.config.max_seq_len)
+    pooling = property(lambda self: self.config.pooling)
+    normalize = property(lambda self: self.config.normalize)
+    vocab_size = property(lambda self: self.config.vocab_size)
 
     def _check_ids(self, ids: Tensor, what: str) -> Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{what} must be int64 or int32, got {ids.dtype}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"{what} holds ids outside [0, {self.vocab_size})")
-        return ids.to(device=self._device, dtype=torch.long)
+        return ids.to(device=self.device, dtype=torch.long)
 
     @torch.inference_mode()
     def encode(
@@ -138,10 +126,10 @@ class TextEncoderModel(TransformerEncoderModel):
         ids = self._check_ids(input_ids, "input_ids")  # (B, T)
         if ids.shape[-1] > self.max_seq_len:
             raise ValueError(f"sequence length {ids.shape[-1]} > max_seq_len {self.max_seq_len}")
-        types = None if token_type_ids is None else token_type_ids.to(self._device).long()
-        positions = self._embeddings.padded_positions(ids)  # (B, T)
-        x = self._embeddings.forward(ids, positions, types).to(self._dtype)  # (B, T, D)
-        kpm = None if attention_mask is None else attention_mask.to(self._device) == 0  # (B, T)
+        types = None if token_type_ids is None else token_type_ids.to(self.device).long()
+        positions = self.embeddings.padded_positions(ids)  # (B, T)
+        x = self.embeddings(ids, positions, types).to(self.dtype)  # (B, T, D)
+        kpm = None if attention_mask is None else attention_mask.to(self.device) == 0  # (B, T)
         return self._run(x, None, kpm, False, keep_weights=False)[0]
 
     def _encode_packed(self, input_ids: list[Tensor]) -> tuple[Tensor, list[int]]:
@@ -151,10 +139,10 @@ class TextEncoderModel(TransformerEncoderModel):
         if max(lengths) > self.max_seq_len:
             raise ValueError(f"sequence length {max(lengths)} > max_seq_len {self.max_seq_len}")
         ids = self._check_ids(torch.cat(input_ids), "input_ids")  # (N,)
-        x = self._embeddings.forward_packed(ids, lengths).to(self._dtype)  # (N, D)
+        x = self.embeddings.forward_packed(ids, lengths).to(self.dtype)  # (N, D)
         n = len(lengths)
         plan = make_plan(lengths, lengths, [False] * n, [None] * n, ids.device)
-        out = self._stack.forward(x, lambda attn, h: packed_attention(attn, h, h, h, plan))
+        out, _ = self.encoder(x, plan=plan)
         return out, lengths  # (N, D)
 
     @torch.inference_mode()

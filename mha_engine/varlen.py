@@ -8,12 +8,13 @@ No row of any GEMM or SDPA call depends on padding, so outputs are batch invaria
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import FusedAttention
+if TYPE_CHECKING:
+    from .attention import FusedAttention
 
 
 @dataclass
@@ -96,9 +97,9 @@ def packed_attention(
 ) -> Tensor:
     """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj."""
     E = attn.embed_dim
-    fused = key is query and value is query and attn.w_qkv is not None
+    fused = key is query and value is query and attn.in_proj is not None
     if fused:
-        qkv = F.linear(query, attn.w_qkv, attn.b_qkv)  # (N, E + 2KV): one GEMM for Q, K, V
+        qkv = attn.in_proj(query)  # (N, E + 2KV): one GEMM for Q, K, V
     else:
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
     merged = query.new_empty(query.shape[0], E)  # (N, E) merged heads

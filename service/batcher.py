@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mha_engine import ServedModel
 from service.errors import (
     DeadlineExceeded,
     InferenceError,
@@ -102,7 +103,7 @@ class DynamicBatcher:
 
     def __init__(
         self,
-        model: Any,
+        model: ServedModel,
         *,
         max_batch_size: int,
         max_batch_tokens: int,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from mha_engine import ServedModel
 from service.errors import NonFiniteOutput, ServiceError
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def to_numpy(tensor: torch.Tensor, datatype: str) -> np.ndarray:
     return tensor.numpy()
 
 
-def forward_works(model: Any, works: list[Work]) -> list[list[np.ndarray] | ServiceError]:
+def forward_works(model: ServedModel, works: list[Work]) -> list[list[np.ndarray] | ServiceError]:
     """Forward every sequence of `works`; each request's outputs (or its own error), in order.
 
     Self- and cross-attention requests go in separate engine calls, so a sequence's numbers
@@ -58,7 +59,9 @@ def forward_works(model: Any, works: list[Work]) -> list[list[np.ndarray] | Serv
     return [results[id(w)] for w in works]
 
 
-def _forward_tensors(model: Any, works: list[Work]) -> list[list[np.ndarray] | ServiceError]:
+def _forward_tensors(
+    model: ServedModel, works: list[Work]
+) -> list[list[np.ndarray] | ServiceError]:
     """Hidden-state works through model.forward_varlen: one packed call for all sequences."""
     device, dtype = model.device, model.dtype
     cross = works[0].payload.key is not None

@@ -14,11 +14,11 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from mha_engine import ServedModel, ServedTextModel
 from service.inputs import Payload
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,11 @@ class TextTokenizer:
         return out
 
 
-def load_tokenizer(model_dir: Path | None, model: Any, max_seq_len: int) -> TextTokenizer | None:
+def load_tokenizer(
+    model_dir: Path | None, model: ServedModel, max_seq_len: int
+) -> TextTokenizer | None:
     """The tokenizer of a text model's directory, or None when /v1/embeddings can't be served."""
-    if model_dir is None or not hasattr(model, "embed_varlen"):
+    if model_dir is None or not isinstance(model, ServedTextModel):
         return None
     path = Path(model_dir) / TOKENIZER_FILE
     if not path.is_file():
@@ -77,7 +79,7 @@ def load_tokenizer(model_dir: Path | None, model: Any, max_seq_len: int) -> Text
     return tokenizer
 
 
-def embed_runner(model: Any, payloads: list[Payload]) -> list[list[np.ndarray]]:
+def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
     """Batcher runner: every payload's token-id sequences -> sentence vectors, one engine call."""
     ids = [torch.from_numpy(seq) for p in payloads for seq in p.query]
     vectors = model.embed_varlen(ids).cpu().numpy()  # (N, D) float32
