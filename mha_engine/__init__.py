@@ -8,7 +8,7 @@ Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sen
 
 from .attention import FusedAttention
 from .blocks import EncoderLayer, EncoderStack
-from .checkpoint import CheckpointError, load_model, save_model
+from .checkpoint import CheckpointError, load_model
 from .config import (
     EngineConfig,
     MultiheadAttentionConfig,
@@ -19,6 +19,7 @@ from .config import (
 from .demo import build_demo_model, demo_module
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .protocol import ServedModel, ServedTextModel
+from .save import save_model
 from .text import TextEmbeddings
 from .text_model import TextEncoderModel
 

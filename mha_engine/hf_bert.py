@@ -223,3 +223,50 @@ def engine_state(
         k.removeprefix("embeddings."): v for k, v in base.items() if k.startswith("embeddings.")
     }
     return encoder, embeddings
+
+
+# engine activation -> the HF name written back (gelu_new is the tanh form every family reads)
+HF_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_tanh": "gelu_new"}
+
+
+def hf_config(config: TextEncoderConfig) -> dict:
+    """The Hugging Face config.json of a text model (inverse of engine_config)."""
+    family = FAMILIES[config.model_type]
+    c: dict = {"model_type": config.model_type, "position_embedding_type": "absolute"}
+    for field, hf_field in family.fields.items():
+        value = getattr(config, field)
+        c[hf_field] = HF_ACTIVATIONS[value] if field == "activation" else value
+    c.update(
+        layer_norm_eps=config.layer_norm_eps,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        pad_token_id=config.pad_token_id,
+    )
+    if family.token_types:
+        c["type_vocab_size"] = config.type_vocab_size
+    return c
+
+
+def hf_state(
+    encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: TextEncoderConfig
+) -> dict[str, Tensor]:
+    """HF base-model weight names from the encoder (PyTorch names) and embeddings states."""
+    family, E = FAMILIES[config.model_type], config.d_model
+    a = family.attention
+    out = {f"embeddings.{k}": v for k, v in embeddings.items()}
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}.", family.layers.format(i=i)
+        in_w = encoder[f"{src}self_attn.in_proj_weight"]  # (3E, E): rows [Q; K; V]
+        in_b = encoder[f"{src}self_attn.in_proj_bias"]
+        for name, w, b in zip((a.q, a.k, a.v), in_w.split(E), in_b.split(E), strict=True):
+            out[f"{dst}{name}.weight"], out[f"{dst}{name}.bias"] = w, b
+        for ours, theirs in (
+            ("self_attn.out_proj", a.out),
+            ("norm1", family.norm1),
+            ("linear1", family.linear1),
+            ("linear2", family.linear2),
+            ("norm2", family.norm2),
+        ):
+            for kind in ("weight", "bias"):
+                out[f"{dst}{theirs}.{kind}"] = encoder[f"{src}{ours}.{kind}"]
+    return out

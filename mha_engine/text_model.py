@@ -89,6 +89,28 @@ def read_text_settings(directory: Path) -> TextSettings:
     return TextSettings(pooling, norm, max_len)
 
 
+def write_text_settings(directory: Path, config: TextEncoderConfig) -> None:
+    """sentence-transformers' files for the config's pooling, normalisation and max length."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": ST_TRANSFORMER},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_POOLING},
+    ]
+    if config.normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": ST_NORMALIZE})
+    (directory / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    pooling = {
+        "word_embedding_dimension": config.d_model,
+        "pooling_mode_cls_token": config.pooling == "cls",
+        "pooling_mode_mean_tokens": config.pooling == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+    settings = {"max_seq_length": config.max_seq_len, "do_lower_case": False}
+    (directory / "sentence_bert_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
 class TextEncoderModel(TransformerEncoderModel):
     """A BERT-family encoder: transformer_encoder tensor API plus token ids in, vectors out.
 
