@@ -7,6 +7,7 @@ EncoderStack (`encoder`); `forward` follows nn.MultiheadAttention / nn.Transform
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from . import introspect
 from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
-from .varlen import make_plan, normalise_varlen_args, split
+from .varlen import cumulative, lengths, make_plan, pack_varlen
 
 
 class EngineModel(nn.Module):
@@ -65,6 +66,29 @@ class EngineModel(nn.Module):
         if torch.is_floating_point(x):
             return x.to(device=self.device, dtype=self.dtype)
         raise TypeError(f"expected a floating point or bool tensor, got {x.dtype}")
+
+    def forward_packed(self, query: Tensor, cu_seqlens: Tensor | Sequence[int], **kwargs) -> Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward_varlen(
+        self,
+        query: list[Tensor],
+        key: list[Tensor] | None = None,
+        value: list[Tensor] | None = None,
+        key_padding_mask: list[Tensor | None] | None = None,
+        is_causal: list[bool] | bool = False,
+        bucket_padding: float = 0.0,
+    ) -> list[Tensor]:
+        """Lists of (T_i, E) sequences (and (S_i,) masks or None): a thin forward_packed wrapper."""
+        q, q_lens, k, v, kv_lens, kpm, causal = pack_varlen(
+            query, key, value, key_padding_mask, is_causal
+        )
+        cu_k = None if k is None else cumulative(kv_lens)
+        out = self.forward_packed(
+            q, cumulative(q_lens), k, v, cu_k, kpm, causal, bucket_padding=bucket_padding
+        )
+        return list(out.split(q_lens))  # [(T_i, E)]
 
     def diagnostics(self, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]:
         """SDPA backend picked for these shapes; why PyTorch's own MHA fast path would not run."""
@@ -160,29 +184,46 @@ class MultiheadAttentionModel(EngineModel):
         )
 
     @torch.inference_mode()
-    def forward_varlen(
+    def forward_packed(
         self,
-        query: list[Tensor],
-        key: list[Tensor] | None = None,
-        value: list[Tensor] | None = None,
-        key_padding_mask: list[Tensor | None] | None = None,
-        is_causal: list[bool] | bool = False,
-    ) -> list[Tensor]:
-        """Attention over sequences of different lengths, packed without padding."""
-        self_attn = key is None and value is None
-        query, key, value, kpm, causal = normalise_varlen_args(
-            query, key, value, key_padding_mask, is_causal
-        )
-        q = self._cast(torch.cat(query))  # (N, E)
-        if self_attn:
+        query: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        cu_seqlens_k: Tensor | Sequence[int] | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool | Sequence[bool] | Tensor = False,
+        bucket_padding: float = 0.0,
+    ) -> Tensor:
+        """Attention over packed sequences; returns (N, E).
+
+        query (N, E) holds B sequences split at cu_seqlens (B+1,). key (M, kdim) / value
+        (M, vdim) split at cu_seqlens_k (default cu_seqlens) give cross-attention; omitted,
+        it is self-attention. key_padding_mask (M,) covers the packed keys (True = ignore, or
+        additive float); is_causal is one flag or one per sequence. bucket_padding > 0 opts
+        into padded buckets (fewer SDPA calls, not bit-exact batch invariant; see varlen.py).
+        """
+        q = self._cast(query)  # (N, E)
+        _check_packed(q, self.embed_dim, "query")
+        q_lens = lengths(cu_seqlens, q.shape[0])
+        if key is None:
+            if value is not None or cu_seqlens_k is not None:
+                raise ValueError(
+                    "value and cu_seqlens_k need a key (omit all three for self-attention)"
+                )
             k = v = q
+            kv_lens = q_lens
         else:
-            k = self._cast(torch.cat(key))  # (M, kdim)
-            v = k if value is key else self._cast(torch.cat(value))  # (M, vdim)
-        plan = make_plan(
-            [t.shape[0] for t in query], [t.shape[0] for t in key], causal, kpm, self.device
-        )
-        return split(self.attn.forward_packed(q, plan, k, v), plan)
+            k = self._cast(key)  # (M, kdim)
+            v = k if value is None or value is key else self._cast(value)  # (M, vdim)
+            _check_packed(k, self.kdim, "key")
+            _check_packed(v, self.vdim, "value")
+            if v.shape[0] != k.shape[0]:
+                raise ValueError(f"key has {k.shape[0]} rows, value {v.shape[0]}")
+            kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+            kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
+        plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, self.device, bucket_padding)
+        return self.attn.forward_packed(q, plan, k, v)  # (N, E)
 
 
 class TransformerEncoderModel(EngineModel):
@@ -241,22 +282,31 @@ class TransformerEncoderModel(EngineModel):
         return out, stacked
 
     @torch.inference_mode()
-    def forward_varlen(
+    def forward_packed(
         self,
-        query: list[Tensor],
-        key: list[Tensor] | None = None,
-        value: list[Tensor] | None = None,
-        key_padding_mask: list[Tensor | None] | None = None,
-        is_causal: list[bool] | bool = False,
-    ) -> list[Tensor]:
-        """Encoder over sequences of different lengths: packed tokens, attention per group."""
-        if key is not None or value is not None:
+        query: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        cu_seqlens_k: Tensor | Sequence[int] | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool | Sequence[bool] | Tensor = False,
+        bucket_padding: float = 0.0,
+    ) -> Tensor:
+        """Encoder over packed sequences (N, E) split at cu_seqlens (B+1,); returns (N, E).
+
+        The attention plan is made once and reused by every layer. key_padding_mask is (N,);
+        key, value and cu_seqlens_k must be None (self-attention only).
+        """
+        if key is not None or value is not None or cu_seqlens_k is not None:
             raise ValueError("transformer_encoder is self-attention only: key/value must be None")
-        query, _, _, kpm, causal = normalise_varlen_args(
-            query, None, None, key_padding_mask, is_causal
-        )
-        lens = [t.shape[0] for t in query]
-        plan = make_plan(lens, lens, causal, kpm, self.device)
-        x = self._cast(torch.cat(query))  # (N, E)
-        out, _ = self.encoder(x, plan=plan)  # (N, E)
-        return split(out, plan)
+        x = self._cast(query)  # (N, E)
+        _check_packed(x, self.embed_dim, "query")
+        lens = lengths(cu_seqlens, x.shape[0])
+        plan = make_plan(lens, lens, is_causal, key_padding_mask, self.device, bucket_padding)
+        return self.encoder(x, plan=plan)[0]  # (N, E)
+
+
+def _check_packed(x: Tensor, width: int, name: str) -> None:
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{name} must be packed (tokens, {width}), got {tuple(x.shape)}")

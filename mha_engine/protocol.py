@@ -6,6 +6,7 @@ The service depends on these, not on the engine's classes, so any object with th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -38,6 +39,20 @@ class ServedModel(Protocol):
     @property
     def is_cross_attention_capable(self) -> bool: ...
 
+    def forward_packed(
+        self,
+        query: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        cu_seqlens_k: Tensor | Sequence[int] | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool | Sequence[bool] | Tensor = False,
+        bucket_padding: float = 0.0,
+    ) -> Tensor:
+        """Outputs (N, E) of packed sequences split at cu_seqlens; batch invariant by default."""
+        ...
+
     def forward_varlen(
         self,
         query: list[Tensor],
@@ -64,6 +79,16 @@ class ServedTextModel(ServedModel, Protocol):
 
     @property
     def max_seq_len(self) -> int: ...
+
+    def embed_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> Tensor:
+        """Sentence vectors (B, D) float32 of packed id sequences (N,) split at cu_seqlens."""
+        ...
 
     def embed_varlen(
         self, input_ids: list[Tensor], pooling: str | None = None, normalize: bool | None = None

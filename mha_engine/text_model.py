@@ -8,6 +8,7 @@ pooling and normalisation behind, as sentence-transformers configures them for t
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from .config import TextEncoderConfig
 from .errors import CheckpointError
 from .models import TransformerEncoderModel
 from .text import TextEmbeddings, normalize, pool_packed, pool_padded
-from .varlen import make_plan
+from .varlen import cumulative, lengths, make_plan
 
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
@@ -154,39 +155,59 @@ class TextEncoderModel(TransformerEncoderModel):
         kpm = None if attention_mask is None else attention_mask.to(self.device) == 0  # (B, T)
         return self._run(x, None, kpm, False, keep_weights=False)[0]
 
-    def _encode_packed(self, input_ids: list[Tensor]) -> tuple[Tensor, list[int]]:
-        lengths = [int(t.shape[0]) for t in input_ids]
-        if not lengths or min(lengths) < 1:
+    @torch.inference_mode()
+    def encode_packed(
+        self, input_ids: Tensor, cu_seqlens: Tensor | Sequence[int], bucket_padding: float = 0.0
+    ) -> Tensor:
+        """Token states (N, D) of packed unpadded id sequences (N,) split at cu_seqlens (B+1,)."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be packed (tokens,), got {tuple(input_ids.shape)}")
+        lens = lengths(cu_seqlens, input_ids.shape[0])
+        if not lens or min(lens) < 1:
             raise ValueError("every sequence needs at least one token")
-        if max(lengths) > self.max_seq_len:
-            raise ValueError(f"sequence length {max(lengths)} > max_seq_len {self.max_seq_len}")
-        ids = self._check_ids(torch.cat(input_ids), "input_ids")  # (N,)
-        x = self.embeddings.forward_packed(ids, lengths).to(self.dtype)  # (N, D)
-        n = len(lengths)
-        plan = make_plan(lengths, lengths, [False] * n, [None] * n, ids.device)
-        out, _ = self.encoder(x, plan=plan)
-        return out, lengths  # (N, D)
+        if max(lens) > self.max_seq_len:
+            raise ValueError(f"sequence length {max(lens)} > max_seq_len {self.max_seq_len}")
+        ids = self._check_ids(input_ids, "input_ids")  # (N,)
+        x = self.embeddings.forward_packed(ids, lens).to(self.dtype)  # (N, D)
+        plan = make_plan(lens, lens, False, None, ids.device, bucket_padding)
+        return self.encoder(x, plan=plan)[0]  # (N, D)
 
     @torch.inference_mode()
+    def embed_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> Tensor:
+        """Sentence vectors (B, D) in float32: encode, pool, normalise (defaults: the model's)."""
+        out = self.encode_packed(input_ids, cu_seqlens)  # (N, D)
+        pooled = pool_packed(out, lengths(cu_seqlens, out.shape[0]), pooling or self.pooling)
+        return _normalize_if(pooled, self.normalize if normalize is None else normalize)
+
     def encode_varlen(self, input_ids: list[Tensor]) -> list[Tensor]:
-        """Token states (T_i, D) of unpadded id sequences (T_i,), packed into one forward."""
-        out, lengths = self._encode_packed(input_ids)
-        return list(out.split(lengths))
+        """Token states (T_i, D) of unpadded id sequences (T_i,): a thin encode_packed wrapper."""
+        lens = [int(t.shape[0]) for t in input_ids]
+        return list(self.encode_packed(_cat_ids(input_ids), cumulative(lens)).split(lens))
 
-    @torch.inference_mode()
     def embed_varlen(
         self, input_ids: list[Tensor], pooling: str | None = None, normalize: bool | None = None
     ) -> Tensor:
-        """Sentence vectors (B, D) in float32: encode, pool, normalise (defaults: the model's)."""
-        out, lengths = self._encode_packed(input_ids)  # (N, D)
-        pooled = pool_packed(out, lengths, pooling or self.pooling)  # (B, D)
-        return _normalize_if(pooled, self.normalize if normalize is None else normalize)
+        """Sentence vectors (B, D) of unpadded id sequences: a thin embed_packed wrapper."""
+        lens = [int(t.shape[0]) for t in input_ids]
+        return self.embed_packed(_cat_ids(input_ids), cumulative(lens), pooling, normalize)
 
     @torch.inference_mode()
     def embed(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Sentence vectors (B, D) in float32 from a padded batch (padded positions excluded)."""
         hidden = self.encode(input_ids, attention_mask)  # (B, T, D)
         return _normalize_if(pool_padded(hidden, attention_mask, self.pooling), self.normalize)
+
+
+def _cat_ids(input_ids: list[Tensor]) -> Tensor:
+    if not input_ids:
+        raise ValueError("every sequence needs at least one token")
+    return torch.cat(input_ids)
 
 
 def _normalize_if(x: Tensor, flag: bool) -> Tensor:

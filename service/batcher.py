@@ -48,7 +48,7 @@ class Work:
     payload: Payload
     deadline: float  # time.monotonic() by which it must have started
     loop: asyncio.AbstractEventLoop
-    # None: hidden states through model.forward_varlen. Otherwise the batch's works that share
+    # None: hidden states through model.forward_packed. Otherwise the batch's works that share
     # this runner go to it in one call, runner(model, payloads) -> per-payload outputs (e.g.
     # token ids through the text model's embed_varlen for /v1/embeddings).
     runner: Runner | None = None
@@ -99,7 +99,7 @@ def _tokens(item: Work | Exclusive) -> int:
 
 
 class DynamicBatcher:
-    """Bounded queue + one engine worker thread running `model.forward_varlen` on batches."""
+    """Bounded queue + one engine worker thread running `model.forward_packed` on batches."""
 
     def __init__(
         self,

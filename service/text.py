@@ -81,8 +81,10 @@ def load_tokenizer(
 
 def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
     """Batcher runner: every payload's token-id sequences -> sentence vectors, one engine call."""
-    ids = [torch.from_numpy(seq) for p in payloads for seq in p.query]
-    vectors = model.embed_varlen(ids).cpu().numpy()  # (N, D) float32
+    seqs = [seq for p in payloads for seq in p.query]
+    ids = torch.from_numpy(np.concatenate(seqs))  # (tokens,) packed
+    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
+    vectors = model.embed_packed(ids, cu_seqlens).cpu().numpy()  # (N, D) float32
     out, start = [], 0
     for p in payloads:
         out.append(list(vectors[start : start + p.num_sequences]))
