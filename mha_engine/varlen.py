@@ -249,7 +249,6 @@ def packed_attention(
     attn: FusedAttention, query: Tensor, key: Tensor, value: Tensor, plan: Plan
 ) -> Tensor:
     """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj."""
-    E = attn.embed_dim
     fused = key is query and value is query and attn.in_proj is not None
     if fused:
         qkv = attn.in_proj(query)  # (N, E + 2KV): one GEMM for Q, K, V
@@ -258,7 +257,32 @@ def packed_attention(
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
     if fused and use_jagged(attn, query, plan):
         return attn.out_proj(jagged_attention(attn, q, k, v, plan))  # (N, E)
-    merged = query.new_empty(query.shape[0], E)  # (N, E) merged heads
+    if fused:
+        merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
+    else:
+        merged = grouped_attention(attn, plan, q=q, k=k, v=v)  # (N, E)
+    return attn.out_proj(merged)  # (N, E)
+
+
+@torch.compiler.disable
+def grouped_attention(
+    attn: FusedAttention,
+    plan: Plan,
+    qkv: Tensor | None = None,
+    q: Tensor | None = None,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+) -> Tensor:
+    """One SDPA call per group of the plan; merged heads (N, E) of the packed queries.
+
+    Never compiled: torch.compile would unroll the loop over groups and guard on every
+    length, recompiling for each new set of lengths. Compiled models run the per-token parts
+    (projections, norms, FFN) compiled with a dynamic token count and this loop eagerly.
+    """
+    E = attn.embed_dim
+    fused = qkv is not None
+    rows = qkv.shape[0] if fused else q.shape[0]
+    merged = (qkv if fused else q).new_empty(rows, E)  # (N, E) merged heads
     for g in plan.groups:
         if fused:
             part = _take(qkv, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E + 2KV)
@@ -275,7 +299,7 @@ def packed_attention(
             merged[g.q_rows] = y
         else:
             merged.index_copy_(0, g.q_rows, y)
-    return attn.out_proj(merged)  # (N, E)
+    return merged
 
 
 def pack_varlen(
