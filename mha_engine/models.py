@@ -7,6 +7,7 @@ EncoderStack (`encoder`); `forward` follows nn.MultiheadAttention / nn.Transform
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,14 +43,21 @@ class EngineModel(nn.Module):
     num_layers = property(lambda self: len(self.attention_layers()))
     is_cross_attention_capable = property(lambda self: self.config.cross_attention)
 
+    def _anchor(self) -> Tensor:
+        """The first floating weight of `core`: its device and dtype are the model's."""
+        for t in itertools.chain(self.core.parameters(), self.core.buffers()):
+            if t.is_floating_point():
+                return t
+        raise RuntimeError("the model holds no floating point weights to take a dtype from")
+
     @property
     def device(self) -> torch.device:
-        return self.attention_layers()[0].out_proj.weight.device
+        return self._anchor().device
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype (text models keep their embedding tables in float32)."""
-        return self.attention_layers()[0].out_proj.weight.dtype
+        return self._anchor().dtype
 
     def attention_layers(self) -> list[FusedAttention]:
         raise NotImplementedError
