@@ -1,22 +1,46 @@
 """mha_engine: fused multi-head attention and transformer encoders with PyTorch's exact numbers.
 
-Pure PyTorch inference engine used by the mha-serve service: load_model/save_model for model
-directories, fast SDPA path, attention-weights path for debugging, and packed varlen batches.
+Pure PyTorch inference engine used by the mha-serve service: nn.Modules with typed, frozen
+configs (config.py), load_model/save_model for model directories, fast SDPA path,
+attention-weights path for debugging, and packed varlen batches.
 Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out).
 """
 
-from .checkpoint import CheckpointError, load_model, save_model
+from .attention import FusedAttention
+from .blocks import EncoderLayer, EncoderStack
+from .checkpoint import CheckpointError, load_model
+from .config import (
+    EngineConfig,
+    MultiheadAttentionConfig,
+    TextEncoderConfig,
+    TransformerEncoderConfig,
+    config_from_dict,
+)
 from .demo import build_demo_model, demo_module
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
+from .protocol import ServedModel, ServedTextModel
+from .save import save_model
+from .text import TextEmbeddings
 from .text_model import TextEncoderModel
 
 __all__ = [
     "CheckpointError",
+    "EncoderLayer",
+    "EncoderStack",
+    "EngineConfig",
     "EngineModel",
+    "FusedAttention",
+    "MultiheadAttentionConfig",
     "MultiheadAttentionModel",
+    "ServedModel",
+    "ServedTextModel",
+    "TextEmbeddings",
+    "TextEncoderConfig",
     "TextEncoderModel",
+    "TransformerEncoderConfig",
     "TransformerEncoderModel",
     "build_demo_model",
+    "config_from_dict",
     "demo_module",
     "load_model",
     "save_model",

@@ -1,16 +1,25 @@
-"""Multi-head attention math: fused in-projection, masks, SDPA fast path and a weights path.
+"""FusedAttention: nn.MultiheadAttention as an inference nn.Module with fused Q/K/V projections.
 
-The fast path and the weights path sit side by side in `FusedAttention.attend` so the two
-stay easy to compare; both reproduce `nn.MultiheadAttention` numbers for every option.
+The fast path (SDPA) and the weights path sit side by side in `FusedAttention.attend` so the
+two stay easy to compare; both reproduce `nn.MultiheadAttention` numbers for every option.
+Projections are real nn.Linear modules (in_proj, out_proj; q_proj + kv_proj or k_proj/v_proj
+when kdim/vdim differ), so they can be swapped (quantized); state dicts use PyTorch's names.
 Grouped-query attention (num_kv_heads < num_heads) sizes the K/V projections to
 num_kv_heads * head_dim; SDPA repeats K/V heads itself (enable_gqa), the weights path expands.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+from .config import MultiheadAttentionConfig
+
+if TYPE_CHECKING:
+    from .varlen import Plan
 
 NEG_INF = float("-inf")
 # enable_gqa arrived in torch 2.5; older builds take the explicit repeat in `sdpa`.
@@ -90,43 +99,41 @@ def sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
-class FusedAttention:
-    """Weights of one nn.MultiheadAttention; Q/K/V projections fused where inputs are shared."""
+class FusedAttention(nn.Module):
+    """One nn.MultiheadAttention block; Q/K/V projections fused wherever inputs are shared.
 
-    def __init__(self, state: dict[str, Tensor], config: dict, prefix: str = "") -> None:
-        self.embed_dim = E = int(config["embed_dim"])
-        self.num_heads = int(config["num_heads"])
-        self.num_kv_heads = int(config.get("num_kv_heads") or self.num_heads)
-        self.head_dim = E // self.num_heads
-        self.kv_dim = KV = self.num_kv_heads * self.head_dim  # width of K and V after in_proj
-        self.kdim = int(config.get("kdim") or E)
-        self.vdim = int(config.get("vdim") or E)
-        self.add_zero_attn = bool(config.get("add_zero_attn", False))
-        if f"{prefix}in_proj_weight" in state:
-            self.w_qkv = state[f"{prefix}in_proj_weight"].contiguous()  # (E + 2KV, E)
-            w_q, w_k, w_v = self.w_qkv.split([E, KV, KV])
+    kdim == vdim == embed_dim: one `in_proj` Linear (E -> E + 2KV), PyTorch's in_proj_weight.
+    Otherwise `q_proj` plus `kv_proj` (kdim == vdim: K and V fused) or `k_proj` and `v_proj`.
+    load_state_dict takes PyTorch's names (in_proj_weight, q_proj_weight, ...) and
+    state_dict gives them back, so nn.MultiheadAttention state dicts load both ways.
+    """
+
+    def __init__(self, config: MultiheadAttentionConfig) -> None:
+        super().__init__()
+        self.config = config
+        E, KV, bias = config.embed_dim, config.kv_dim, config.bias
+        self.embed_dim, self.num_heads, self.head_dim = E, config.num_heads, config.head_dim
+        self.num_kv_heads, self.kv_dim = config.num_kv_heads, KV
+        self.kdim, self.vdim = config.kdim, config.vdim
+        self.add_zero_attn = config.add_zero_attn
+        self.in_proj = self.q_proj = self.kv_proj = self.k_proj = self.v_proj = None
+        if config.same_embed_dim:
+            self.in_proj = nn.Linear(E, E + 2 * KV, bias=bias)  # rows [Q; K; V]
         else:
-            self.w_qkv = None
-            w_q, w_k, w_v = (state[f"{prefix}{n}_proj_weight"] for n in "qkv")
-        b_qkv = state.get(f"{prefix}in_proj_bias")
-        self.b_qkv = None if b_qkv is None else b_qkv.contiguous()  # (E + 2KV,)
-        b_q, b_k, b_v = (None,) * 3 if b_qkv is None else self.b_qkv.split([E, KV, KV])
-        self.w_q, self.w_k, self.w_v = w_q.contiguous(), w_k.contiguous(), w_v.contiguous()
-        self.b_q, self.b_k, self.b_v = b_q, b_k, b_v
-        # K and V share an input in cross attention with key is value: fuse them too.
-        if self.w_qkv is not None:
-            self.w_kv = self.w_qkv[E:]  # (2KV, E), a contiguous view
-        elif self.kdim == self.vdim:
-            self.w_kv = torch.cat([self.w_k, self.w_v])  # (2KV, kdim)
+            self.q_proj = nn.Linear(E, E, bias=bias)
+            if config.kdim == config.vdim:
+                self.kv_proj = nn.Linear(config.kdim, 2 * KV, bias=bias)  # rows [K; V]
+            else:
+                self.k_proj = nn.Linear(config.kdim, KV, bias=bias)
+                self.v_proj = nn.Linear(config.vdim, KV, bias=bias)
+        self.out_proj = nn.Linear(E, E, bias=bias)
+        if config.add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, KV), requires_grad=False)
+            self.bias_v = nn.Parameter(torch.empty(1, 1, KV), requires_grad=False)
         else:
-            self.w_kv = None
-        self.b_kv = None if b_qkv is None else self.b_qkv[E:]
-        self.out_w = state[f"{prefix}out_proj.weight"].contiguous()  # (E, E)
-        self.out_b = state.get(f"{prefix}out_proj.bias")
-        bias_k = state.get(f"{prefix}bias_k")
-        self.bias_k = None if bias_k is None else bias_k.reshape(1, 1, KV)
-        bias_v = state.get(f"{prefix}bias_v")
-        self.bias_v = None if bias_v is None else bias_v.reshape(1, 1, KV)
+            self.bias_k = self.bias_v = None
+        self.register_load_state_dict_pre_hook(_from_pytorch_names)
+        self.register_state_dict_post_hook(_to_pytorch_names)
 
     @property
     def extra_keys(self) -> int:
@@ -145,18 +152,24 @@ class FusedAttention:
 
     def project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """In-projection with as few GEMMs as the inputs allow; works on any leading shape."""
-        if key is query and value is query and self.w_qkv is not None:
-            qkv = F.linear(query, self.w_qkv, self.b_qkv)  # (..., E + 2KV): one GEMM
-            return self.split_qkv(qkv)
-        q = F.linear(query, self.w_q, self.b_q)  # (..., T, E)
-        if key is value and self.w_kv is not None:
-            kv = F.linear(key, self.w_kv, self.b_kv)  # (..., S, 2KV)
-            return q, kv[..., : self.kv_dim], kv[..., self.kv_dim :]
-        return q, F.linear(key, self.w_k, self.b_k), F.linear(value, self.w_v, self.b_v)
-
-    def out_proj(self, x: Tensor) -> Tensor:
-        """Output projection on merged heads (..., E)."""
-        return F.linear(x, self.out_w, self.out_b)
+        E, KV = self.embed_dim, self.kv_dim
+        if self.in_proj is not None:
+            if key is query and value is query:
+                return self.split_qkv(self.in_proj(query))  # (..., E + 2KV): one GEMM
+            w, b = self.in_proj.weight, self.in_proj.bias  # row blocks are contiguous views
+            q = F.linear(query, w[:E], None if b is None else b[:E])  # (..., T, E)
+            kv_w, kv_b = w[E:], None if b is None else b[E:]
+        else:
+            q = self.q_proj(query)  # (..., T, E)
+            if self.kv_proj is None:
+                return q, self.k_proj(key), self.v_proj(value)
+            kv_w, kv_b = self.kv_proj.weight, self.kv_proj.bias
+        if key is value:
+            kv = F.linear(key, kv_w, kv_b)  # (..., S, 2KV): K and V in one GEMM
+            return q, kv[..., :KV], kv[..., KV:]
+        k = F.linear(key, kv_w[:KV], None if kv_b is None else kv_b[:KV])  # (..., S, KV)
+        v = F.linear(value, kv_w[KV:], None if kv_b is None else kv_b[KV:])  # (..., S, KV)
+        return q, k, v
 
     def attend(
         self,
@@ -225,7 +238,71 @@ class FusedAttention:
         is_causal: bool = False,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Batched (B, T, E) attention block: in_proj, attend, out_proj."""
-        q, k, v = self.project(query, key, value)  # (B, T, E), (B, S, E), (B, S, E)
+        """Batched (B, T, E) attention block: in_proj, attend, out_proj; weights (B, H, T, S')."""
+        q, k, v = self.project(query, key, value)  # (B, T, E), (B, S, KV), (B, S, KV)
         y, weights = self.attend(q, k, v, key_padding_mask, attn_mask, is_causal, need_weights)
         return self.out_proj(y), weights  # (B, T, E)
+
+    def forward_packed(
+        self, query: Tensor, plan: Plan, key: Tensor | None = None, value: Tensor | None = None
+    ) -> Tensor:
+        """Packed (N, E) queries (and (M, kdim|vdim) keys/values) attended per the plan's groups."""
+        from .varlen import packed_attention
+
+        key = query if key is None else key
+        value = key if value is None else value
+        return packed_attention(self, query, key, value, plan)  # (N, E)
+
+
+def _from_pytorch_names(module: FusedAttention, state: dict, prefix: str, *_: object) -> None:
+    """load_state_dict pre-hook: nn.MultiheadAttention's names onto our Linear modules."""
+    E, KV = module.embed_dim, module.kv_dim
+    weight = state.pop(f"{prefix}in_proj_weight", None)  # (E + 2KV, E)
+    bias = state.pop(f"{prefix}in_proj_bias", None)  # (E + 2KV,)
+    if weight is not None:
+        state[f"{prefix}in_proj.weight"] = weight
+    separate = [state.pop(f"{prefix}{n}_proj_weight", None) for n in "qkv"]
+    if separate[0] is not None:
+        state[f"{prefix}q_proj.weight"] = separate[0]  # (E, E)
+        if module.kv_proj is not None and None not in separate:
+            state[f"{prefix}kv_proj.weight"] = torch.cat(separate[1:])  # (2KV, kdim)
+        else:
+            state[f"{prefix}k_proj.weight"], state[f"{prefix}v_proj.weight"] = separate[1:]
+    if bias is not None:
+        if module.in_proj is not None:
+            state[f"{prefix}in_proj.bias"] = bias
+        else:
+            state[f"{prefix}q_proj.bias"] = bias[:E]
+            if module.kv_proj is not None:
+                state[f"{prefix}kv_proj.bias"] = bias[E:]
+            else:
+                state[f"{prefix}k_proj.bias"] = bias[E : E + KV]
+                state[f"{prefix}v_proj.bias"] = bias[E + KV :]
+
+
+def _to_pytorch_names(module: FusedAttention, state: dict, prefix: str, *_: object) -> None:
+    """state_dict post-hook: our Linear modules under nn.MultiheadAttention's names."""
+    KV = module.kv_dim
+
+    def take(name: str) -> Tensor | None:
+        return state.pop(f"{prefix}{name}", None)
+
+    if f"{prefix}in_proj.weight" in state:
+        state[f"{prefix}in_proj_weight"] = take("in_proj.weight")
+        bias = take("in_proj.bias")
+    elif f"{prefix}q_proj.weight" in state:
+        state[f"{prefix}q_proj_weight"] = take("q_proj.weight")
+        if f"{prefix}kv_proj.weight" in state:
+            kv = take("kv_proj.weight")
+            state[f"{prefix}k_proj_weight"], state[f"{prefix}v_proj_weight"] = kv[:KV], kv[KV:]
+            rest = [take("kv_proj.bias")]
+        else:
+            state[f"{prefix}k_proj_weight"] = take("k_proj.weight")
+            state[f"{prefix}v_proj_weight"] = take("v_proj.weight")
+            rest = [take("k_proj.bias"), take("v_proj.bias")]
+        q_bias = take("q_proj.bias")
+        bias = None if q_bias is None else torch.cat([q_bias, *rest])
+    else:
+        return  # projections swapped for other modules (e.g. quantized): their own keys stay
+    if bias is not None:
+        state[f"{prefix}in_proj_bias"] = bias

@@ -1,7 +1,8 @@
-"""Transformer encoder layer and stack, numerically equal to nn.TransformerEncoderLayer/Encoder.
+"""Transformer encoder layer and stack as nn.Modules, equal to nn.TransformerEncoderLayer/Encoder.
 
-Every op except attention is per token, so one layer serves both (B, T, E) batches and packed
-(N, E) varlen tokens: the caller passes the self-attention as a function of the layer input.
+Module and parameter names are PyTorch's (self_attn, linear1, linear2, norm1, norm2; layers,
+norm), so nn.TransformerEncoder state dicts load as they are. Every op except attention is per
+token, so one layer serves dense (B, T, E) batches and packed (N, E) tokens with a varlen Plan.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .attention import FusedAttention
+from .config import TransformerEncoderConfig
+from .varlen import Plan
 
-AttnFn = Callable[[FusedAttention, Tensor], Tensor]
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,  # exact (erf), as nn.TransformerEncoderLayer and BERT's "gelu"
@@ -21,59 +23,93 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-class EncoderLayer:
+class EncoderLayer(nn.Module):
     """One encoder layer: self-attention + feed-forward, post-norm or pre-norm (norm_first)."""
 
-    def __init__(self, state: dict[str, Tensor], config: dict, prefix: str) -> None:
-        E = int(config["d_model"])
-        attn_config = {"embed_dim": E, "num_heads": int(config["nhead"])}
-        self.self_attn = FusedAttention(state, attn_config, prefix=f"{prefix}self_attn.")
-        self.w1 = state[f"{prefix}linear1.weight"].contiguous()  # (F, E)
-        self.b1 = state.get(f"{prefix}linear1.bias")
-        self.w2 = state[f"{prefix}linear2.weight"].contiguous()  # (E, F)
-        self.b2 = state.get(f"{prefix}linear2.bias")
-        self.norm1 = (state[f"{prefix}norm1.weight"], state.get(f"{prefix}norm1.bias"))
-        self.norm2 = (state[f"{prefix}norm2.weight"], state.get(f"{prefix}norm2.bias"))
-        self.eps = float(config["layer_norm_eps"])
-        self.norm_first = bool(config["norm_first"])
-        self.activation = ACTIVATIONS[config["activation"]]
-        self.embed_dim = E
+    def __init__(self, config: TransformerEncoderConfig) -> None:
+        super().__init__()
+        E, F_, bias = config.d_model, config.dim_feedforward, config.bias
+        eps = config.layer_norm_eps
+        self.self_attn = FusedAttention(config.attention)
+        self.linear1 = nn.Linear(E, F_, bias=bias)
+        self.linear2 = nn.Linear(F_, E, bias=bias)
+        self.norm1 = nn.LayerNorm(E, eps=eps, bias=bias)
+        self.norm2 = nn.LayerNorm(E, eps=eps, bias=bias)
+        self.norm_first = config.norm_first
+        self.activation = ACTIVATIONS[config.activation]
 
-    def _norm(self, x: Tensor, params: tuple[Tensor, Tensor | None]) -> Tensor:
-        return F.layer_norm(x, (self.embed_dim,), params[0], params[1], self.eps)
+    def _self_attention(
+        self,
+        h: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        plan: Plan | None,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        if plan is not None:  # packed tokens: attention per group of equal-shaped sequences
+            return self.self_attn.forward_packed(h, plan), None  # (N, E)
+        return self.self_attn(h, h, h, key_padding_mask, attn_mask, is_causal, need_weights)
 
     def _ff(self, x: Tensor) -> Tensor:
-        h = self.activation(F.linear(x, self.w1, self.b1))  # (..., F)
-        return F.linear(h, self.w2, self.b2)  # (..., E)
+        return self.linear2(self.activation(self.linear1(x)))  # (..., F) -> (..., E)
 
-    def forward(self, x: Tensor, attn_fn: AttnFn) -> Tensor:
-        """x is (B, T, E) or packed (N, E); attn_fn(self_attn, h) returns self-attention of h."""
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        plan: Plan | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: dense (B, T, E) with masks, or packed (N, E) with the plan of its sequences.
+
+        Returns the layer output (same shape) and, with need_weights, weights (B, H, T, S).
+        """
+        attend = (key_padding_mask, attn_mask, is_causal, plan, need_weights)
         if self.norm_first:
-            x = x + attn_fn(self.self_attn, self._norm(x, self.norm1))
-            x = x + self._ff(self._norm(x, self.norm2))
+            a, weights = self._self_attention(self.norm1(x), *attend)
+            x = x + a
+            x = x + self._ff(self.norm2(x))
         else:
-            x = self._norm(x + attn_fn(self.self_attn, x), self.norm1)
-            x = self._norm(x + self._ff(x), self.norm2)
-        return x
+            a, weights = self._self_attention(x, *attend)
+            x = self.norm1(x + a)
+            x = self.norm2(x + self._ff(x))
+        return x, weights
 
 
-class EncoderStack:
+class EncoderStack(nn.Module):
     """num_layers EncoderLayers plus the optional final LayerNorm (nn.TransformerEncoder.norm)."""
 
-    def __init__(self, state: dict[str, Tensor], config: dict) -> None:
-        self.layers = [
-            EncoderLayer(state, config, f"layers.{i}.") for i in range(int(config["num_layers"]))
-        ]
-        self.embed_dim = int(config["d_model"])
-        self.eps = float(config["layer_norm_eps"])
-        self.final_norm = (
-            (state["norm.weight"], state.get("norm.bias")) if config["final_norm"] else None
+    def __init__(self, config: TransformerEncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
+            if config.final_norm
+            else None
         )
 
-    def forward(self, x: Tensor, attn_fn: AttnFn) -> Tensor:
-        """Run every layer then the final norm on (B, T, E) or packed (N, E) tokens."""
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        plan: Plan | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Every layer then the final norm on (B, T, E) or packed (N, E) tokens.
+
+        Returns the output and, with need_weights, each layer's weights (B, H, T, S).
+        """
+        weights: list[Tensor] = []
         for layer in self.layers:
-            x = layer.forward(x, attn_fn)
-        if self.final_norm is not None:
-            x = F.layer_norm(x, (self.embed_dim,), *self.final_norm, self.eps)
-        return x
+            x, w = layer(x, key_padding_mask, attn_mask, is_causal, plan, need_weights)
+            if w is not None:
+                weights.append(w)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, weights

@@ -12,8 +12,9 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
+from .config import MultiheadAttentionConfig, TextEncoderConfig
 from .errors import CheckpointError, check_state, positive_int
-from .layouts import AttentionKeys, Dims, to_pytorch_names
+from .layouts import AttentionKeys, to_pytorch_names
 
 # hidden_act -> the engine's activation; the tanh forms are the same function under two names.
 ACTIVATIONS = {
@@ -91,8 +92,8 @@ def is_hf_config(config: object) -> bool:
     return isinstance(config, dict) and "model_type" in config and "architecture" not in config
 
 
-def engine_config(config: dict) -> dict:
-    """HF config -> engine transformer_encoder config (+ model_type, vocab and position fields)."""
+def engine_config(config: dict) -> TextEncoderConfig:
+    """HF config -> the engine's TextEncoderConfig (pooling settings at their defaults)."""
     model_type = config.get("model_type")
     family = FAMILIES.get(model_type)
     if family is None:
@@ -107,7 +108,7 @@ def engine_config(config: dict) -> dict:
         raise CheckpointError(
             f"config.position_embedding_type {position_type!r} is not supported (only absolute)"
         )
-    c: dict = {"architecture": "transformer_encoder", "model_type": model_type}
+    c: dict = {"model_type": model_type}
     for field, hf_field in family.fields.items():
         if field == "activation":
             act = config.get(hf_field, "gelu")
@@ -133,7 +134,7 @@ def engine_config(config: dict) -> dict:
     if family.positions_from_padding and c["pad_token_id"] is None:
         raise CheckpointError(f"config.pad_token_id is needed for {model_type} position ids")
     c["position_offset"] = c["pad_token_id"] + 1 if family.positions_from_padding else 0
-    return c
+    return TextEncoderConfig(**c)
 
 
 def _base_prefix(state: dict) -> str:
@@ -158,20 +159,20 @@ def _legacy_names(key: str) -> str:
     return key
 
 
-def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: TextEncoderConfig) -> dict[str, tuple[int, ...]]:
     """Every HF key (without the task prefix) the config implies, with its shape."""
-    family = FAMILIES[config["model_type"]]
-    E, F = config["d_model"], config["dim_feedforward"]
+    family = FAMILIES[config.model_type]
+    E, F = config.d_model, config.dim_feedforward
     shapes = {
-        "embeddings.word_embeddings.weight": (config["vocab_size"], E),
-        "embeddings.position_embeddings.weight": (config["max_position_embeddings"], E),
+        "embeddings.word_embeddings.weight": (config.vocab_size, E),
+        "embeddings.position_embeddings.weight": (config.max_position_embeddings, E),
         "embeddings.LayerNorm.weight": (E,),
         "embeddings.LayerNorm.bias": (E,),
     }
-    if family.token_types and config["type_vocab_size"] > 0:
-        shapes["embeddings.token_type_embeddings.weight"] = (config["type_vocab_size"], E)
+    if family.token_types and config.type_vocab_size > 0:
+        shapes["embeddings.token_type_embeddings.weight"] = (config.type_vocab_size, E)
     a = family.attention
-    for i in range(config["num_layers"]):
+    for i in range(config.num_layers):
         p = family.layers.format(i=i)
         for name, rows, cols in (
             (a.q, E, E),
@@ -189,10 +190,10 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def engine_state(
-    state: dict[str, Tensor], config: dict
+    state: dict[str, Tensor], config: TextEncoderConfig
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(encoder state in EncoderStack names, embedding tensors by role) from an HF state dict."""
-    family = FAMILIES[config["model_type"]]
+    """(encoder state in nn.TransformerEncoder names, TextEmbeddings state) from HF weights."""
+    family = FAMILIES[config.model_type]
     prefix = _base_prefix(state)
     section = family.layers.split(".", 1)[0] + "."  # 'encoder.' or 'transformer.'
     base = {
@@ -202,12 +203,11 @@ def engine_state(
         and k[len(prefix) :].startswith(("embeddings.", section))
         and k.rsplit(".", 1)[-1] not in BUFFERS
     }
-    check_state(base, expected_shapes(config), f"{config['model_type']} config")
+    check_state(base, expected_shapes(config), f"{config.model_type} config")
 
-    E, H = config["d_model"], config["nhead"]
-    dims = Dims(embed_dim=E, num_heads=H, num_kv_heads=H, kdim=E, vdim=E)
+    dims = MultiheadAttentionConfig(config.d_model, config.nhead)
     encoder: dict[str, Tensor] = {}
-    for i in range(config["num_layers"]):
+    for i in range(config.num_layers):
         src, dst = family.layers.format(i=i), f"layers.{i}."
         attn, _ = to_pytorch_names(base, family.attention, dims, prefix=src, strict=False)
         encoder.update({f"{dst}self_attn.{k}": v for k, v in attn.items()})
@@ -219,13 +219,54 @@ def engine_state(
         ):
             for kind in ("weight", "bias"):
                 encoder[f"{dst}{ours}.{kind}"] = base[f"{src}{name}.{kind}"]
-    embeddings = {
-        "word": base["embeddings.word_embeddings.weight"],
-        "position": base["embeddings.position_embeddings.weight"],
-        "norm_weight": base["embeddings.LayerNorm.weight"],
-        "norm_bias": base["embeddings.LayerNorm.bias"],
+    embeddings = {  # TextEmbeddings uses HF's names under `embeddings.`
+        k.removeprefix("embeddings."): v for k, v in base.items() if k.startswith("embeddings.")
     }
-    token_type = base.get("embeddings.token_type_embeddings.weight")
-    if token_type is not None:
-        embeddings["token_type"] = token_type
     return encoder, embeddings
+
+
+# engine activation -> the HF name written back (gelu_new is the tanh form every family reads)
+HF_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_tanh": "gelu_new"}
+
+
+def hf_config(config: TextEncoderConfig) -> dict:
+    """The Hugging Face config.json of a text model (inverse of engine_config)."""
+    family = FAMILIES[config.model_type]
+    c: dict = {"model_type": config.model_type, "position_embedding_type": "absolute"}
+    for field, hf_field in family.fields.items():
+        value = getattr(config, field)
+        c[hf_field] = HF_ACTIVATIONS[value] if field == "activation" else value
+    c.update(
+        layer_norm_eps=config.layer_norm_eps,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        pad_token_id=config.pad_token_id,
+    )
+    if family.token_types:
+        c["type_vocab_size"] = config.type_vocab_size
+    return c
+
+
+def hf_state(
+    encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: TextEncoderConfig
+) -> dict[str, Tensor]:
+    """HF base-model weight names from the encoder (PyTorch names) and embeddings states."""
+    family, E = FAMILIES[config.model_type], config.d_model
+    a = family.attention
+    out = {f"embeddings.{k}": v for k, v in embeddings.items()}
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}.", family.layers.format(i=i)
+        in_w = encoder[f"{src}self_attn.in_proj_weight"]  # (3E, E): rows [Q; K; V]
+        in_b = encoder[f"{src}self_attn.in_proj_bias"]
+        for name, w, b in zip((a.q, a.k, a.v), in_w.split(E), in_b.split(E), strict=True):
+            out[f"{dst}{name}.weight"], out[f"{dst}{name}.bias"] = w, b
+        for ours, theirs in (
+            ("self_attn.out_proj", a.out),
+            ("norm1", family.norm1),
+            ("linear1", family.linear1),
+            ("linear2", family.linear2),
+            ("norm2", family.norm2),
+        ):
+            for kind in ("weight", "bias"):
+                out[f"{dst}{theirs}.{kind}"] = encoder[f"{src}{ours}.{kind}"]
+    return out

@@ -36,6 +36,7 @@ def pytorch_fast_path_blockers(model: EngineModel) -> list[str]:
     TransformerEncoderLayer.forward for batch_first=True self-attention without masks.
     """
     config, reasons = model.config, []
+    attn = config.attention
     if not torch.backends.mha.get_fastpath_enabled():
         reasons.append("torch.backends.mha.get_fastpath_enabled() was not True")
     if model.num_heads % 2:
@@ -43,18 +44,18 @@ def pytorch_fast_path_blockers(model: EngineModel) -> list[str]:
     if model.num_kv_heads != model.num_heads:
         reasons.append("num_kv_heads differs from num_heads (nn.MultiheadAttention has no GQA)")
     if model.architecture == "multihead_attention":
-        if not config.get("bias", True):
+        if not attn.bias:
             reasons.append("in_proj_bias is None (bias=False)")
-        if config.get("add_bias_kv"):
+        if attn.add_bias_kv:
             reasons.append("bias_k and bias_v are not None (add_bias_kv=True)")
-        if config.get("add_zero_attn"):
+        if attn.add_zero_attn:
             reasons.append("add_zero_attn was enabled")
         if model.kdim != model.embed_dim or model.vdim != model.embed_dim:
             reasons.append("_qkv_same_embed_dim was not True (kdim/vdim differ from embed_dim)")
     else:
-        if not config.get("bias", True):
+        if not config.bias:
             reasons.append("self_attn was passed bias=False")
-        if config.get("activation") not in ("relu", "gelu"):
+        if config.activation not in ("relu", "gelu"):
             reasons.append("activation_relu_or_gelu was not True (tanh-approximate gelu)")
     if model.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         reasons.append(f"dtype {model.dtype} is not supported by the native kernel")
@@ -88,7 +89,7 @@ def head_importance(layers: list[FusedAttention]) -> list[dict[str, Any]]:
     for index, attn in enumerate(layers):
         H, hd, E = attn.num_heads, attn.head_dim, attn.embed_dim
         w = (
-            attn.out_w.detach().float().view(E, H, hd).transpose(0, 1).reshape(H, E * hd)
+            attn.out_proj.weight.detach().float().view(E, H, hd).transpose(0, 1).reshape(H, E * hd)
         )  # (H, E*hd)
         norms = w.norm(dim=1)  # (H,)
         total = norms.sum()

@@ -14,6 +14,7 @@ from itertools import product
 import torch
 from torch import Tensor
 
+from .config import MultiheadAttentionConfig
 from .errors import CheckpointError, check_state
 
 # PyTorch's own nn.MultiheadAttention names: such state dicts load without any mapping.
@@ -60,25 +61,6 @@ class AttentionKeys:
 
     def describe(self) -> str:
         return "/".join(self.modules()) + (f" ({self.qkv_packing})" if self.fused else "")
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Projection sizes of one attention block."""
-
-    embed_dim: int
-    num_heads: int
-    num_kv_heads: int
-    kdim: int
-    vdim: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 ANNOTATED = AttentionKeys(q="linears.0", k="linears.1", v="linears.2", out="linears.3")
@@ -161,7 +143,7 @@ def detect(state: dict, prefix: str = "") -> AttentionKeys | None:
 
 
 def expected_shapes(
-    keys: AttentionKeys, dims: Dims, prefix: str = ""
+    keys: AttentionKeys, dims: MultiheadAttentionConfig, prefix: str = ""
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """(required weight shapes, optional bias shapes) under the layout's own key names."""
     E, KV = dims.embed_dim, dims.kv_dim
@@ -194,7 +176,7 @@ def _unpack_per_head(t: Tensor, num_heads: int) -> Tensor:
 def to_pytorch_names(
     state: dict[str, Tensor],
     keys: AttentionKeys,
-    dims: Dims,
+    dims: MultiheadAttentionConfig,
     prefix: str = "",
     strict: bool = True,
 ) -> tuple[dict[str, Tensor], bool]:

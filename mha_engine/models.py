@@ -1,50 +1,102 @@
-"""Loaded models: the public callables the service uses (batched, varlen, attention weights)."""
+"""Loaded models as nn.Modules: the calls the service uses (batched, varlen, attention weights).
+
+MultiheadAttentionModel wraps one FusedAttention (`attn`), TransformerEncoderModel one
+EncoderStack (`encoder`); `forward` follows nn.MultiheadAttention / nn.TransformerEncoder
+(batch_first=True). The service sees them through the ServedModel protocol (protocol.py).
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import introspect
 from .attention import FusedAttention
 from .blocks import EncoderStack
-from .varlen import make_plan, normalise_varlen_args, packed_attention, split
+from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
+from .varlen import cumulative, lengths, make_plan, pack_varlen
 
 
-class EngineModel:
-    """Shared read-only attributes and input handling of every loaded model."""
+class EngineModel(nn.Module):
+    """Shared read-only attributes and input handling of every loaded model.
+
+    Dimensions come from `config` (a frozen config dataclass); device and dtype are those of
+    the weights, so `.to(device=..., dtype=...)` moves and casts the model in place.
+    """
 
     architecture: str = ""
 
-    def __init__(self, config: dict, device: torch.device, dtype: torch.dtype) -> None:
-        self._config = dict(config)
-        self._device = device
-        self._dtype = dtype
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
+        self.config = config
 
-    config = property(lambda self: dict(self._config), doc="Copy of config.json's contents.")
-    device = property(lambda self: self._device)
-    dtype = property(lambda self: self._dtype)
-    embed_dim = property(lambda self: self._attn_layers()[0].embed_dim)
-    num_heads = property(lambda self: self._attn_layers()[0].num_heads)
-    num_kv_heads = property(lambda self: self._attn_layers()[0].num_kv_heads)
-    head_dim = property(lambda self: self._attn_layers()[0].head_dim)
-    kdim = property(lambda self: self._attn_layers()[0].kdim)
-    vdim = property(lambda self: self._attn_layers()[0].vdim)
-    num_layers = property(lambda self: len(self._attn_layers()))
-    is_cross_attention_capable: bool = False
+    embed_dim = property(lambda self: self.config.attention.embed_dim)
+    num_heads = property(lambda self: self.config.attention.num_heads)
+    num_kv_heads = property(lambda self: self.config.attention.num_kv_heads)
+    head_dim = property(lambda self: self.config.attention.head_dim)
+    kdim = property(lambda self: self.config.attention.kdim)
+    vdim = property(lambda self: self.config.attention.vdim)
+    num_layers = property(lambda self: len(self.attention_layers()))
+    is_cross_attention_capable = property(lambda self: self.config.cross_attention)
 
-    def _attn_layers(self) -> list[FusedAttention]:
+    def _anchor(self) -> Tensor:
+        """The first floating weight of `core`: its device and dtype are the model's."""
+        for t in itertools.chain(self.core.parameters(), self.core.buffers()):
+            if t.is_floating_point():
+                return t
+        raise RuntimeError("the model holds no floating point weights to take a dtype from")
+
+    @property
+    def device(self) -> torch.device:
+        return self._anchor().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (text models keep their embedding tables in float32)."""
+        return self._anchor().dtype
+
+    def attention_layers(self) -> list[FusedAttention]:
+        raise NotImplementedError
+
+    @property
+    def core(self) -> nn.Module:
+        """The module whose state_dict has PyTorch's names (what save_model writes)."""
         raise NotImplementedError
 
     def _cast(self, x: Tensor | None) -> Tensor | None:
         """Move a floating input to the model's device and dtype (no copy when already there)."""
         if x is None or x.dtype == torch.bool:
-            return None if x is None else x.to(self._device)
+            return None if x is None else x.to(self.device)
         if torch.is_floating_point(x):
-            return x.to(device=self._device, dtype=self._dtype)
+            return x.to(device=self.device, dtype=self.dtype)
         raise TypeError(f"expected a floating point or bool tensor, got {x.dtype}")
+
+    def forward_packed(self, query: Tensor, cu_seqlens: Tensor | Sequence[int], **kwargs) -> Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward_varlen(
+        self,
+        query: list[Tensor],
+        key: list[Tensor] | None = None,
+        value: list[Tensor] | None = None,
+        key_padding_mask: list[Tensor | None] | None = None,
+        is_causal: list[bool] | bool = False,
+        bucket_padding: float = 0.0,
+    ) -> list[Tensor]:
+        """Lists of (T_i, E) sequences (and (S_i,) masks or None): a thin forward_packed wrapper."""
+        q, q_lens, k, v, kv_lens, kpm, causal = pack_varlen(
+            query, key, value, key_padding_mask, is_causal
+        )
+        cu_k = None if k is None else cumulative(kv_lens)
+        out = self.forward_packed(
+            q, cumulative(q_lens), k, v, cu_k, kpm, causal, bucket_padding=bucket_padding
+        )
+        return list(out.split(q_lens))  # [(T_i, E)]
 
     def diagnostics(self, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]:
         """SDPA backend picked for these shapes; why PyTorch's own MHA fast path would not run."""
@@ -52,27 +104,28 @@ class EngineModel:
 
     def head_importance(self) -> list[dict[str, Any]]:
         """Per layer: each head's share of out_proj and the head-by-head cosine correlation."""
-        return introspect.head_importance(self._attn_layers())
+        return introspect.head_importance(self.attention_layers())
 
-    def __repr__(self) -> str:
+    def extra_repr(self) -> str:
         return (
-            f"{type(self).__name__}(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-            f"num_layers={self.num_layers}, device={self.device}, dtype={self.dtype})"
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_layers={self.num_layers}, device={self.device}, dtype={self.dtype}"
         )
 
 
 class MultiheadAttentionModel(EngineModel):
     """nn.MultiheadAttention(batch_first=True) as a fused, inference-only callable."""
 
-    architecture = "multihead_attention"
-    is_cross_attention_capable = True
+    architecture = MultiheadAttentionConfig.architecture
 
-    def __init__(self, attn: FusedAttention, config: dict, device, dtype) -> None:
-        super().__init__(config, device, dtype)
-        self._attn = attn
+    def __init__(self, config: MultiheadAttentionConfig) -> None:
+        super().__init__(config)
+        self.attn = FusedAttention(config)
 
-    def _attn_layers(self) -> list[FusedAttention]:
-        return [self._attn]
+    def attention_layers(self) -> list[FusedAttention]:
+        return [self.attn]
+
+    core = property(lambda self: self.attn, doc="nn.MultiheadAttention's names")
 
     def _prepare(self, query, key, value, key_padding_mask, attn_mask):
         """Default key/value to query, cast once keeping `is` identity, add a missing batch dim."""
@@ -96,8 +149,7 @@ class MultiheadAttentionModel(EngineModel):
         masks = self._cast(key_padding_mask), self._cast(attn_mask)
         return query, key, value, masks, batched
 
-    @torch.inference_mode()
-    def __call__(
+    def forward(
         self,
         query: Tensor,
         key: Tensor | None = None,
@@ -112,7 +164,7 @@ class MultiheadAttentionModel(EngineModel):
         q, k, v, (kpm, mask), batched = self._prepare(
             query, key, value, key_padding_mask, attn_mask
         )
-        out, weights = self._attn.forward(q, k, v, kpm, mask, is_causal, need_weights)
+        out, weights = self.attn(q, k, v, kpm, mask, is_causal, need_weights)  # (B, T, E)
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (B, T, S)
         if not batched:
@@ -120,8 +172,7 @@ class MultiheadAttentionModel(EngineModel):
             weights = None if weights is None else weights.squeeze(0)
         return out, weights
 
-    forward = __call__
-
+    @torch.inference_mode()
     def attention_weights(
         self,
         query: Tensor,
@@ -141,42 +192,61 @@ class MultiheadAttentionModel(EngineModel):
         )
 
     @torch.inference_mode()
-    def forward_varlen(
+    def forward_packed(
         self,
-        query: list[Tensor],
-        key: list[Tensor] | None = None,
-        value: list[Tensor] | None = None,
-        key_padding_mask: list[Tensor | None] | None = None,
-        is_causal: list[bool] | bool = False,
-    ) -> list[Tensor]:
-        """Attention over sequences of different lengths, packed without padding."""
-        self_attn = key is None and value is None
-        query, key, value, kpm, causal = normalise_varlen_args(
-            query, key, value, key_padding_mask, is_causal
-        )
-        q = self._cast(torch.cat(query))  # (N, E)
-        if self_attn:
+        query: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        cu_seqlens_k: Tensor | Sequence[int] | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool | Sequence[bool] | Tensor = False,
+        bucket_padding: float = 0.0,
+    ) -> Tensor:
+        """Attention over packed sequences; returns (N, E).
+
+        query (N, E) holds B sequences split at cu_seqlens (B+1,). key (M, kdim) / value
+        (M, vdim) split at cu_seqlens_k (default cu_seqlens) give cross-attention; omitted,
+        it is self-attention. key_padding_mask (M,) covers the packed keys (True = ignore, or
+        additive float); is_causal is one flag or one per sequence. bucket_padding > 0 opts
+        into padded buckets (fewer SDPA calls, not bit-exact batch invariant; see varlen.py).
+        """
+        q = self._cast(query)  # (N, E)
+        _check_packed(q, self.embed_dim, "query")
+        q_lens = lengths(cu_seqlens, q.shape[0])
+        if key is None:
+            if value is not None or cu_seqlens_k is not None:
+                raise ValueError(
+                    "value and cu_seqlens_k need a key (omit all three for self-attention)"
+                )
             k = v = q
+            kv_lens = q_lens
         else:
-            k = self._cast(torch.cat(key))  # (M, kdim)
-            v = k if value is key else self._cast(torch.cat(value))  # (M, vdim)
-        plan = make_plan(
-            [t.shape[0] for t in query], [t.shape[0] for t in key], causal, kpm, self._device
-        )
-        return split(packed_attention(self._attn, q, k, v, plan), plan)
+            k = self._cast(key)  # (M, kdim)
+            v = k if value is None or value is key else self._cast(value)  # (M, vdim)
+            _check_packed(k, self.kdim, "key")
+            _check_packed(v, self.vdim, "value")
+            if v.shape[0] != k.shape[0]:
+                raise ValueError(f"key has {k.shape[0]} rows, value {v.shape[0]}")
+            kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+            kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
+        plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, self.device, bucket_padding)
+        return self.attn.forward_packed(q, plan, k, v)  # (N, E)
 
 
 class TransformerEncoderModel(EngineModel):
     """nn.TransformerEncoder(batch_first=True) (optionally with final norm) as a fused callable."""
 
-    architecture = "transformer_encoder"
+    architecture = TransformerEncoderConfig.architecture
 
-    def __init__(self, stack: EncoderStack, config: dict, device, dtype) -> None:
-        super().__init__(config, device, dtype)
-        self._stack = stack
+    def __init__(self, config: TransformerEncoderConfig) -> None:
+        super().__init__(config)
+        self.encoder = EncoderStack(config)
 
-    def _attn_layers(self) -> list[FusedAttention]:
-        return [layer.self_attn for layer in self._stack.layers]
+    def attention_layers(self) -> list[FusedAttention]:
+        return [layer.self_attn for layer in self.encoder.layers]
+
+    core = property(lambda self: self.encoder, doc="nn.TransformerEncoder's names")
 
     def _run(self, src, mask, src_key_padding_mask, is_causal, keep_weights):
         src, mask, kpm = self._cast(src), self._cast(mask), self._cast(src_key_padding_mask)
@@ -184,22 +254,13 @@ class TransformerEncoderModel(EngineModel):
         if not batched:
             src = src.unsqueeze(0)  # (1, T, E)
             kpm = None if kpm is None else kpm.unsqueeze(0)
-        collected: list[Tensor] = []
-
-        def attn_fn(attn: FusedAttention, h: Tensor) -> Tensor:
-            out, w = attn.forward(h, h, h, kpm, mask, is_causal, need_weights=keep_weights)
-            if w is not None:
-                collected.append(w)  # (B, H, T, S)
-            return out
-
-        out = self._stack.forward(src, attn_fn)  # (B, T, E)
+        out, collected = self.encoder(src, kpm, mask, is_causal, need_weights=keep_weights)
         if not batched:
             out = out.squeeze(0)
             collected = [w.squeeze(0) for w in collected]
         return out, collected
 
-    @torch.inference_mode()
-    def __call__(
+    def forward(
         self,
         src: Tensor,
         mask: Tensor | None = None,
@@ -208,8 +269,6 @@ class TransformerEncoderModel(EngineModel):
     ) -> Tensor:
         """Like nn.TransformerEncoder(batch_first=True).forward (padded rows are computed too)."""
         return self._run(src, mask, src_key_padding_mask, is_causal, keep_weights=False)[0]
-
-    forward = __call__
 
     @torch.inference_mode()
     def attention_weights(
@@ -231,22 +290,31 @@ class TransformerEncoderModel(EngineModel):
         return out, stacked
 
     @torch.inference_mode()
-    def forward_varlen(
+    def forward_packed(
         self,
-        query: list[Tensor],
-        key: list[Tensor] | None = None,
-        value: list[Tensor] | None = None,
-        key_padding_mask: list[Tensor | None] | None = None,
-        is_causal: list[bool] | bool = False,
-    ) -> list[Tensor]:
-        """Encoder over sequences of different lengths: packed tokens, attention per group."""
-        if key is not None or value is not None:
+        query: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        cu_seqlens_k: Tensor | Sequence[int] | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool | Sequence[bool] | Tensor = False,
+        bucket_padding: float = 0.0,
+    ) -> Tensor:
+        """Encoder over packed sequences (N, E) split at cu_seqlens (B+1,); returns (N, E).
+
+        The attention plan is made once and reused by every layer. key_padding_mask is (N,);
+        key, value and cu_seqlens_k must be None (self-attention only).
+        """
+        if key is not None or value is not None or cu_seqlens_k is not None:
             raise ValueError("transformer_encoder is self-attention only: key/value must be None")
-        query, _, _, kpm, causal = normalise_varlen_args(
-            query, None, None, key_padding_mask, is_causal
-        )
-        lens = [t.shape[0] for t in query]
-        plan = make_plan(lens, lens, causal, kpm, self._device)
-        x = self._cast(torch.cat(query))  # (N, E)
-        out = self._stack.forward(x, lambda attn, h: packed_attention(attn, h, h, h, plan))
-        return split(out, plan)
+        x = self._cast(query)  # (N, E)
+        _check_packed(x, self.embed_dim, "query")
+        lens = lengths(cu_seqlens, x.shape[0])
+        plan = make_plan(lens, lens, is_causal, key_padding_mask, self.device, bucket_padding)
+        return self.encoder(x, plan=plan)[0]  # (N, E)
+
+
+def _check_packed(x: Tensor, width: int, name: str) -> None:
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{name} must be packed (tokens, {width}), got {tuple(x.shape)}")

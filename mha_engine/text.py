@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-POOLING_MODES = ("mean", "cls")
+from .config import POOLING_MODES, TextEncoderConfig
 
 
 def packed_positions(lengths: list[int], device: torch.device) -> Tensor:
@@ -28,36 +28,33 @@ def segment_ids(lengths: list[int], device: torch.device) -> Tensor:
     return torch.arange(len(lengths), device=device).repeat_interleave(lens)
 
 
-class TextEmbeddings:
-    """word + token-type + absolute position embeddings, then LayerNorm (BERT family)."""
+class TextEmbeddings(nn.Module):
+    """word + token-type + absolute position embeddings, then LayerNorm (BERT family).
 
-    def __init__(
-        self,
-        word: Tensor,
-        position: Tensor,
-        norm_weight: Tensor,
-        norm_bias: Tensor,
-        eps: float,
-        token_type: Tensor | None = None,
-        position_offset: int = 0,
-        pad_token_id: int | None = None,
-        positions_from_padding: bool = False,
-    ) -> None:
-        self.word = word  # (vocab_size, D)
-        self.position = position  # (max_position_embeddings, D)
-        self.token_type = token_type  # (type_vocab_size, D) or None (DistilBERT)
-        self.norm = (norm_weight, norm_bias)
-        self.eps = eps
-        self.embed_dim = word.shape[1]
-        self.vocab_size = word.shape[0]
-        self.position_offset = position_offset  # RoBERTa: pad_token_id + 1
-        self.pad_token_id = pad_token_id
-        self.positions_from_padding = positions_from_padding
+    Submodule names are Hugging Face's (word_embeddings, position_embeddings,
+    token_type_embeddings, LayerNorm), so an HF `embeddings.` state dict loads as it is.
+    The tables stay float32 whatever dtype the model is cast to: lookup and LayerNorm run in
+    float32 and the caller casts the result once, so a bf16 model's first layer gets the fp32
+    embeddings rounded once.
+    """
 
-    @property
-    def max_len(self) -> int:
-        """Longest sequence the position table covers."""
-        return self.position.shape[0] - self.position_offset
+    def __init__(self, config: TextEncoderConfig) -> None:
+        super().__init__()
+        D = config.d_model
+        self.word_embeddings = nn.Embedding(config.vocab_size, D)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, D)
+        self.token_type_embeddings = (
+            nn.Embedding(config.type_vocab_size, D) if config.type_vocab_size > 0 else None
+        )  # None: DistilBERT
+        self.LayerNorm = nn.LayerNorm(D, eps=config.layer_norm_eps)
+        self.position_offset = config.position_offset  # RoBERTa: pad_token_id + 1
+        self.pad_token_id = config.pad_token_id
+        self.positions_from_padding = config.positions_from_padding
+
+    def _apply(self, fn, recurse=True):
+        """Apply device moves only: the tables keep float32 (see the class docstring)."""
+        device = fn(torch.zeros(())).device
+        return super()._apply(lambda t: t.to(device=device), recurse)
 
     def padded_positions(self, input_ids: Tensor) -> Tensor:
         """(B, T) position ids as Hugging Face numbers a padded batch.
@@ -74,15 +71,15 @@ class TextEmbeddings:
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor | None = None
     ) -> Tensor:
-        """Embed ids of any shape (.., ) -> (.., D); token types default to 0."""
-        x = F.embedding(input_ids, self.word)  # (..., D)
-        if self.token_type is not None:
+        """Embed ids of any shape (..., ) -> float32 (..., D); token types default to 0."""
+        x = self.word_embeddings(input_ids)  # (..., D)
+        if self.token_type_embeddings is not None:
             if token_type_ids is None:
-                x = x + self.token_type[0]
+                x = x + self.token_type_embeddings.weight[0]
             else:
-                x = x + F.embedding(token_type_ids, self.token_type)
-        x = x + F.embedding(position_ids, self.position)
-        return F.layer_norm(x, (self.embed_dim,), *self.norm, self.eps)
+                x = x + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(position_ids)
+        return self.LayerNorm(x)
 
     def forward_packed(self, input_ids: Tensor, lengths: list[int]) -> Tensor:
         """Packed ids (N,) of unpadded sequences -> (N, D); positions restart per sequence."""

@@ -8,17 +8,18 @@ pooling and normalisation behind, as sentence-transformers configures them for t
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .blocks import EncoderStack
+from .config import TextEncoderConfig
 from .errors import CheckpointError
 from .models import TransformerEncoderModel
-from .text import POOLING_MODES, TextEmbeddings, normalize, pool_packed, pool_padded
-from .varlen import make_plan, packed_attention
+from .text import TextEmbeddings, normalize, pool_packed, pool_padded
+from .varlen import cumulative, lengths, make_plan
 
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
@@ -89,40 +90,50 @@ def read_text_settings(directory: Path) -> TextSettings:
     return TextSettings(pooling, norm, max_len)
 
 
-class TextEncoderModel(TransformerEncoderModel):
-    """A BERT-family encoder: transformer_encoder tensor API plus token ids in, vectors out."""
+def write_text_settings(directory: Path, config: TextEncoderConfig) -> None:
+    """sentence-transformers' files for the config's pooling, normalisation and max length."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": ST_TRANSFORMER},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_POOLING},
+    ]
+    if config.normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": ST_NORMALIZE})
+    (directory / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    pooling = {
+        "word_embedding_dimension": config.d_model,
+        "pooling_mode_cls_token": config.pooling == "cls",
+        "pooling_mode_mean_tokens": config.pooling == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+    settings = {"max_seq_length": config.max_seq_len, "do_lower_case": False}
+    (directory / "sentence_bert_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
-    def __init__(
-        self,
-        stack: EncoderStack,
-        embeddings: TextEmbeddings,
-        config: dict,
-        settings: TextSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        max_len = embeddings.max_len
-        if settings.max_seq_len is not None:
-            max_len = min(max_len, settings.max_seq_len)
-        if settings.pooling not in POOLING_MODES:
-            raise CheckpointError(f"pooling must be one of {POOLING_MODES}")
-        config = dict(
-            config, pooling=settings.pooling, normalize=settings.normalize, max_seq_len=max_len
-        )
-        super().__init__(stack, config, device, dtype)
-        self._embeddings = embeddings
-        self.model_type: str = config["model_type"]
-        self.max_seq_len: int = max_len
-        self.pooling: str = settings.pooling
-        self.normalize: bool = settings.normalize
-        self.vocab_size: int = embeddings.vocab_size
+
+class TextEncoderModel(TransformerEncoderModel):
+    """A BERT-family encoder: transformer_encoder tensor API plus token ids in, vectors out.
+
+    Submodules: `embeddings` (TextEmbeddings, float32) and `encoder` (EncoderStack).
+    """
+
+    def __init__(self, config: TextEncoderConfig) -> None:
+        super().__init__(config)
+        self.embeddings = TextEmbeddings(config)
+
+    model_type = property(lambda self: self.config.model_type)
+    max_seq_len = property(lambda self: self.config.max_seq_len)
+    pooling = property(lambda self: self.config.pooling)
+    normalize = property(lambda self: self.config.normalize)
+    vocab_size = property(lambda self: self.config.vocab_size)
 
     def _check_ids(self, ids: Tensor, what: str) -> Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{what} must be int64 or int32, got {ids.dtype}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"{what} holds ids outside [0, {self.vocab_size})")
-        return ids.to(device=self._device, dtype=torch.long)
+        return ids.to(device=self.device, dtype=torch.long)
 
     @torch.inference_mode()
     def encode(
@@ -138,10 +149,10 @@ class TextEncoderModel(TransformerEncoderModel):
         ids = self._check_ids(input_ids, "input_ids")  # (B, T)
         if ids.shape[-1] > self.max_seq_len:
             raise ValueError(f"sequence length {ids.shape[-1]} > max_seq_len {self.max_seq_len}")
-        types = None if token_type_ids is None else token_type_ids.to(self._device).long()
-        positions = self._embeddings.padded_positions(ids)  # (B, T)
-        x = self._embeddings.forward(ids, positions, types).to(self._dtype)  # (B, T, D)
-        kpm = None if attention_mask is None else attention_mask.to(self._device) == 0  # (B, T)
+        types = None if token_type_ids is None else token_type_ids.to(self.device).long()
+        positions = self.embeddings.padded_positions(ids)  # (B, T)
+        x = self.embeddings(ids, positions, types).to(self.dtype)  # (B, T, D)
+        kpm = None if attention_mask is None else attention_mask.to(self.device) == 0  # (B, T)
         return self._run(x, None, kpm, False, keep_weights=False)[0]
 
     @torch.inference_mode()
@@ -151,42 +162,62 @@ class TextEncoderModel(TransformerEncoderModel):
         ids = self._check_ids(input_ids, "input_ids")  # (B, T)
         if ids.shape[-1] > self.max_seq_len:
             raise ValueError(f"sequence length {ids.shape[-1]} > max_seq_len {self.max_seq_len}")
-        positions = self._embeddings.padded_positions(ids)  # (B, T)
-        return self._embeddings.forward(ids, positions).to(self._dtype)  # (B, T, D)
+        positions = self.embeddings.padded_positions(ids)  # (B, T)
+        return self.embeddings(ids, positions).to(self.dtype)  # (B, T, D)
 
-    def _encode_packed(self, input_ids: list[Tensor]) -> tuple[Tensor, list[int]]:
-        lengths = [int(t.shape[0]) for t in input_ids]
-        if not lengths or min(lengths) < 1:
+    @torch.inference_mode()
+    def encode_packed(
+        self, input_ids: Tensor, cu_seqlens: Tensor | Sequence[int], bucket_padding: float = 0.0
+    ) -> Tensor:
+        """Token states (N, D) of packed unpadded id sequences (N,) split at cu_seqlens (B+1,)."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be packed (tokens,), got {tuple(input_ids.shape)}")
+        lens = lengths(cu_seqlens, input_ids.shape[0])
+        if not lens or min(lens) < 1:
             raise ValueError("every sequence needs at least one token")
-        if max(lengths) > self.max_seq_len:
-            raise ValueError(f"sequence length {max(lengths)} > max_seq_len {self.max_seq_len}")
-        ids = self._check_ids(torch.cat(input_ids), "input_ids")  # (N,)
-        x = self._embeddings.forward_packed(ids, lengths).to(self._dtype)  # (N, D)
-        n = len(lengths)
-        plan = make_plan(lengths, lengths, [False] * n, [None] * n, ids.device)
-        out = self._stack.forward(x, lambda attn, h: packed_attention(attn, h, h, h, plan))
-        return out, lengths  # (N, D)
+        if max(lens) > self.max_seq_len:
+            raise ValueError(f"sequence length {max(lens)} > max_seq_len {self.max_seq_len}")
+        ids = self._check_ids(input_ids, "input_ids")  # (N,)
+        x = self.embeddings.forward_packed(ids, lens).to(self.dtype)  # (N, D)
+        plan = make_plan(lens, lens, False, None, ids.device, bucket_padding)
+        return self.encoder(x, plan=plan)[0]  # (N, D)
 
     @torch.inference_mode()
+    def embed_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> Tensor:
+        """Sentence vectors (B, D) in float32: encode, pool, normalise (defaults: the model's)."""
+        out = self.encode_packed(input_ids, cu_seqlens)  # (N, D)
+        pooled = pool_packed(out, lengths(cu_seqlens, out.shape[0]), pooling or self.pooling)
+        return _normalize_if(pooled, self.normalize if normalize is None else normalize)
+
     def encode_varlen(self, input_ids: list[Tensor]) -> list[Tensor]:
-        """Token states (T_i, D) of unpadded id sequences (T_i,), packed into one forward."""
-        out, lengths = self._encode_packed(input_ids)
-        return list(out.split(lengths))
+        """Token states (T_i, D) of unpadded id sequences (T_i,): a thin encode_packed wrapper."""
+        lens = [int(t.shape[0]) for t in input_ids]
+        return list(self.encode_packed(_cat_ids(input_ids), cumulative(lens)).split(lens))
 
-    @torch.inference_mode()
     def embed_varlen(
         self, input_ids: list[Tensor], pooling: str | None = None, normalize: bool | None = None
     ) -> Tensor:
-        """Sentence vectors (B, D) in float32: encode, pool, normalise (defaults: the model's)."""
-        out, lengths = self._encode_packed(input_ids)  # (N, D)
-        pooled = pool_packed(out, lengths, pooling or self.pooling)  # (B, D)
-        return _normalize_if(pooled, self.normalize if normalize is None else normalize)
+        """Sentence vectors (B, D) of unpadded id sequences: a thin embed_packed wrapper."""
+        lens = [int(t.shape[0]) for t in input_ids]
+        return self.embed_packed(_cat_ids(input_ids), cumulative(lens), pooling, normalize)
 
     @torch.inference_mode()
     def embed(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Sentence vectors (B, D) in float32 from a padded batch (padded positions excluded)."""
         hidden = self.encode(input_ids, attention_mask)  # (B, T, D)
         return _normalize_if(pool_padded(hidden, attention_mask, self.pooling), self.normalize)
+
+
+def _cat_ids(input_ids: list[Tensor]) -> Tensor:
+    if not input_ids:
+        raise ValueError("every sequence needs at least one token")
+    return torch.cat(input_ids)
 
 
 def _normalize_if(x: Tensor, flag: bool) -> Tensor:

@@ -1,48 +1,88 @@
-"""Variable-length batches without padding: pack tokens, group sequences of equal shape for SDPA.
+"""Packed variable-length batches: plan the attention groups once, reuse them in every layer.
 
-Projections, out_proj and the FFN run once on the packed (N, E) tokens; attention runs once per
-group of sequences sharing (T, S, is_causal, has_mask), stacked to (G, H, T, head_dim).
-No row of any GEMM or SDPA call depends on padding, so outputs are batch invariant.
+Tokens of all sequences sit in one (N, E) tensor with `cu_seqlens` (B+1,) boundaries, the
+flash-attention convention. Projections, out_proj and the FFN run once on all N tokens; only
+attention needs sequence boundaries, and `make_plan` decides its SDPA calls once per forward.
+
+Grouping policy (the default is exact): sequences sharing (T, S, is_causal, has_mask) are
+stacked into one (G, H, T, head_dim) SDPA call. No row of any call depends on padding or on
+batch-mates, so a sequence's numbers never depend on what it was batched with.
+
+Opt-in bucketing (`bucket_padding` > 0): sequences of nearby lengths share one masked SDPA
+call, padded to the bucket's longest (T, S). A bucket grows (longest first) while
+G * T_max * S_max <= (1 + bucket_padding) * sum(T_i * S_i), so the attention FLOPs spent on
+padding are at most `bucket_padding` times the useful ones (projections and FFN never see
+padding). Masked padding is not bit-exact against the unpadded call on CPU SDPA (differences
+~3e-7 in fp32), so bucketing gives up bit-exact batch invariance; it stays off by default.
+
+On CUDA, a plain self-attention plan (no masks, no causal, no extra keys, no GQA) goes through
+one SDPA call on nested jagged tensors (varlen flash/efficient kernels). Unverified on a GPU:
+that path is tested only through the CPU math kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import FusedAttention
+from .attention import additive_mask
+
+if TYPE_CHECKING:
+    from .attention import FusedAttention
+
+Rows = Tensor | slice
 
 
 @dataclass
 class Group:
-    """Sequences attended together: packed row indices of their queries and keys."""
+    """Sequences attended in one SDPA call, each padded (or not) to (tgt_len, src_len)."""
 
     tgt_len: int
     src_len: int
     is_causal: bool
-    q_rows: Tensor | slice  # (G*T,) indices into the packed queries, or one contiguous slice
-    kv_rows: Tensor | slice  # (G*S,) indices into the packed keys/values
-    key_padding_mask: Tensor | None  # (G, S) bool or float, or None
     size: int
+    q_rows: Rows  # (G*T,) packed query row of every position, or one contiguous slice
+    kv_rows: Rows  # (G*S,) packed key/value row of every position
+    key_padding_mask: Tensor | None  # (G, S) bool or float, padding included
+    real: Tensor | None = None  # padded groups: (sum T_i,) positions in (G*T) that are tokens
+    out_rows: Tensor | None = None  # padded groups: their packed query rows
 
 
 @dataclass
 class Plan:
-    """Packing layout of one varlen call, reused by every layer of an encoder."""
+    """Attention layout of one packed call, reused by every layer of an encoder."""
 
-    q_offsets: list[int]
     q_lens: list[int]
+    kv_lens: list[int]
     groups: list[Group]
+    cu_seqlens: Tensor  # (B+1,) int64 on the model's device
+    plain: bool  # self-attention, no masks, no causal: one jagged call is possible
+
+    @property
+    def num_sdpa_calls(self) -> int:
+        return len(self.groups)
 
 
-def _rows(offsets: list[int], length: int, device: torch.device) -> Tensor | slice:
-    if len(offsets) == 1:
-        return slice(offsets[0], offsets[0] + length)
-    starts = torch.tensor(offsets, dtype=torch.long, device=device)
-    return (starts[:, None] + torch.arange(length, device=device)).reshape(-1)  # (G*T,)
+def lengths(cu_seqlens: Tensor | Sequence[int], total: int, name: str = "cu_seqlens") -> list[int]:
+    """Sequence lengths from (B+1,) boundaries; checks they start at 0, rise and end at `total`."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    if not cu or cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {cu}")
+    lens = [b - a for a, b in pairwise(cu)]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"{name} must not decrease, got {cu}")
+    return lens
+
+
+def cumulative(lens: list[int]) -> list[int]:
+    """cu_seqlens (B+1,) of these lengths: [0, n_0, n_0 + n_1, ...]."""
+    return [0, *_offsets(lens)[1:], sum(lens)] if lens else [0]
 
 
 def _offsets(lens: list[int]) -> list[int]:
@@ -53,98 +93,265 @@ def _offsets(lens: list[int]) -> list[int]:
     return out
 
 
+def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:
+    if len(offsets) == 1:
+        return slice(offsets[0], offsets[0] + length)
+    starts = torch.tensor(offsets, dtype=torch.long, device=device)
+    return (starts[:, None] + torch.arange(length, device=device)).reshape(-1)  # (G*T,)
+
+
+def _take(x: Tensor, rows: Rows) -> Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _masked(kpm: Tensor | None, kv_lens: list[int]) -> list[bool]:
+    """Per sequence: does its slice of the packed mask hide anything? All-False is no mask."""
+    if kpm is None:
+        return [False] * len(kv_lens)
+    hides = kpm if kpm.dtype == torch.bool else kpm != 0  # (M,)
+    seg = torch.repeat_interleave(
+        torch.arange(len(kv_lens), device=kpm.device), torch.tensor(kv_lens, device=kpm.device)
+    )
+    counts = torch.zeros(len(kv_lens), device=kpm.device).index_add_(0, seg, hides.float())
+    return [c > 0 for c in counts.tolist()]
+
+
+def _exact_group(members, q_lens, kv_lens, q_off, kv_off, causal, masked, kpm, device) -> Group:
+    t, s, size = q_lens[members[0]], kv_lens[members[0]], len(members)
+    kv_rows = _rows([kv_off[i] for i in members], s, device)
+    mask = _take(kpm, kv_rows).view(size, s) if masked[members[0]] else None  # (G, S)
+    return Group(
+        t, s, causal[members[0]], size, _rows([q_off[i] for i in members], t, device), kv_rows, mask
+    )
+
+
+def _padded_group(members, q_lens, kv_lens, q_off, kv_off, causal, masked, kpm, device) -> Group:
+    """Members padded at the end to the longest (T, S); padding keys masked, queries dropped."""
+    T, S = max(q_lens[i] for i in members), max(kv_lens[i] for i in members)
+    tq = torch.tensor([q_lens[i] for i in members], device=device)  # (G,)
+    ts = torch.tensor([kv_lens[i] for i in members], device=device)  # (G,)
+    q0 = torch.tensor([q_off[i] for i in members], device=device)
+    k0 = torch.tensor([kv_off[i] for i in members], device=device)
+    pos_t, pos_s = torch.arange(T, device=device), torch.arange(S, device=device)
+    # padded positions read the sequence's last row: finite values, masked or dropped later
+    q_rows = (q0[:, None] + torch.minimum(pos_t[None], tq[:, None] - 1)).reshape(-1)  # (G*T,)
+    kv_rows = (k0[:, None] + torch.minimum(pos_s[None], ts[:, None] - 1)).reshape(-1)  # (G*S,)
+    pad = pos_s[None] >= ts[:, None]  # (G, S) True on padding keys
+    mask: Tensor | None = pad
+    if any(masked[i] for i in members):
+        own = _take(kpm, kv_rows).view(len(members), S)
+        mask = own | pad if own.dtype == torch.bool else own.masked_fill(pad, float("-inf"))
+    real_q = pos_t[None] < tq[:, None]  # (G, T)
+    real = real_q.reshape(-1).nonzero().squeeze(1)  # (sum T_i,)
+    out_rows = q_rows.index_select(0, real)
+    return Group(T, S, causal[members[0]], len(members), q_rows, kv_rows, mask, real, out_rows)
+
+
+def _buckets(seqs: list[int], q_lens: list[int], kv_lens: list[int], budget: float):
+    """Greedy buckets, longest first, while padded attention FLOPs <= (1 + budget) * useful."""
+    order = sorted(seqs, key=lambda i: (kv_lens[i], q_lens[i]), reverse=True)
+    bucket: list[int] = []
+    T = S = useful = 0
+    for i in order:
+        t, s = q_lens[i], kv_lens[i]
+        T2, S2, useful2 = max(T, t), max(S, s), useful + t * s
+        if bucket and (len(bucket) + 1) * T2 * S2 > (1 + budget) * useful2:
+            yield bucket
+            bucket, T2, S2, useful2 = [], t, s, t * s
+        bucket.append(i)
+        T, S, useful = T2, S2, useful2
+    if bucket:
+        yield bucket
+
+
 def make_plan(
     q_lens: list[int],
-    kv_lens: list[int],
-    is_causal: list[bool],
-    key_padding_mask: list[Tensor | None],
-    device: torch.device,
+    kv_lens: list[int] | None = None,
+    is_causal: bool | Sequence[bool] = False,
+    key_padding_mask: Tensor | None = None,
+    device: torch.device | str = "cpu",
+    bucket_padding: float = 0.0,
 ) -> Plan:
-    """Group sequence indices by (T, S, is_causal, has_mask), preserving first-seen order."""
-    q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
-    buckets: dict[tuple[int, int, bool, bool], list[int]] = {}
-    for i, (t, s, c, m) in enumerate(
-        zip(q_lens, kv_lens, is_causal, key_padding_mask, strict=True)
-    ):
-        if m is not None and tuple(m.shape) != (s,):
-            raise ValueError(f"key_padding_mask[{i}] shape {tuple(m.shape)} != {(s,)}")
-        buckets.setdefault((t, s, bool(c), m is not None), []).append(i)
-    groups = []
-    for (t, s, c, has_mask), members in buckets.items():
-        mask = torch.stack([key_padding_mask[i] for i in members]) if has_mask else None
-        groups.append(
-            Group(
-                tgt_len=t,
-                src_len=s,
-                is_causal=c,
-                q_rows=_rows([q_off[i] for i in members], t, device),
-                kv_rows=_rows([kv_off[i] for i in members], s, device),
-                key_padding_mask=None if mask is None else mask.to(device),
-                size=len(members),
-            )
+    """Group sequences for SDPA (see the module docstring for the policy and its bound).
+
+    key_padding_mask: packed (M,) over all keys, bool (True = ignore) or additive float; a
+    sequence whose slice hides nothing counts as unmasked, so omitting a mask and sending an
+    all-False one give the same numbers.
+    """
+    device = torch.device(device)
+    n = len(q_lens)
+    if isinstance(is_causal, Tensor):
+        is_causal = is_causal.tolist()
+    kv_lens = list(q_lens) if kv_lens is None else list(kv_lens)
+    causal = [bool(is_causal)] * n if isinstance(is_causal, bool) else [bool(c) for c in is_causal]
+    if len(kv_lens) != n or len(causal) != n:
+        raise ValueError(
+            f"{n} query sequences but {len(kv_lens)} key sequences and "
+            f"{len(causal)} is_causal flags"
         )
-    return Plan(q_offsets=q_off, q_lens=q_lens, groups=groups)
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (sum(kv_lens),):
+            raise ValueError(
+                f"key_padding_mask shape {tuple(key_padding_mask.shape)} != "
+                f"{(sum(kv_lens),)} (one entry per packed key)"
+            )
+        key_padding_mask = key_padding_mask.to(device)
+    if bucket_padding < 0:
+        raise ValueError(f"bucket_padding must be >= 0, got {bucket_padding}")
+    q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
+    masked = _masked(key_padding_mask, kv_lens)
+    args = (q_lens, kv_lens, q_off, kv_off, causal, masked, key_padding_mask, device)
+    exact: dict[tuple[int, int, bool, bool], list[int]] = {}
+    classes: dict[bool, list[int]] = {}
+    for i in range(n):
+        if bucket_padding > 0 and q_lens[i] > 0 and kv_lens[i] > 0:
+            classes.setdefault(causal[i], []).append(i)
+        else:
+            exact.setdefault((q_lens[i], kv_lens[i], causal[i], masked[i]), []).append(i)
+    groups = [_exact_group(members, *args) for members in exact.values()]
+    for seqs in classes.values():
+        for bucket in _buckets(seqs, q_lens, kv_lens, bucket_padding):
+            same = len({(q_lens[i], kv_lens[i], masked[i]) for i in bucket}) == 1
+            groups.append((_exact_group if same else _padded_group)(bucket, *args))
+    cu = torch.tensor([0, *(o + t for o, t in zip(q_off, q_lens, strict=True))], device=device)
+    plain = q_lens == kv_lens and not any(causal) and not any(masked)
+    return Plan(q_lens, kv_lens, groups, cu, plain)
 
 
-def _take(x: Tensor, rows: Tensor | slice, size: int, length: int) -> Tensor:
-    part = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)  # (G*L, C)
-    return part.view(size, length, x.shape[-1])  # (G, L, C)
+def jagged_attention(attn: FusedAttention, q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> Tensor:
+    """Self-attention of all packed sequences in one SDPA call on nested jagged tensors.
+
+    For CUDA's varlen kernels; unverified on a GPU (CPU runs it through the math kernel).
+    """
+    N, H, hd = q.shape[0], attn.num_heads, attn.head_dim
+
+    def nest(t: Tensor) -> Tensor:  # (N, H*hd) -> (B, H, j, hd) jagged over j
+        values = t.reshape(N, H, hd).contiguous()
+        return torch.nested.nested_tensor_from_jagged(values, plan.cu_seqlens).transpose(1, 2)
+
+    y = F.scaled_dot_product_attention(nest(q), nest(k), nest(v))  # (B, H, j, hd)
+    return y.transpose(1, 2).values().reshape(N, H * hd)  # (N, E)
+
+
+def use_jagged(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
+    """The CUDA varlen path applies: plain plan, no extra keys or GQA, flash-sized heads."""
+    return (
+        query.is_cuda
+        and plan.plain
+        and attn.extra_keys == 0
+        and not attn.is_gqa
+        and attn.head_dim % 8 == 0
+        and attn.head_dim <= 256
+    )
 
 
 def packed_attention(
     attn: FusedAttention, query: Tensor, key: Tensor, value: Tensor, plan: Plan
 ) -> Tensor:
     """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj."""
-    E = attn.embed_dim
-    fused = key is query and value is query and attn.w_qkv is not None
+    fused = key is query and value is query and attn.in_proj is not None
     if fused:
-        qkv = F.linear(query, attn.w_qkv, attn.b_qkv)  # (N, E + 2KV): one GEMM for Q, K, V
+        qkv = attn.in_proj(query)  # (N, E + 2KV): one GEMM for Q, K, V
+        q, k, v = attn.split_qkv(qkv)
     else:
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
-    merged = query.new_empty(query.shape[0], E)  # (N, E) merged heads
-    for g in plan.groups:
-        if fused:
-            part = _take(qkv, g.q_rows, g.size, g.tgt_len)  # (G, T, E + 2KV)
-            gq, gk, gv = attn.split_qkv(part)
-        else:
-            gq = _take(q, g.q_rows, g.size, g.tgt_len)  # (G, T, E)
-            gk = _take(k, g.kv_rows, g.size, g.src_len)  # (G, S, KV)
-            gv = _take(v, g.kv_rows, g.size, g.src_len)  # (G, S, KV)
-        y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal)  # (G, T, E)
-        y = y.reshape(-1, E)  # (G*T, E)
-        if isinstance(g.q_rows, slice):
-            merged[g.q_rows] = y
-        else:
-            merged.index_copy_(0, g.q_rows, y)
+    if fused and use_jagged(attn, query, plan):
+        return attn.out_proj(jagged_attention(attn, q, k, v, plan))  # (N, E)
+    if fused:
+        merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
+    else:
+        merged = grouped_attention(attn, plan, q=q, k=k, v=v)  # (N, E)
     return attn.out_proj(merged)  # (N, E)
 
 
-def split(packed: Tensor, plan: Plan) -> list[Tensor]:
-    """Cut packed (N, E) outputs back into the caller's (T_i, E) sequences."""
-    return list(packed.split(plan.q_lens))
+@torch.compiler.disable
+def grouped_attention(
+    attn: FusedAttention,
+    plan: Plan,
+    qkv: Tensor | None = None,
+    q: Tensor | None = None,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+) -> Tensor:
+    """One SDPA call per group of the plan; merged heads (N, E) of the packed queries.
+
+    Never compiled: torch.compile would unroll the loop over groups and guard on every
+    length, recompiling for each new set of lengths. Compiled models run the per-token parts
+    (projections, norms, FFN) compiled with a dynamic token count and this loop eagerly.
+    """
+    E = attn.embed_dim
+    fused = qkv is not None
+    rows = qkv.shape[0] if fused else q.shape[0]
+    merged = (qkv if fused else q).new_empty(rows, E)  # (N, E) merged heads
+    for g in plan.groups:
+        if fused:
+            part = _take(qkv, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E + 2KV)
+            gq, gk, gv = attn.split_qkv(part)
+        else:
+            gq = _take(q, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E)
+            gk = _take(k, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
+            gv = _take(v, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
+        y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal)  # (G, T, E)
+        y = y.reshape(-1, E)  # (G*T, E)
+        if g.real is not None:  # padded bucket: keep the real query rows only
+            merged.index_copy_(0, g.out_rows, y.index_select(0, g.real))
+        elif isinstance(g.q_rows, slice):
+            merged[g.q_rows] = y
+        else:
+            merged.index_copy_(0, g.q_rows, y)
+    return merged
 
 
-def normalise_varlen_args(
+def pack_varlen(
     query: list[Tensor],
     key: list[Tensor] | None,
     value: list[Tensor] | None,
     key_padding_mask: list[Tensor | None] | None,
     is_causal: list[bool] | bool,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], list[bool]]:
-    """Fill defaults (key/value = query, no masks) and check the list lengths agree."""
+) -> tuple[Tensor, list[int], Tensor | None, Tensor | None, list[int], Tensor | None, list[bool]]:
+    """forward_varlen's lists as packed tensors: (q, q_lens, k, v, kv_lens, kpm, causal).
+
+    k and v are None for self-attention (key and value omitted); sequences without a mask get
+    an all-False slice of the packed mask, which make_plan treats as unmasked.
+    """
     n = len(query)
-    key = query if key is None else key
-    value = key if value is None else value
-    key_padding_mask = [None] * n if key_padding_mask is None else list(key_padding_mask)
+    self_attn = key is None and value is None
+    keys = query if key is None else key
+    values = keys if value is None else value
+    masks = [None] * n if key_padding_mask is None else list(key_padding_mask)
     causal = [bool(is_causal)] * n if isinstance(is_causal, bool) else list(is_causal)
-    for name, items in (("key", key), ("value", value), ("key_padding_mask", key_padding_mask)):
+    for name, items in (("key", keys), ("value", values), ("key_padding_mask", masks)):
         if len(items) != n:
             raise ValueError(f"{name} has {len(items)} items, query has {n}")
     if len(causal) != n:
         raise ValueError(f"is_causal has {len(causal)} items, query has {n}")
-    for i, (q, k, v) in enumerate(zip(query, key, value, strict=True)):
+    for i, (q, k, v, m) in enumerate(zip(query, keys, values, masks, strict=True)):
         if q.dim() != 2 or k.dim() != 2 or v.dim() != 2:
             raise ValueError(f"item {i}: query/key/value must be 2-D (T, E)")
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"item {i}: key has {k.shape[0]} rows, value {v.shape[0]}")
-    return query, key, value, key_padding_mask, causal
+        if m is not None and tuple(m.shape) != (k.shape[0],):
+            raise ValueError(f"key_padding_mask[{i}] shape {tuple(m.shape)} != {(k.shape[0],)}")
+    q_lens, kv_lens = [t.shape[0] for t in query], [t.shape[0] for t in keys]
+    kpm = None
+    given = [m for m in masks if m is not None]
+    if given:
+        device = given[0].device
+        if all(m.dtype == torch.bool for m in given):
+            parts = [
+                torch.zeros(s, dtype=torch.bool, device=device) if m is None else m
+                for m, s in zip(masks, kv_lens, strict=True)
+            ]
+        else:  # some additive float masks: every mask as float32 additive (-inf = ignore)
+            parts = [
+                torch.zeros(s, device=device)
+                if m is None
+                else additive_mask(m, torch.float32, "key_padding_mask")
+                for m, s in zip(masks, kv_lens, strict=True)
+            ]
+        kpm = torch.cat([p.to(device) for p in parts])  # (M,)
+    if self_attn:
+        return torch.cat(query), q_lens, None, None, kv_lens, kpm, causal
+    k = torch.cat(keys)
+    v = k if value is key or value is None else torch.cat(values)
+    return torch.cat(query), q_lens, k, v, kv_lens, kpm, causal

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 import mha_engine
+from mha_engine import ServedModel
 from service import __version__, docs
 from service.batcher import DynamicBatcher, Work
 from service.errors import ServiceError
@@ -37,7 +38,7 @@ class ServiceState:
     """Everything a request handler needs, created by the lifespan."""
 
     settings: Settings
-    model: Any
+    model: ServedModel
     model_name: str
     batcher: DynamicBatcher
     metrics: Metrics
@@ -75,14 +76,14 @@ class ServiceState:
             log.info("drain grace over: %d queued requests answered 503, not computed", shed)
 
 
-def load_served_model(settings: Settings) -> Any:
+def load_served_model(settings: Settings) -> ServedModel:
     """The model from --model-dir, or the built-in demo model."""
     if settings.model_dir is None:
         return mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
     return mha_engine.load_model(settings.model_dir, device=settings.device, dtype=settings.dtype)
 
 
-def model_info(model: Any, name: str) -> dict[str, Any]:
+def model_info(model: ServedModel, name: str) -> dict[str, Any]:
     """Labels for the mha_model_info metric and the model metadata's properties."""
     diagnostics = model.diagnostics()
     return {
@@ -145,11 +146,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_queue=settings.max_queue,
             observer=metrics,
         )
-        limits = ModelLimits(
-            embed_dim=model.embed_dim,
-            kdim=model.kdim,
-            vdim=model.vdim,
-            cross_attention=model.is_cross_attention_capable,
+        limits = ModelLimits.from_config(
+            model.config,
             max_seq_len=settings.max_seq_len,
             max_sequences=settings.max_batch_size,
             max_tokens=settings.max_batch_tokens,

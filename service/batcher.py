@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mha_engine import ServedModel
 from service.errors import (
     DeadlineExceeded,
     InferenceError,
@@ -50,7 +51,7 @@ class Work:
     payload: Payload
     deadline: float  # time.monotonic() by which it must have started
     loop: asyncio.AbstractEventLoop
-    # None: hidden states through model.forward_varlen. Otherwise the batch's works that share
+    # None: hidden states through model.forward_packed. Otherwise the batch's works that share
     # this runner go to it in one call, runner(model, payloads) -> per-payload outputs (e.g.
     # token ids through the text model's embed_varlen for /v1/embeddings).
     runner: Runner | None = None
@@ -101,11 +102,11 @@ def _tokens(item: Work | Exclusive) -> int:
 
 
 class DynamicBatcher:
-    """Bounded queue + one engine worker thread running `model.forward_varlen` on batches."""
+    """Bounded queue + one engine worker thread running `model.forward_packed` on batches."""
 
     def __init__(
         self,
-        model: Any,
+        model: ServedModel,
         *,
         max_batch_size: int,
         max_batch_tokens: int,

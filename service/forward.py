@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from mha_engine import ServedModel
 from service.errors import NonFiniteOutput, ServiceError
 
 if TYPE_CHECKING:
     from service.batcher import Runner, Work
+    from service.inputs import Payload
 
 TORCH_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
@@ -32,7 +34,7 @@ def to_numpy(tensor: torch.Tensor, datatype: str) -> np.ndarray:
     return tensor.numpy()
 
 
-def forward_works(model: Any, works: list[Work]) -> list[list[np.ndarray] | ServiceError]:
+def forward_works(model: ServedModel, works: list[Work]) -> list[list[np.ndarray] | ServiceError]:
     """Forward every sequence of `works`; each request's outputs (or its own error), in order.
 
     Self- and cross-attention requests go in separate engine calls, so a sequence's numbers
@@ -58,37 +60,52 @@ def forward_works(model: Any, works: list[Work]) -> list[list[np.ndarray] | Serv
     return [results[id(w)] for w in works]
 
 
-def _forward_tensors(model: Any, works: list[Work]) -> list[list[np.ndarray] | ServiceError]:
-    """Hidden-state works through model.forward_varlen: one packed call for all sequences."""
+def _packed(arrays: list[np.ndarray], datatype: str, device, dtype) -> torch.Tensor:
+    """One request's per-sequence arrays as one packed (tokens, width) tensor."""
+    return to_torch(np.concatenate(arrays), datatype, device, dtype)
+
+
+def _forward_tensors(
+    model: ServedModel, works: list[Work]
+) -> list[list[np.ndarray] | ServiceError]:
+    """Hidden-state works through model.forward_packed: one packed call for all sequences."""
     device, dtype = model.device, model.dtype
-    cross = works[0].payload.key is not None
-    query, key, value, masks, causal = [], [], [], [], []
-    for work in works:
-        p = work.payload
-        query += [to_torch(q, p.datatype, device, dtype) for q in p.query]
-        if cross:
-            key += [to_torch(k, p.datatype, device, dtype) for k in p.key]
-            value += [to_torch(v, p.datatype, device, dtype) for v in p.value]
-        if p.key_padding_mask is not None:
-            masks += [torch.from_numpy(m).to(device) for m in p.key_padding_mask]
-        else:
-            masks += [None] * p.num_sequences
-        causal += [p.is_causal] * p.num_sequences
-    outputs = model.forward_varlen(
+    payloads = [w.payload for w in works]
+    cross = payloads[0].key is not None
+    q_lens = [q.shape[0] for p in payloads for q in p.query]
+    query = torch.cat([_packed(p.query, p.datatype, device, dtype) for p in payloads])  # (N, E)
+    key = value = cu_k = None
+    kv_lens = q_lens
+    if cross:
+        kv_lens = [k.shape[0] for p in payloads for k in p.key]
+        key = torch.cat([_packed(p.key, p.datatype, device, dtype) for p in payloads])
+        value = torch.cat([_packed(p.value, p.datatype, device, dtype) for p in payloads])
+        cu_k = np.cumsum([0, *kv_lens]).tolist()
+    masks = None
+    if any(p.key_padding_mask is not None for p in payloads):
+        parts = [
+            np.concatenate(p.key_padding_mask)
+            if p.key_padding_mask is not None
+            else np.zeros(sum(_kv_lens(p)), dtype=bool)  # all-False: same as no mask
+            for p in payloads
+        ]
+        masks = torch.from_numpy(np.concatenate(parts)).to(device)  # (M,)
+    causal = [p.is_causal for p in payloads for _ in p.query]
+    out = model.forward_packed(
         query,
-        key=key if cross else None,
-        value=value if cross else None,
-        key_padding_mask=masks if any(m is not None for m in masks) else None,
+        np.cumsum([0, *q_lens]).tolist(),
+        key=key,
+        value=value,
+        cu_seqlens_k=cu_k,
+        key_padding_mask=masks,
         is_causal=causal,
-    )
+    )  # (N, E)
     results: list[list[np.ndarray] | ServiceError] = []
-    start = 0
-    for work in works:
-        mine = outputs[start : start + work.payload.num_sequences]
-        start += work.payload.num_sequences
+    for p, mine in zip(payloads, out.split([p.num_tokens for p in payloads]), strict=True):
         # NaN/Inf survive a float64 sum; a request whose values overflowed fails alone.
-        if all(torch.isfinite(o.sum(dtype=torch.float64)) for o in mine):
-            results.append([to_numpy(o, work.payload.datatype) for o in mine])
+        if torch.isfinite(mine.sum(dtype=torch.float64)):
+            arrays = to_numpy(mine, p.datatype)  # (tokens, E)
+            results.append(np.split(arrays, np.cumsum([q.shape[0] for q in p.query])[:-1]))
         else:
             results.append(
                 NonFiniteOutput(
@@ -97,3 +114,8 @@ def _forward_tensors(model: Any, works: list[Work]) -> list[list[np.ndarray] | S
                 )
             )
     return results
+
+
+def _kv_lens(payload: Payload) -> list[int]:
+    """Key lengths of a payload's sequences (its query lengths for self-attention)."""
+    return [t.shape[0] for t in (payload.key if payload.key is not None else payload.query)]

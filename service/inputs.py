@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.codecs import InferRequest
 from service.errors import BadInput
+
+if TYPE_CHECKING:
+    from mha_engine import EngineConfig
 
 FLOAT_TYPES = ("FP32", "FP16", "BF16")
 OUTPUT_NAME = "output"
@@ -26,6 +29,22 @@ class ModelLimits:
     max_seq_len: int
     max_sequences: int
     max_tokens: int
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, *, max_seq_len: int, max_sequences: int, max_tokens: int
+    ) -> ModelLimits:
+        """Dimensions from the model's typed config; the rest from the service's settings."""
+        attention = config.attention
+        return cls(
+            embed_dim=attention.embed_dim,
+            kdim=attention.kdim,
+            vdim=attention.vdim,
+            cross_attention=config.cross_attention,
+            max_seq_len=max_seq_len,
+            max_sequences=max_sequences,
+            max_tokens=max_tokens,
+        )
 
     @property
     def needs_key_value(self) -> bool:

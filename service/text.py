@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mha_engine import ServedModel, ServedTextModel
 from service.inputs import Payload
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,11 @@ def _encoded(enc: Any) -> Encoded:
     return Encoded(np.asarray(enc.ids, dtype=np.int64), truncated=bool(enc.overflowing))
 
 
-def load_tokenizer(model_dir: Path | None, model: Any, max_seq_len: int) -> TextTokenizer | None:
+def load_tokenizer(
+    model_dir: Path | None, model: ServedModel, max_seq_len: int
+) -> TextTokenizer | None:
     """The tokenizer of a text model's directory, or None when /v1/embeddings can't be served."""
-    if model_dir is None or not hasattr(model, "embed_varlen"):
+    if model_dir is None or not isinstance(model, ServedTextModel):
         return None
     path = Path(model_dir) / TOKENIZER_FILE
     if not path.is_file():
@@ -110,10 +113,12 @@ def load_tokenizer(model_dir: Path | None, model: Any, max_seq_len: int) -> Text
     return tokenizer
 
 
-def embed_runner(model: Any, payloads: list[Payload]) -> list[list[np.ndarray]]:
+def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
     """Batcher runner: every payload's token-id sequences -> sentence vectors, one engine call."""
-    ids = [torch.from_numpy(seq) for p in payloads for seq in p.query]
-    vectors = model.embed_varlen(ids).cpu().numpy()  # (N, D) float32
+    seqs = [seq for p in payloads for seq in p.query]
+    ids = torch.from_numpy(np.concatenate(seqs))  # (tokens,) packed
+    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
+    vectors = model.embed_packed(ids, cu_seqlens).cpu().numpy()  # (N, D) float32
     out, start = [], 0
     for p in payloads:
         out.append(list(vectors[start : start + p.num_sequences]))

@@ -91,7 +91,7 @@ def test_public_attributes_and_dtype_names():
     assert (model.kdim, model.vdim, model.num_layers) == (512, 512, 1)
     assert model.is_cross_attention_capable is False
     assert model.device == torch.device("cpu") and model.dtype == torch.bfloat16
-    assert model.config["d_model"] == 512
+    assert model.config.d_model == 512
     with pytest.raises(AttributeError):
         model.embed_dim = 3
     mha = engine_from(make_mha(12, 3, kdim=5, vdim=7))

@@ -100,7 +100,7 @@ def test_single_layer_odd_heads_and_unbatched():
     enc = make_encoder(nhead=1)
     layer = enc.layers[0]
     model = engine_from(layer)  # a lone TransformerEncoderLayer exports as num_layers=1
-    assert model.num_layers == 1 and model.config["final_norm"] is False
+    assert model.num_layers == 1 and model.config.final_norm is False
     x = torch.randn(T, D)
     with torch.no_grad():
         torch.testing.assert_close(model(x), layer(x), **FP32)

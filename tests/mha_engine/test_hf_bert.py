@@ -94,7 +94,7 @@ def test_last_hidden_state_matches_transformers(tmp_path, model_type):
 def test_token_types_and_tanh_gelu(tmp_path):
     ref = make_hf("bert", hidden_act="gelu_new")
     model = load_model(save_hf(ref, tmp_path), device="cpu")
-    assert model.config["activation"] == "gelu_tanh"
+    assert model.config.activation == "gelu_tanh"
     ids, mask = _batch([6, 6])
     types = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 0, 1, 0, 1]])
     with torch.no_grad():

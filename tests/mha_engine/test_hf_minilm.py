@@ -62,8 +62,8 @@ def test_config_maps_onto_the_engine(engine):
     assert engine.model_type == "bert"
     assert (engine.embed_dim, engine.num_heads, engine.num_layers) == (384, 12, 6)
     config = engine.config
-    assert config["activation"] == "gelu" and config["norm_first"] is False
-    assert config["layer_norm_eps"] == 1e-12
+    assert config.activation == "gelu" and config.norm_first is False
+    assert config.layer_norm_eps == 1e-12
     # sentence-transformers' own files: mean pooling, Normalize, max_seq_length 256.
     assert (engine.pooling, engine.normalize, engine.max_seq_len) == ("mean", True, 256)
 

@@ -239,7 +239,7 @@ def test_detected_layouts_match_their_module(tmp_path, layout):
     build, call = SELF_ATTENTION_CASES[layout]
     module = _seeded(build())
     model = load_model(_save(tmp_path, module), device="cpu")
-    assert model.config["attention_layout"] == layout
+    assert model.config.attention_layout == layout
     _check_self_attention(model, call(module))
 
 
@@ -279,13 +279,13 @@ def test_key_map_for_unlisted_names_and_mixed_bias(tmp_path, qkv_bias):
     model = load_model(
         _save(tmp_path, module, attention_keys={"qkv": "qkv", "out": "proj"}), device="cpu"
     )
-    assert model.config["bias"] is True  # the missing qkv bias was filled with zeros
+    assert model.config.bias is True  # the missing qkv bias was filled with zeros
     _check_self_attention(model, module)
 
 
 def test_no_bias_layout_has_no_bias(tmp_path):
     model = load_model(_save(tmp_path, _seeded(GptFastAttention())), device="cpu")
-    assert model.config["bias"] is False
+    assert model.config.bias is False
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""Frozen, typed model configs: the one source of every dimension, read from and written to JSON.
+
+Field names are PyTorch's (nn.MultiheadAttention, nn.TransformerEncoderLayer). Construction
+validates, raising CheckpointError naming the field, so a config object is always usable;
+`from_dict` fills PyTorch's defaults from a config.json object and `to_dict` writes one back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+from .errors import CheckpointError
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+POOLING_MODES = ("mean", "cls")
+# Model types whose position ids count only non-pad tokens, from pad_token_id + 1.
+POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta")
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"config.{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.{name} must be true or false, got {value!r}")
+    return value
+
+
+def _known(cls: type, data: dict) -> dict[str, Any]:
+    """The entries of `data` that are fields of `cls`, with None meaning 'use the default'."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names and v is not None}
+
+
+def _check_architecture(cls: type, data: object) -> dict:
+    if not isinstance(data, dict):
+        raise CheckpointError(f"config.json must hold an object, got {type(data).__name__}")
+    if data.get("architecture", cls.architecture) != cls.architecture:
+        raise CheckpointError(
+            f"config.architecture is {data.get('architecture')!r}, expected {cls.architecture!r}"
+        )
+    return data
+
+
+@dataclass(frozen=True)
+class MultiheadAttentionConfig:
+    """nn.MultiheadAttention(batch_first=True) plus grouped-query attention (num_kv_heads)."""
+
+    architecture: ClassVar[str] = "multihead_attention"
+    cross_attention: ClassVar[bool] = True  # query, key and value may differ
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int = 0  # 0: num_heads (plain multi-head attention)
+    kdim: int = 0  # 0: embed_dim
+    vdim: int = 0  # 0: embed_dim
+    bias: bool = True
+    add_bias_kv: bool = False
+    add_zero_attn: bool = False
+    attention_layout: str | None = None  # the source file's projection names, when not PyTorch's
+
+    def __post_init__(self) -> None:
+        E, H = _positive("embed_dim", self.embed_dim), _positive("num_heads", self.num_heads)
+        for name in ("num_kv_heads", "kdim", "vdim"):
+            value = getattr(self, name)
+            default = H if name == "num_kv_heads" else E
+            object.__setattr__(self, name, default if value == 0 else _positive(name, value))
+        for name in ("bias", "add_bias_kv", "add_zero_attn"):
+            _flag(name, getattr(self, name))
+        if E % H:
+            raise CheckpointError(f"embed_dim {E} is not divisible by num_heads {H}")
+        if H % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_heads {H} is not divisible by num_kv_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K and V after projection: embed_dim without GQA."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def same_embed_dim(self) -> bool:
+        """kdim == vdim == embed_dim: Q/K/V weights stack into one in_proj (PyTorch's test)."""
+        return self.kdim == self.embed_dim and self.vdim == self.embed_dim
+
+    @property
+    def attention(self) -> MultiheadAttentionConfig:
+        """The attention block's config (itself), as every config offers."""
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """config.json contents (PyTorch's names; attention_layout only when set)."""
+        data = {"architecture": self.architecture, **asdict(self)}
+        if data["attention_layout"] is None:
+            del data["attention_layout"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MultiheadAttentionConfig:
+        """From a config.json object: missing fields get nn.MultiheadAttention's defaults."""
+        data = _check_architecture(cls, data)
+        for name in ("embed_dim", "num_heads"):
+            _positive(name, data.get(name))
+        known = _known(cls, data)
+        for name in ("num_kv_heads", "kdim", "vdim"):
+            if name in known:
+                _positive(name, known[name])
+        for name in ("bias", "add_bias_kv", "add_zero_attn"):
+            if name in known:
+                known[name] = bool(known[name])
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class TransformerEncoderConfig:
+    """nn.TransformerEncoder of identical nn.TransformerEncoderLayer(batch_first=True) layers."""
+
+    architecture: ClassVar[str] = "transformer_encoder"
+    cross_attention: ClassVar[bool] = False  # self-attention only
+
+    d_model: int
+    nhead: int
+    dim_feedforward: int
+    num_layers: int = 1
+    activation: str = "relu"  # relu | gelu (exact, erf) | gelu_tanh
+    layer_norm_eps: float = 1e-5
+    norm_first: bool = False
+    bias: bool = True
+    final_norm: bool = False  # nn.TransformerEncoder(norm=LayerNorm(d_model))
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
+            _positive(name, getattr(self, name))
+        if self.activation not in ACTIVATIONS:
+            raise CheckpointError(
+                f"config.activation must be relu or gelu (or gelu_tanh), got {self.activation!r}"
+            )
+        for name in ("norm_first", "bias", "final_norm"):
+            _flag(name, getattr(self, name))
+        if self.d_model % self.nhead:
+            raise CheckpointError(
+                f"embed_dim {self.d_model} is not divisible by num_heads {self.nhead}"
+            )
+
+    @property
+    def attention(self) -> MultiheadAttentionConfig:
+        """Config of each layer's self_attn."""
+        return MultiheadAttentionConfig(self.d_model, self.nhead, bias=self.bias)
+
+    def to_dict(self) -> dict[str, Any]:
+        """config.json contents (PyTorch's names)."""
+        return {"architecture": self.architecture, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TransformerEncoderConfig:
+        """From a config.json object: missing fields get nn.TransformerEncoderLayer's defaults."""
+        data = _check_architecture(cls, data)
+        for name in ("d_model", "nhead", "dim_feedforward"):
+            _positive(name, data.get(name))
+        known = _known(cls, data)
+        for name in ("norm_first", "bias", "final_norm"):
+            if name in known:
+                known[name] = bool(known[name])
+        if "layer_norm_eps" in known:
+            known["layer_norm_eps"] = float(known["layer_norm_eps"])
+        return cls(**known)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextEncoderConfig(TransformerEncoderConfig):
+    """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
+
+    model_type: str  # bert | roberta | xlm-roberta | distilbert
+    vocab_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 0  # 0: no token-type table (DistilBERT)
+    pad_token_id: int | None = None
+    position_offset: int = 0  # RoBERTa: pad_token_id + 1
+    pooling: str = "mean"  # mean | cls
+    normalize: bool = False
+    max_seq_len: int = 0  # 0: as many tokens as the position table holds
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("vocab_size", "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.pooling not in POOLING_MODES:
+            raise CheckpointError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.positions_from_padding and self.pad_token_id is None:
+            raise CheckpointError(
+                f"config.pad_token_id is needed for {self.model_type} position ids"
+            )
+        table = self.max_position_embeddings - self.position_offset
+        if table < 1:
+            raise CheckpointError("max_position_embeddings leaves no positions after the offset")
+        length = table if self.max_seq_len == 0 else min(table, self.max_seq_len)
+        object.__setattr__(self, "max_seq_len", _positive("max_seq_len", length))
+
+    @property
+    def positions_from_padding(self) -> bool:
+        return self.model_type in POSITIONS_FROM_PADDING
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TextEncoderConfig:
+        """From to_dict's output (the Hugging Face form is read by hf_bert.engine_config)."""
+        base = TransformerEncoderConfig.from_dict(data)
+        return cls(**{**asdict(base), **_known(cls, data)})
+
+
+EngineConfig = MultiheadAttentionConfig | TransformerEncoderConfig
+CONFIG_CLASSES: dict[str, type] = {
+    MultiheadAttentionConfig.architecture: MultiheadAttentionConfig,
+    TransformerEncoderConfig.architecture: TransformerEncoderConfig,
+}
+
+
+def config_from_dict(data: object) -> EngineConfig:
+    """The typed config of a config.json object, chosen by its `architecture`."""
+    if not isinstance(data, dict):
+        raise CheckpointError(f"config.json must hold an object, got {type(data).__name__}")
+    arch = data.get("architecture")
+    if arch not in CONFIG_CLASSES:
+        raise CheckpointError(
+            f"unknown architecture {arch!r}; expected one of {tuple(CONFIG_CLASSES)}"
+        )
+    return CONFIG_CLASSES[arch].from_dict(data)

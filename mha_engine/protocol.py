@@ -1,0 +1,97 @@
+"""What the service needs of a loaded model: the ServedModel and ServedTextModel protocols.
+
+The service depends on these, not on the engine's classes, so any object with this surface
+(MultiheadAttentionModel, TransformerEncoderModel, TextEncoderModel, a quantized variant) serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from .config import EngineConfig
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    """A model the service runs: typed config, hidden-state calls and introspection."""
+
+    architecture: str
+    config: EngineConfig  # the one source of dimensions (service limits read it)
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def embed_dim(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def kdim(self) -> int: ...
+    @property
+    def vdim(self) -> int: ...
+    @property
+    def is_cross_attention_capable(self) -> bool: ...
+
+    def forward_packed(
+        self,
+        query: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        cu_seqlens_k: Tensor | Sequence[int] | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool | Sequence[bool] | Tensor = False,
+        bucket_padding: float = 0.0,
+    ) -> Tensor:
+        """Outputs (N, E) of packed sequences split at cu_seqlens; batch invariant by default."""
+        ...
+
+    def forward_varlen(
+        self,
+        query: list[Tensor],
+        key: list[Tensor] | None = None,
+        value: list[Tensor] | None = None,
+        key_padding_mask: list[Tensor | None] | None = None,
+        is_causal: list[bool] | bool = False,
+    ) -> list[Tensor]:
+        """Outputs (T_i, E) of sequences of different lengths, batch invariant."""
+        ...
+
+    def attention_weights(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Output and attention probabilities (see the model classes for the arguments)."""
+        ...
+
+    def head_importance(self) -> list[dict[str, Any]]: ...
+
+    def diagnostics(self, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ServedTextModel(ServedModel, Protocol):
+    """A text encoder: token ids in, sentence vectors out (/v1/embeddings)."""
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    def embed_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> Tensor:
+        """Sentence vectors (B, D) float32 of packed id sequences (N,) split at cu_seqlens."""
+        ...
+
+    def embed_varlen(
+        self, input_ids: list[Tensor], pooling: str | None = None, normalize: bool | None = None
+    ) -> Tensor:
+        """Sentence vectors (B, D) float32 of unpadded id sequences (T_i,)."""
+        ...

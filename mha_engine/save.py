@@ -1,0 +1,114 @@
+"""save_model: any PyTorch block or loaded engine model as a directory load_model reads back.
+
+nn.MultiheadAttention / nn.TransformerEncoderLayer / nn.TransformerEncoder and loaded
+multihead_attention / transformer_encoder models (from any layout) are written as config.json
+(config dataclass `to_dict`) + model.safetensors in PyTorch's names; text models as a Hugging
+Face directory (config.json with model_type, HF weight names) plus sentence-transformers'
+pooling files, loadable by transformers and sentence-transformers too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from torch import Tensor, nn
+
+from . import hf_bert
+from .config import MultiheadAttentionConfig
+from .models import EngineModel
+from .text_model import TextEncoderModel, write_text_settings
+
+
+def _cpu_copies(state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """Detached CPU tensors with storage of their own (safetensors refuses shared storage)."""
+    return {f"{prefix}{k}": v.detach().cpu().clone() for k, v in state.items()}
+
+
+def module_config(module: nn.Module) -> dict:
+    """config.json contents for an nn.MultiheadAttention, TransformerEncoderLayer or Encoder."""
+    if isinstance(module, nn.MultiheadAttention):
+        return {
+            "architecture": "multihead_attention",
+            "embed_dim": module.embed_dim,
+            "num_heads": module.num_heads,
+            "bias": module.in_proj_bias is not None,
+            "add_bias_kv": module.bias_k is not None,
+            "add_zero_attn": bool(module.add_zero_attn),
+            "kdim": module.kdim,
+            "vdim": module.vdim,
+        }
+    if isinstance(module, nn.TransformerEncoder):
+        layers = [module_config(layer) for layer in module.layers]
+        if any(c != layers[0] for c in layers):
+            raise ValueError("all layers of the TransformerEncoder must share one config")
+        config = dict(layers[0], num_layers=len(layers), final_norm=module.norm is not None)
+        norm = module.norm
+        if norm is not None and (
+            not isinstance(norm, nn.LayerNorm)
+            or norm.eps != config["layer_norm_eps"]
+            or (norm.bias is not None) != config["bias"]
+        ):
+            raise ValueError("final norm must be a LayerNorm with the layers' eps and bias")
+        return config
+    if isinstance(module, nn.TransformerEncoderLayer):
+        act = getattr(module, "activation_relu_or_gelu", 0)
+        approximate = getattr(module.activation, "approximate", "none")
+        if act not in (1, 2) or approximate != "none":
+            raise ValueError("only relu and exact gelu activations can be exported")
+        if module.norm1.eps != module.norm2.eps:
+            raise ValueError("norm1.eps and norm2.eps differ; config has one layer_norm_eps")
+        return {
+            "architecture": "transformer_encoder",
+            "d_model": module.self_attn.embed_dim,
+            "nhead": module.self_attn.num_heads,
+            "dim_feedforward": module.linear1.out_features,
+            "activation": "relu" if act == 1 else "gelu",
+            "layer_norm_eps": module.norm1.eps,
+            "norm_first": bool(module.norm_first),
+            "bias": module.linear1.bias is not None,
+            "num_layers": 1,
+            "final_norm": False,
+        }
+    raise TypeError(f"cannot export {type(module).__name__}")
+
+
+def module_state(module: nn.Module) -> dict[str, Tensor]:
+    """The module's state dict in engine layout (a lone encoder layer gets `layers.0.`)."""
+    prefix = "layers.0." if isinstance(module, nn.TransformerEncoderLayer) else ""
+    return _cpu_copies(module.state_dict(), prefix)
+
+
+def engine_files(model: EngineModel) -> tuple[dict, dict[str, Tensor]]:
+    """(config.json contents, state dict) of a loaded model, in the form load_model reads."""
+    if isinstance(model, TextEncoderModel):
+        state = hf_bert.hf_state(
+            model.encoder.state_dict(), model.embeddings.state_dict(), model.config
+        )
+        return hf_bert.hf_config(model.config), _cpu_copies(state)
+    config = model.config
+    if isinstance(config, MultiheadAttentionConfig):
+        config = replace(config, attention_layout=None)  # the weights are in PyTorch's names now
+    return config.to_dict(), _cpu_copies(model.core.state_dict())
+
+
+def save_model(model: nn.Module, path: str | Path) -> None:
+    """Write config.json + model.safetensors so load_model gives back the same function.
+
+    `model` is an nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder or
+    any model load_model returned (weights keep its dtype). A text model's tokenizer files are
+    not part of the model: copy them beside it to serve /v1/embeddings from the directory.
+    """
+    from safetensors.torch import save_file
+
+    if isinstance(model, EngineModel):
+        config, state = engine_files(model)
+    else:
+        config, state = module_config(model), module_state(model)
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if isinstance(model, TextEncoderModel):
+        write_text_settings(directory, model.config)
