@@ -17,6 +17,7 @@ from . import introspect
 from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
+from .quantize import is_int8
 from .varlen import cumulative, lengths, make_plan, pack_varlen
 
 
@@ -44,12 +45,19 @@ class EngineModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.attention_layers()[0].out_proj.weight.device
+        return _first_float(self.attention_layers()[0].out_proj).device
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (text models keep their embedding tables in float32)."""
-        return self.attention_layers()[0].out_proj.weight.dtype
+        """The compute dtype (text models keep their embedding tables in float32; int8 models
+        compute in float32 between their int8 GEMMs)."""
+        return _first_float(self.attention_layers()[0].out_proj).dtype
+
+    @property
+    def precision(self) -> str:
+        """What metadata and metrics call the model's dtype: "int8" once quantized, else the
+        compute dtype's name (float32, bfloat16, float16)."""
+        return "int8" if is_int8(self) else str(self.dtype).removeprefix("torch.")
 
     def attention_layers(self) -> list[FusedAttention]:
         raise NotImplementedError
@@ -101,7 +109,7 @@ class EngineModel(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-            f"num_layers={self.num_layers}, device={self.device}, dtype={self.dtype}"
+            f"num_layers={self.num_layers}, device={self.device}, dtype={self.precision}"
         )
 
 
@@ -310,3 +318,11 @@ class TransformerEncoderModel(EngineModel):
 def _check_packed(x: Tensor, width: int, name: str) -> None:
     if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"{name} must be packed (tokens, {width}), got {tuple(x.shape)}")
+
+
+def _first_float(module: nn.Module) -> Tensor:
+    """The first floating parameter or buffer (a Linear's weight; an Int8Linear's scales)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            return tensor
+    raise TypeError(f"{type(module).__name__} has no floating point tensor")
