@@ -111,8 +111,8 @@ class Int8Linear(nn.Module):
     def quantize_rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """uint8 (N, K + J) rows with their zero points in the extra columns, and scales (N,).
 
-        Only single-rounding elementwise ops, so each value is the same whichever vector lane
-        or thread computes it; min/max are exact.
+        Elementwise ops and exact min/max only: each value is computed the same way whichever
+        batch it is in (tested bit for bit).
         """
         N, K = x.shape
         lo = x.amin(dim=1).clamp_(max=0.0)  # (N,) 0 is always representable
@@ -120,8 +120,8 @@ class Int8Linear(nn.Module):
         scale = (hi - lo).div_(ACT_LEVELS).clamp_(min=TINY)  # (N,)
         inv = scale.reciprocal()
         zero = (lo * inv).neg_().round_()  # (N,) in [0, 127]
-        t = x * inv[:, None]
-        t.add_(zero.add(0.5)[:, None])  # in [0, 128]: truncation below rounds to nearest
+        t = torch.addcmul(zero.add(0.5)[:, None], x, inv[:, None])  # (N, K) in [0, 128]
+        # ^ x / scale + zero + 0.5: the uint8 truncation below rounds it to nearest.
         q = torch.empty(N, self._width, dtype=torch.uint8, device=x.device)
         q[:, :K] = t
         q[:, K:] = zero[:, None]
