@@ -52,7 +52,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
             raise ValueError(f"unsupported dtype {dtype}; use one of {list(DTYPES)}")
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {list(DTYPES)}")
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {[*DTYPES, INT8]}")
     return DTYPES[dtype]
 
 
