@@ -137,9 +137,10 @@ class Int8Linear(nn.Module):
             q, 1.0, 0, self._packed, self.weight_scale, self._zero_points, None,
             1.0, 0, torch.float32, "none", [], "",
         )  # (N, M) = exact int32 sums * weight_scale  # fmt: skip
-        y.mul_(scale[:, None])
-        if self.bias is not None:
-            y.add_(self.bias)
+        if self.bias is None:
+            y.mul_(scale[:, None])
+        else:
+            torch.addcmul(self.bias, y, scale[:, None], out=y)  # one pass: y * scale + bias
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
