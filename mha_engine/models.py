@@ -7,6 +7,7 @@ EncoderStack (`encoder`); `forward` follows nn.MultiheadAttention / nn.Transform
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,15 +44,22 @@ class EngineModel(nn.Module):
     num_layers = property(lambda self: len(self.attention_layers()))
     is_cross_attention_capable = property(lambda self: self.config.cross_attention)
 
+    def _anchor(self) -> Tensor:
+        """The first floating weight of `core`: its device and dtype are the model's."""
+        for t in itertools.chain(self.core.parameters(), self.core.buffers()):
+            if t.is_floating_point():
+                return t
+        raise RuntimeError("the model holds no floating point weights to take a dtype from")
+
     @property
     def device(self) -> torch.device:
-        return _first_float(self.attention_layers()[0].out_proj).device
+        return self._anchor().device
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype (text models keep their embedding tables in float32; int8 models
         compute in float32 between their int8 GEMMs)."""
-        return _first_float(self.attention_layers()[0].out_proj).dtype
+        return self._anchor().dtype
 
     @property
     def precision(self) -> str:
@@ -318,11 +326,3 @@ class TransformerEncoderModel(EngineModel):
 def _check_packed(x: Tensor, width: int, name: str) -> None:
     if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"{name} must be packed (tokens, {width}), got {tuple(x.shape)}")
-
-
-def _first_float(module: nn.Module) -> Tensor:
-    """The first floating parameter or buffer (a Linear's weight; an Int8Linear's scales)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.is_floating_point():
-            return tensor
-    raise TypeError(f"{type(module).__name__} has no floating point tensor")
