@@ -19,6 +19,7 @@ from .config import (
 from .demo import build_demo_model, demo_module
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .protocol import ServedModel, ServedTextModel
+from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .save import save_model
 from .text import TextEmbeddings
 from .text_model import TextEncoderModel
@@ -30,6 +31,8 @@ __all__ = [
     "EngineConfig",
     "EngineModel",
     "FusedAttention",
+    "Int8Linear",
+    "Int8Unsupported",
     "MultiheadAttentionConfig",
     "MultiheadAttentionModel",
     "ServedModel",
@@ -43,5 +46,6 @@ __all__ = [
     "config_from_dict",
     "demo_module",
     "load_model",
+    "quantize_int8",
     "save_model",
 ]

@@ -99,6 +99,16 @@ def sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
+def linear_rows(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
+    """x @ W[start:stop].T + b[start:stop]: a row block of an nn.Linear, or of a quantized
+    Linear through its `rows` (packed once per block)."""
+    rows = getattr(linear, "rows", None)
+    if rows is not None:
+        return rows(start, stop)(x)
+    b = linear.bias
+    return F.linear(x, linear.weight[start:stop], None if b is None else b[start:stop])
+
+
 class FusedAttention(nn.Module):
     """One nn.MultiheadAttention block; Q/K/V projections fused wherever inputs are shared.
 
@@ -156,19 +166,18 @@ class FusedAttention(nn.Module):
         if self.in_proj is not None:
             if key is query and value is query:
                 return self.split_qkv(self.in_proj(query))  # (..., E + 2KV): one GEMM
-            w, b = self.in_proj.weight, self.in_proj.bias  # row blocks are contiguous views
-            q = F.linear(query, w[:E], None if b is None else b[:E])  # (..., T, E)
-            kv_w, kv_b = w[E:], None if b is None else b[E:]
+            q = linear_rows(self.in_proj, query, 0, E)  # (..., T, E)
+            kv_proj, kv0 = self.in_proj, E  # K and V are the rows after Q
         else:
             q = self.q_proj(query)  # (..., T, E)
             if self.kv_proj is None:
                 return q, self.k_proj(key), self.v_proj(value)
-            kv_w, kv_b = self.kv_proj.weight, self.kv_proj.bias
+            kv_proj, kv0 = self.kv_proj, 0
         if key is value:
-            kv = F.linear(key, kv_w, kv_b)  # (..., S, 2KV): K and V in one GEMM
+            kv = linear_rows(kv_proj, key, kv0, kv0 + 2 * KV)  # (..., S, 2KV): one GEMM
             return q, kv[..., :KV], kv[..., KV:]
-        k = F.linear(key, kv_w[:KV], None if kv_b is None else kv_b[:KV])  # (..., S, KV)
-        v = F.linear(value, kv_w[KV:], None if kv_b is None else kv_b[KV:])  # (..., S, KV)
+        k = linear_rows(kv_proj, key, kv0, kv0 + KV)  # (..., S, KV)
+        v = linear_rows(kv_proj, value, kv0 + KV, kv0 + 2 * KV)  # (..., S, KV)
         return q, k, v
 
     def attend(

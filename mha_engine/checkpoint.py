@@ -28,10 +28,12 @@ from .config import (
 )
 from .errors import CheckpointError, check_state
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
+from .quantize import Int8Unsupported, int8_unsupported_reason, quantize_int8
 from .text_model import TextEncoderModel, read_text_settings
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INT8 = "int8"  # not a torch compute dtype: float32 weights quantized at load (quantize.py)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -50,8 +52,23 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
             raise ValueError(f"unsupported dtype {dtype}; use one of {list(DTYPES)}")
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {list(DTYPES)}")
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {[*DTYPES, INT8]}")
     return DTYPES[dtype]
+
+
+def resolve_precision(
+    dtype: str | torch.dtype | None, device: torch.device
+) -> tuple[torch.dtype, bool]:
+    """(weights' dtype, quantize to int8?): "int8" loads float32 weights, then quantize_int8.
+
+    Raises Int8Unsupported for int8 where the device or build lacks the kernels.
+    """
+    if dtype != INT8:
+        return resolve_dtype(dtype), False
+    reason = int8_unsupported_reason(device)
+    if reason is not None:
+        raise Int8Unsupported(reason)
+    return torch.float32, True
 
 
 def parse_config(config: object) -> EngineConfig:
@@ -151,14 +168,16 @@ def model_from_state_dict(
     if isinstance(config, MultiheadAttentionConfig):
         state, config = attention_to_pytorch_names(state, config, key_map)
     validate_state_dict(state, config)
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    device = resolve_device(device)
+    dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
         if isinstance(config, MultiheadAttentionConfig):
             model = MultiheadAttentionModel(config)
         else:
             model = TransformerEncoderModel(config)
     _assign(model.core, state, device, dtype)
-    return model.requires_grad_(False).eval()
+    model = model.requires_grad_(False).eval()
+    return quantize_int8(model) if int8 else model
 
 
 def _read_weights(directory: Path) -> dict:
@@ -194,7 +213,10 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
 ) -> EngineModel:
-    """Load a model directory (config.json + weights) into a fused EngineModel."""
+    """Load a model directory (config.json + weights) into a fused EngineModel.
+
+    dtype: float32 (default), bfloat16, float16, or "int8" (int8 Linears, the rest float32).
+    """
     directory = Path(path)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -226,9 +248,11 @@ def text_model_from_directory(
     )
     encoder_state, embedding_state = hf_bert.engine_state(_read_weights(directory), config)
     validate_state_dict(encoder_state, config)
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    device = resolve_device(device)
+    dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
         model = TextEncoderModel(config)
     _assign(model.encoder, encoder_state, device, dtype)
     _assign(model.embeddings, embedding_state, device, torch.float32)  # see TextEmbeddings
-    return model.requires_grad_(False).eval()
+    model = model.requires_grad_(False).eval()
+    return quantize_int8(model) if int8 else model

@@ -72,6 +72,7 @@ def diagnostics(model: EngineModel, batch_size: int = 1, seq_len: int = 128) -> 
         "architecture": model.architecture,
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "precision": model.precision,
         "batch_size": batch_size,
         "seq_len": seq_len,
         "sdpa_backend": backend,
@@ -88,9 +89,9 @@ def head_importance(layers: list[FusedAttention]) -> list[dict[str, Any]]:
     report = []
     for index, attn in enumerate(layers):
         H, hd, E = attn.num_heads, attn.head_dim, attn.embed_dim
-        w = (
-            attn.out_proj.weight.detach().float().view(E, H, hd).transpose(0, 1).reshape(H, E * hd)
-        )  # (H, E*hd)
+        out = attn.out_proj
+        w = out.dequantize() if hasattr(out, "dequantize") else out.weight.detach().float()
+        w = w.view(E, H, hd).transpose(0, 1).reshape(H, E * hd)  # (H, E*hd)
         norms = w.norm(dim=1)  # (H,)
         total = norms.sum()
         share = norms / total if total > 0 else torch.full_like(norms, 1.0 / H)

@@ -18,6 +18,7 @@ from . import introspect
 from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
+from .quantize import is_int8
 from .varlen import cumulative, lengths, make_plan, pack_varlen
 
 
@@ -56,8 +57,15 @@ class EngineModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (text models keep their embedding tables in float32)."""
+        """The compute dtype (text models keep their embedding tables in float32; int8 models
+        compute in float32 between their int8 GEMMs)."""
         return self._anchor().dtype
+
+    @property
+    def precision(self) -> str:
+        """What metadata and metrics call the model's dtype: "int8" once quantized, else the
+        compute dtype's name (float32, bfloat16, float16)."""
+        return "int8" if is_int8(self) else str(self.dtype).removeprefix("torch.")
 
     def attention_layers(self) -> list[FusedAttention]:
         raise NotImplementedError
@@ -109,7 +117,7 @@ class EngineModel(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-            f"num_layers={self.num_layers}, device={self.device}, dtype={self.dtype}"
+            f"num_layers={self.num_layers}, device={self.device}, dtype={self.precision}"
         )
 
 

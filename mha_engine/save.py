@@ -103,6 +103,11 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     if isinstance(model, EngineModel):
+        if model.precision == "int8":
+            raise ValueError(
+                "an int8 model is not saved: save the float32 model and load it with "
+                "dtype='int8' (weights are quantized at load)"
+            )
         config, state = engine_files(model)
     else:
         config, state = module_config(model), module_state(model)

@@ -92,7 +92,7 @@ def model_info(model: ServedModel, name: str) -> dict[str, Any]:
         "embed_dim": model.embed_dim,
         "num_heads": model.num_heads,
         "num_layers": model.num_layers,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": model.precision,
         "device": str(model.device),
         "sdpa_backend": diagnostics.get("sdpa_backend", "unknown"),
     }

@@ -32,8 +32,11 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 in containers).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     device: str | None = Field(None, description="torch device: cuda, cuda:1, cpu. Default: auto.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Compute dtype; requests in any float type are converted to it."
+    dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
+        "float32",
+        description="Compute dtype; requests in any float type are converted to it. int8: "
+        "int8 weights with per-token int8 activations for every Linear, the rest float32 "
+        "(CPU only; inputs and outputs stay FP32).",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
     max_batch_tokens: int = Field(

@@ -106,8 +106,8 @@ def test_public_attributes_and_dtype_names():
 
 def test_unsupported_dtype_name_is_refused(tmp_path):
     save_model(make_mha(12, 3), tmp_path)
-    with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
-        load_model(tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match=r"unsupported dtype 'int4'; use one of .*'int8'"):
+        load_model(tmp_path, dtype="int4")
     assert load_model(tmp_path, dtype=torch.float16).dtype == torch.float16
 
 
