@@ -156,6 +156,16 @@ class TextEncoderModel(TransformerEncoderModel):
         return self._run(x, None, kpm, False, keep_weights=False)[0]
 
     @torch.inference_mode()
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The embeddings layer's output (B, T, D) for unpadded (B, T) ids (token type 0): the
+        hidden states that `__call__`, `attention_weights` and the tensor API take."""
+        ids = self._check_ids(input_ids, "input_ids")  # (B, T)
+        if ids.shape[-1] > self.max_seq_len:
+            raise ValueError(f"sequence length {ids.shape[-1]} > max_seq_len {self.max_seq_len}")
+        positions = self.embeddings.padded_positions(ids)  # (B, T)
+        return self.embeddings(ids, positions).to(self.dtype)  # (B, T, D)
+
+    @torch.inference_mode()
     def encode_packed(
         self, input_ids: Tensor, cu_seqlens: Tensor | Sequence[int], bucket_padding: float = 0.0
     ) -> Tensor:

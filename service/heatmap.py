@@ -2,7 +2,8 @@
 
 matplotlib (Agg, object API, no pyplot state) is an optional extra: `pip install
 'mha-serve[debug]'`. Figures have a fixed geometry so the image size follows from the grid:
-width = cols * PANEL_PX + COLORBAR_PX, height = rows * PANEL_PX + HEADER_PX.
+width = cols * panel + COLORBAR_PX, height = rows * panel + HEADER_PX, where panel is PANEL_PX,
+or larger with token labels on the axes (panel_px).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ COLORBAR_PX = 90
 HEADER_PX = 60
 MAX_COLS_ONE_LAYER = 4  # one layer's heads wrap onto rows of at most this many
 MASK_RGB = (204, 204, 204)  # padded (masked) keys: a grey the viridis map never produces
+TOKEN_PX = 12  # with token labels: pixels per token on each axis (readable up to ~64 tokens)
+LABEL_PX = 78  # with token labels: room for them left of and below each panel
+LABEL_CHARS = 12  # longer token labels are cut, ending in "…"
+SPECIAL_COLOR = "tab:red"  # special tokens ([CLS], [SEP], ...) on the axes
+MAX_LABELLED_TOKENS = 64  # longer sequences get position ticks; the JSON answer has the tokens
+MAX_PIXELS = 25_000_000  # a token-labelled grid larger than this is refused before drawing
 
 
 class PlottingUnavailable(ServiceError):
@@ -51,9 +58,50 @@ def grid_shape(num_layers: int, num_heads: int) -> tuple[int, int]:
     return math.ceil(num_heads / cols), cols
 
 
-def image_size(rows: int, cols: int) -> tuple[int, int]:
+def labels_tokens(seq_len: int, has_tokens: bool) -> bool:
+    """Whether the axes name the tokens: only up to MAX_LABELLED_TOKENS, where they stay legible."""
+    return has_tokens and seq_len <= MAX_LABELLED_TOKENS
+
+
+def panel_px(seq_len: int, labelled: bool) -> int:
+    """Side of one grid cell: fixed, or growing with the tokens when they label the axes."""
+    return max(PANEL_PX, LABEL_PX + 24 + TOKEN_PX * seq_len) if labelled else PANEL_PX
+
+
+def labelled_size(num_layers: int, num_heads: int, seq_len: int) -> tuple[int, int]:
+    """(width, height) of the grid attention_png draws for `seq_len` tokens; ValueError over
+    MAX_PIXELS, so a caller can refuse the request before any drawing."""
+    rows, cols = grid_shape(num_layers, num_heads)
+    width, height = image_size(rows, cols, panel_px(seq_len, labels_tokens(seq_len, True)))
+    if width * height > MAX_PIXELS:
+        raise ValueError(
+            f"a token-labelled heatmap of {num_layers} layer(s) x {num_heads} head(s) at "
+            f"{seq_len} tokens would be {width}x{height} pixels, over {MAX_PIXELS // 10**6} Mpx"
+        )
+    return width, height
+
+
+def image_size(rows: int, cols: int, panel: int = PANEL_PX) -> tuple[int, int]:
     """(width, height) in pixels of a heatmap grid."""
-    return cols * PANEL_PX + COLORBAR_PX, rows * PANEL_PX + HEADER_PX
+    return cols * panel + COLORBAR_PX, rows * panel + HEADER_PX
+
+
+def _label(token: str) -> str:
+    return token if len(token) <= LABEL_CHARS else token[: LABEL_CHARS - 1] + "…"
+
+
+def _token_ticks(ax: Any, tokens: list[str], special: np.ndarray | None) -> None:
+    """Every position labelled with its token on both axes; special tokens in colour."""
+    ticks = np.arange(len(tokens))
+    labels = [_label(t) for t in tokens]
+    ax.set_xticks(ticks, labels, rotation=90, fontsize=7)
+    ax.set_yticks(ticks, labels, fontsize=7)
+    if special is not None:
+        for axis_labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+            for text, is_special in zip(axis_labels, special, strict=True):
+                if is_special:
+                    text.set_color(SPECIAL_COLOR)
+                    text.set_fontweight("bold")
 
 
 def _png(fig: Any, canvas_cls: Any) -> bytes:
@@ -70,13 +118,20 @@ def attention_png(
     key_padding_mask: np.ndarray | None,
     causal: bool,
     title: str,
+    tokens: list[str] | None = None,
+    special: np.ndarray | None = None,
 ) -> bytes:
     """A grid of heatmaps of one sequence's weights (L, H, T, S): query rows, key columns,
-    one shared colour bar; padded keys (key_padding_mask True) drawn grey."""
+    one shared colour bar; padded keys (key_padding_mask True) drawn grey. With `tokens`
+    (self-attention over text, T == S) both axes name them and `special` ones are coloured."""
     matplotlib, Figure, FigureCanvasAgg = _matplotlib()
     num_layers, num_heads, tgt_len, src_len = weights.shape
+    if tokens is not None and not len(tokens) == tgt_len == src_len:
+        raise ValueError(f"{len(tokens)} tokens for weights of shape {weights.shape}")
+    labelled = labels_tokens(tgt_len, tokens is not None)
     rows, cols = grid_shape(num_layers, num_heads)
-    width, height = image_size(rows, cols)
+    panel = panel_px(tgt_len, labelled)
+    width, height = image_size(rows, cols, panel)
     fig = Figure(figsize=(width / DPI, height / DPI), dpi=DPI)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad=np.array(MASK_RGB) / 255)
     vmax = max(float(weights.max()), 1e-6)
@@ -85,19 +140,19 @@ def attention_png(
         masked_cols[: key_padding_mask.shape[0]] = key_padding_mask
 
     # Panel boxes in figure fractions; each PANEL_PX cell keeps room for ticks and a title.
-    left, bottom, right, top = 46, 34, 10, 24  # pixels inside a cell
+    left, bottom, right, top = (LABEL_PX, LABEL_PX, 10, 24) if labelled else (46, 34, 10, 24)
     image = None
     for index in range(num_layers * num_heads):
         layer, head = divmod(index, num_heads)
         row, col = divmod(index, cols)
-        x0 = col * PANEL_PX + left
-        y0 = height - HEADER_PX - (row + 1) * PANEL_PX + bottom
+        x0 = col * panel + left
+        y0 = height - HEADER_PX - (row + 1) * panel + bottom
         ax = fig.add_axes(
             (
                 x0 / width,
                 y0 / height,
-                (PANEL_PX - left - right) / width,
-                (PANEL_PX - bottom - top) / height,
+                (panel - left - right) / width,
+                (panel - bottom - top) / height,
             )
         )
         shown = np.ma.masked_array(
@@ -111,12 +166,14 @@ def attention_png(
             name = f"layer {layer_ids[layer]}, {name}"
         ax.set_title(name, fontsize=9)
         ax.tick_params(labelsize=7)
+        if labelled:
+            _token_ticks(ax, tokens, special)
         ax.set_xlabel("key", fontsize=8, labelpad=1)
         ax.set_ylabel("query", fontsize=8, labelpad=1)
 
     cax = fig.add_axes(
         (
-            (cols * PANEL_PX + 14) / width,
+            (cols * panel + 14) / width,
             bottom / height,
             18 / width,
             (height - HEADER_PX - bottom - top) / height,
@@ -128,6 +185,10 @@ def attention_png(
     notes = f"T={tgt_len}, S={src_len}{', causal' if causal else ''}"
     if masked_cols.any():
         notes += "; grey = padded keys"
+    if labelled and special is not None and special.any():
+        notes += "; red = special tokens"
+    elif tokens is not None and not labelled:
+        notes += f"; over {MAX_LABELLED_TOKENS} tokens: positions, not tokens, on the axes"
     fig.text(0.5, 1 - 8 / height, title, ha="center", va="top", fontsize=10)
     fig.text(0.5, 1 - 30 / height, notes, ha="center", va="top", fontsize=8, color="0.3")
     return _png(fig, FigureCanvasAgg)

@@ -110,6 +110,10 @@ class ApiKeyAuth:
     def _is_open(self, path: str) -> bool:
         if path.startswith(self.open_prefixes):
             return True
+        if path == "/debug" or path.startswith("/debug/assets/"):
+            return True  # the debug page: static files a browser loads without a header
+        if path == "/debug/info":
+            return True  # the page's model facts: a debug route, behind --debug-token
         return path.startswith("/v2/models/") and path.endswith(("/attention", "/heads"))
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:

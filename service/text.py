@@ -52,11 +52,26 @@ class TextTokenizer:
 
     def encode(self, texts: list[str]) -> list[Encoded]:
         """Token ids of every text, special tokens added."""
-        out = []
-        for enc in self._tokenizer.encode_batch(texts):
-            ids = np.asarray(enc.ids, dtype=np.int64)
-            out.append(Encoded(ids, truncated=bool(enc.overflowing)))
-        return out
+        return [_encoded(enc) for enc in self._tokenizer.encode_batch(texts)]
+
+    def label(self, text: str) -> Labelled:
+        """One text's ids exactly as `encode` gives them, plus its token strings and which of
+        them are special ([CLS], [SEP], ...): the axis labels of the attention debug view."""
+        (enc,) = self._tokenizer.encode_batch([text])
+        return Labelled(_encoded(enc), list(enc.tokens), np.asarray(enc.special_tokens_mask, bool))
+
+
+@dataclass
+class Labelled:
+    """A text's token ids with their strings, for showing attention weights."""
+
+    encoded: Encoded
+    tokens: list[str]  # (T,)
+    special: np.ndarray  # (T,) bool, True for the tokenizer's special tokens
+
+
+def _encoded(enc: Any) -> Encoded:
+    return Encoded(np.asarray(enc.ids, dtype=np.int64), truncated=bool(enc.overflowing))
 
 
 def load_tokenizer(

@@ -3,6 +3,8 @@
 POST /v2/models/{name}/attention takes the /infer body and answers outputs `output` and
 `attention_weights` (or, with ?format=png or Accept: image/png, a heatmap grid of the first
 sequence). GET /v2/models/{name}/heads answers each head's share of out_proj (JSON or PNG).
+A text model also takes a sentence (service.text_attention) and answers its tokens with the
+weights. GET /debug is a page for people that calls these routes (service.debug_page).
 The routes exist only with --debug-endpoint; --debug-token requires `Authorization: Bearer`.
 Weights are computed on the engine thread, alone between batches, never on the event loop.
 """
@@ -21,8 +23,15 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from service import heatmap
-from service.attention_weights import WEIGHTS_NAME, compute, first_sequence, panels, parse_options
+from service import debug_page, heatmap, text_attention
+from service.attention_weights import (
+    WEIGHTS_NAME,
+    WeightsResult,
+    compute,
+    first_sequence,
+    panels,
+    parse_options,
+)
 from service.codecs import (
     BINARY_HEADER,
     InferRequest,
@@ -82,6 +91,7 @@ def install(app: FastAPI, settings: Settings) -> None:
         )
     app.state.debug_gate = Gate(settings.debug_max_concurrency)
     app.state.debug_heads = None  # head-importance report, computed on first use
+    app.state.debug_assets = debug_page.load_assets()  # the page's files, read once
     app.include_router(router)
 
 
@@ -121,11 +131,16 @@ async def _guarded(
             return await handler(state)
 
 
+def _max_len(settings: Settings) -> tuple[int, str]:
+    """The longest sequence the debug routes take, and the flag that sets it."""
+    if settings.max_seq_len < settings.debug_max_seq_len:
+        return settings.max_seq_len, "--max-seq-len"
+    return settings.debug_max_seq_len, "--debug-max-seq-len"
+
+
 def _check_sizes(request: InferRequest, settings: Settings) -> None:
     """The debug limits, named by their flags (the weights are O(B·H·T·S) memory)."""
-    max_len, flag = settings.debug_max_seq_len, "--debug-max-seq-len"
-    if settings.max_seq_len < max_len:
-        max_len, flag = settings.max_seq_len, "--max-seq-len"
+    max_len, flag = _max_len(settings)
     for name in ("input", "key"):
         tensor = request.inputs.get(name)
         if tensor is None or len(tensor.shape) not in (2, 3):
@@ -160,7 +175,11 @@ async def _attention(
     png = wants_png(request)
     settings, model = state.settings, state.model
     body = await read_body(request, settings.max_body_bytes)
-    decoded = await run_in_threadpool(decode_request, body, request.headers.get(BINARY_HEADER))
+    binary_header = request.headers.get(BINARY_HEADER)
+    text_header = await run_in_threadpool(text_attention.is_text_body, body, binary_header)
+    if text_header is not None:
+        return await _text_attention(state, request, text_header, png, version)
+    decoded = await run_in_threadpool(decode_request, body, binary_header)
     asked = dict(decoded.outputs)
     unknown = sorted(set(asked) - {OUTPUT_NAME, WEIGHTS_NAME})
     if unknown:
@@ -214,6 +233,68 @@ async def _attention(
     )
 
 
+async def _text_attention(
+    state: ServiceState, request: Request, header: dict, png: bool, version: str | None
+) -> Response:
+    """A sentence in: its tokens (as /v1/embeddings makes them) with the weights, or a PNG."""
+    tokenizer = getattr(request.app.state, "tokenizer", None)
+    model = state.model
+    if tokenizer is None:
+        raise BadInput(
+            f"model '{state.model_name}' takes no text: a BYTES 'text' input needs a text model "
+            "directory with tokenizer.json (and the tokenizers package); send hidden states as "
+            "input 'input' instead"
+        )
+    max_tokens, flag = _max_len(state.settings)
+    parsed = text_attention.parse_text_request(
+        header, model.architecture, model.num_layers, min(max_tokens, tokenizer.max_length)
+    )  # the text's length is bounded before tokenizing
+    labelled = await run_in_threadpool(
+        text_attention.tokenize, tokenizer, parsed.text, max_tokens, flag
+    )
+    ids, options = labelled.encoded.ids, parsed.options
+    if png:  # bound the picture before computing anything
+        layers = model.num_layers if options.layer is None else 1
+        try:
+            heatmap.labelled_size(layers, 1 if options.average else model.num_heads, len(ids))
+        except ValueError as exc:
+            raise BadInput(
+                f"{exc}: ask for one layer ('layer'), averaged heads ('average_attn_weights') "
+                "or a shorter text"
+            ) from None
+    output, weights = await _on_engine(
+        state, request, lambda: text_attention.compute(model, ids, options), 1
+    )
+    if png:
+        has_layer_axis = options.layer is None
+        grid = panels(WeightsResult(output, weights, has_layer_axis), options)  # (L, H, T, T)
+        layer_ids = list(range(grid.shape[0])) if has_layer_axis else [options.layer]
+        image = await run_in_threadpool(
+            heatmap.attention_png,
+            grid,
+            layer_ids,
+            averaged=options.average,
+            key_padding_mask=None,
+            causal=False,
+            title=f"{state.model_name}: attention weights",
+            tokens=labelled.tokens,
+            special=labelled.special,
+        )
+        rows, cols = heatmap.grid_shape(grid.shape[0], grid.shape[1])
+        return Response(image, media_type="image/png", headers={"X-Heatmap-Grid": f"{rows}x{cols}"})
+    content = await run_in_threadpool(
+        text_attention.response,
+        state.model_name,
+        version,
+        parsed,
+        labelled,
+        output,
+        weights,
+        model.num_layers,
+    )
+    return Response(content, media_type="application/json")
+
+
 async def _heads(
     state: ServiceState, request: Request, model_name: str, version: str | None
 ) -> Response:
@@ -252,3 +333,24 @@ async def heads(request: Request, model_name: str, model_version: str | None = N
     return await _guarded(
         request, "heads", lambda state: _heads(state, request, model_name, version)
     )
+
+
+@router.get("/debug", include_in_schema=False)
+async def page(request: Request) -> Response:
+    """The debug page: static files only; its scripts send the token on every data request."""
+    return debug_page.asset_response(request.app.state.debug_assets, debug_page.INDEX)
+
+
+@router.get("/debug/assets/{name}", include_in_schema=False)
+async def page_asset(request: Request, name: str) -> Response:
+    return debug_page.asset_response(request.app.state.debug_assets, name)
+
+
+@router.get("/debug/info", summary="What the debug page needs to know about the model (debug)")
+async def info(request: Request) -> JSONResponse:
+    async def handler(state: ServiceState) -> JSONResponse:
+        tokenizer = getattr(request.app.state, "tokenizer", None)
+        max_len, flag = _max_len(state.settings)
+        return JSONResponse(debug_page.model_info(state, tokenizer, max_len, flag))
+
+    return await _guarded(request, "debug_info", handler)

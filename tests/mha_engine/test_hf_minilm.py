@@ -90,3 +90,20 @@ def test_sentence_embeddings_match_the_model_card_recipe(reference, engine):
     assert got.shape == (len(SENTENCES), 384)
     assert F.cosine_similarity(got, want).min() >= 0.99999
     torch.testing.assert_close(got, want, **FP32)
+
+
+def test_embed_tokens_is_the_embeddings_layer(reference, engine):
+    """embed_tokens + attention_weights: transformers' embeddings output and eager attentions."""
+    path, batch, _ = reference
+    model = transformers.BertModel.from_pretrained(
+        str(path), add_pooling_layer=False, attn_implementation="eager"
+    ).eval()
+    ids = batch["input_ids"][:1, : int(batch["attention_mask"][0].sum())]  # (1, T), no padding
+    with torch.no_grad():
+        want = model(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    hidden = engine.embed_tokens(ids)  # (1, T, 384)
+    torch.testing.assert_close(hidden, want.hidden_states[0], **FP32)
+    _, weights = engine.attention_weights(hidden)  # (L, 1, H, T, T)
+    torch.testing.assert_close(weights, torch.stack(want.attentions), **FP32)
+    with pytest.raises(ValueError, match="max_seq_len 256"):
+        engine.embed_tokens(torch.zeros(1, 257, dtype=torch.long))
