@@ -36,7 +36,10 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.drain_grace_s,
+        # At the end of the grace, queued work is answered 503 (ServiceState.end_grace) and the
+        # running forward finishes, so connections close by grace + one forward; uvicorn's own
+        # cut-off (which would answer 500) is only a backstop for clients still sending bodies.
+        timeout_graceful_shutdown=settings.drain_grace_s + settings.request_timeout_s,
         access_log=False,  # service.middleware.RequestContext logs each request, with its id
         log_config=None,  # keep the root handlers configure_logging set up (text or JSON)
     )

@@ -23,10 +23,10 @@ from service.batcher import DynamicBatcher, Work
 from service.errors import ServiceError
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
-from service.middleware import ApiKeyAuth, HeaderLimit, RequestContext
+from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
 from service.routes import debug, embeddings, health, infer, metrics_route
 from service.settings import Settings
-from service.text import load_tokenizer
+from service.text import CharLimits, load_tokenizer
 
 log = logging.getLogger("service")
 
@@ -45,15 +45,33 @@ class ServiceState:
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.time)
+    loop: asyncio.AbstractEventLoop | None = None
+    grace_timer: asyncio.TimerHandle | None = None
 
     def set_ready(self, ready: bool) -> None:
         self.ready = ready
         self.metrics.ready.labels(self.model_name).set(1 if ready else 0)
 
     def start_draining(self) -> None:
-        """SIGTERM: refuse new work and fail readiness; accepted requests still finish."""
+        """SIGTERM: refuse new work (503) and fail readiness; queued and running requests go on,
+        and when --drain-grace-s ends, those not yet started are answered 503 (`end_grace`)."""
+        if self.draining:
+            return
         self.draining = True
         self.set_ready(False)
+        if self.loop is not None:
+            grace = self.settings.drain_grace_s
+            log.info("draining: %.1f s for queued requests to start, then 503", grace)
+            self.loop.call_soon_threadsafe(self._arm_grace_timer, grace)
+
+    def _arm_grace_timer(self, grace: float) -> None:
+        self.grace_timer = asyncio.get_running_loop().call_later(grace, self.end_grace)
+
+    def end_grace(self) -> None:
+        """The drain grace is over: what has not started is answered 503 and never computed."""
+        shed = self.batcher.close()
+        if shed:
+            log.info("drain grace over: %d queued requests answered 503, not computed", shed)
 
 
 def load_served_model(settings: Settings) -> ServedModel:
@@ -133,7 +151,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_tokens=settings.max_batch_tokens,
         )
         state = ServiceState(settings, model, name, batcher, metrics, limits, info)
+        state.loop = asyncio.get_running_loop()
         app.state.tokenizer = tokenizer
+        if tokenizer is not None:
+            app.state.char_limits = CharLimits.resolve(
+                settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
+            )
         app.state.service = state
         batcher.start()
         warm_up = asyncio.create_task(_warm_up(state))
@@ -142,6 +165,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             state.start_draining()
             warm_up.cancel()
+            if state.grace_timer is not None:
+                state.grace_timer.cancel()
+            state.end_grace()  # no connection is left to answer: nothing queued is computed
             await asyncio.to_thread(batcher.stop, settings.drain_grace_s)
 
     app = FastAPI(
@@ -157,6 +183,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             api_key=settings.api_key.get_secret_value(),
             open_health_metrics=settings.open_health_metrics,
         )
+    app.add_middleware(HeadAsGet)
     app.add_middleware(HeaderLimit, limit=settings.max_header_bytes)
     app.add_middleware(RequestContext)  # outermost: even a 401 gets an id and a log line
     app.include_router(health.router)
@@ -184,7 +211,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", log_safe(request.url.path))
         return JSONResponse({"error": "internal server error"}, status_code=500)
 
     return app

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ from mha_engine import ServedModel
 from service.errors import (
     DeadlineExceeded,
     InferenceError,
+    NotReady,
     Overloaded,
     ServiceError,
 )
@@ -30,6 +32,7 @@ from service.inputs import Payload
 log = logging.getLogger(__name__)
 
 Runner = Callable[[Any, list[Payload]], list[Any]]
+SHUTTING_DOWN = "server is shutting down; retry on another replica"
 
 
 class BatchObserver(Protocol):
@@ -127,6 +130,8 @@ class DynamicBatcher:
         self._queue: collections.deque[Work | Exclusive] = collections.deque()
         self._queued_sequences = 0
         self._queued_tokens = 0
+        self._reserved = 0  # slots held by requests still being prepared (e.g. tokenizing)
+        self._closed = False  # the drain grace ended: nothing more is queued
         self._tokens_per_s: float | None = None  # moving average of the drain rate
         self._last_done = 0.0
         self._cond = threading.Condition()
@@ -141,19 +146,42 @@ class DynamicBatcher:
     def queued_sequences(self) -> int:
         return self._queued_sequences
 
+    def check_open(self) -> None:
+        """503 + Retry-After once the drain grace has ended (nothing more is queued)."""
+        if self._closed or self._stopping:
+            raise NotReady(SHUTTING_DOWN, headers={"Retry-After": "1"})
+
+    def _check_room(self, size: int) -> None:
+        self.check_open()
+        waiting = self._queued_sequences + self._reserved
+        if waiting + size > self.max_queue:
+            raise Overloaded(
+                f"queue full ({waiting} of {self.max_queue} sequences waiting); retry later",
+                headers={"Retry-After": "1"},
+            )
+
+    @contextlib.contextmanager
+    def reserve(self, sequences: int) -> Iterator[None]:
+        """Hold `sequences` queue slots while a request prepares its work off the engine (e.g.
+        tokenizing), so that preparation counts against --max-queue (429 when full)."""
+        with self._cond:
+            self._check_room(sequences)
+            self._reserved += sequences
+            self._report_depth()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._reserved -= sequences
+                self._report_depth()
+
     def submit(self, work: Work | Exclusive) -> None:
         """Queue `work`, or raise Overloaded (429) when the queue is full or would outlast its
-        deadline (queued tokens ÷ recent engine tokens/s): shed now rather than time out later."""
+        deadline (queued tokens ÷ recent engine tokens/s): shed now rather than time out later.
+        After the drain grace (`close`) it raises NotReady (503)."""
         size = _slots(work)
         with self._cond:
-            if self._stopping:
-                raise Overloaded("server is shutting down")
-            if self._queued_sequences + size > self.max_queue:
-                raise Overloaded(
-                    f"queue full ({self._queued_sequences} of {self.max_queue} sequences waiting); "
-                    "retry later",
-                    headers={"Retry-After": "1"},
-                )
+            self._check_room(size)
             if self._tokens_per_s and self._queued_tokens:
                 wait = self._queued_tokens / self._tokens_per_s
                 budget = work.deadline - time.monotonic()
@@ -190,6 +218,19 @@ class DynamicBatcher:
             self._report_depth()
             return True
 
+    def close(self) -> int:
+        """End of the drain grace: answer every request not yet started 503 (Retry-After), never
+        computing it, and queue nothing more. The batch already running finishes."""
+        with self._cond:
+            self._closed = True
+            shed = list(self._queue)
+            self._queue.clear()
+            self._queued_sequences = self._queued_tokens = 0
+            self._report_depth()
+        for item in shed:
+            item.resolve(error=NotReady(SHUTTING_DOWN, headers={"Retry-After": "1"}))
+        return len(shed)
+
     def stop(self, timeout: float | None = None) -> None:
         """Finish everything queued, then stop the worker thread."""
         with self._cond:
@@ -201,7 +242,7 @@ class DynamicBatcher:
     # -- engine-thread side ----------------------------------------------------------------
     def _report_depth(self) -> None:
         if self.observer is not None:
-            self.observer.queue_depth(self._queued_sequences)
+            self.observer.queue_depth(self._queued_sequences + self._reserved)
 
     def _run(self) -> None:
         while True:

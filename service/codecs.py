@@ -7,6 +7,7 @@ Protocol structure is checked here; whether the tensors fit the model is checked
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,28 +78,55 @@ def _check_parameters(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _check_shape(shape: Any, name: str) -> tuple[int, ...]:
+def _check_shape(shape: Any, name: str, body_bytes: int) -> tuple[tuple[int, ...], int]:
+    """The shape and its element count in Python ints (no int64 wrap-around: callers compare
+    the count with the data, never allocate from it). A dimension larger than the body could
+    carry is refused here, so even a zero-sized shape never reaches numpy with huge dims."""
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
         raise BadInput(f"input '{name}': 'shape' must be a list of at most {MAX_RANK} integers")
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise BadInput(f"input '{name}': shape {shape} must hold non-negative integers")
-    return tuple(shape)
+        if dim > body_bytes:
+            raise BadInput(
+                f"input '{name}': shape {shape} has dimension {dim}, larger than a body of "
+                f"{body_bytes} bytes can carry"
+            )
+    return tuple(shape), math.prod(shape)
 
 
-def _json_array(data: Any, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+def _float_data(data: list, datatype: str, name: str, may_hold_booleans: bool) -> np.ndarray:
+    """FP32/FP16/BF16 JSON data as a flat array; only JSON numbers pass. numpy infers the dtype
+    in C (strings, null and objects give a non-numeric dtype); booleans mixed with numbers
+    become numbers there, so they get an element check, only when the body holds true/false."""
+    raw = np.asarray(data)
+    if raw.dtype.kind not in "iuf" or (
+        may_hold_booleans and any(type(v) is bool for v in np.asarray(data, dtype=object).flat)
+    ):
+        raise BadInput(
+            f"input '{name}': {datatype} data must be JSON numbers (not strings, booleans or null)"
+        )
+    flat = raw.reshape(-1)
+    if datatype == "BF16":
+        return _bf16_from_floats(flat)
+    with np.errstate(over="ignore"):  # out-of-range values become Inf: refused as non-finite
+        return flat.astype(NUMPY_DTYPES[datatype])
+
+
+def _json_array(
+    data: Any, datatype: str, shape: tuple[int, ...], count: int, name: str, booleans: bool
+) -> np.ndarray:
     """Turn an OIP JSON `data` field (flat or nested, row-major) into an array of `shape`."""
     if not isinstance(data, list):
         raise BadInput(f"input '{name}': 'data' must be a list")
-    count = int(np.prod(shape, dtype=np.int64))
     try:
         if datatype == "BOOL":
             flat = np.array(data, dtype=object).reshape(-1)
             if not all(isinstance(v, bool) for v in flat):
                 raise BadInput(f"input '{name}': BOOL data must be true/false values")
             array = flat.astype(np.bool_)
-        elif datatype == "BF16":
-            array = _bf16_from_floats(np.array(data, dtype=np.float32).reshape(-1))
+        elif datatype in ("FP32", "FP16", "BF16"):
+            array = _float_data(data, datatype, name, booleans)
         else:
             array = np.array(data, dtype=NUMPY_DTYPES[datatype]).reshape(-1)
     except BadInput:
@@ -115,16 +143,29 @@ def _json_array(data: Any, datatype: str, shape: tuple[int, ...], name: str) -> 
     return array.reshape(shape)
 
 
+def json_length(header_length: str | None, body_bytes: int) -> int:
+    """Bytes of the JSON part: the whole body, or Inference-Header-Content-Length (plain ASCII
+    digits only: no sign, spaces or other scripts' digits)."""
+    if header_length is None:
+        return body_bytes
+    if not (header_length.isascii() and header_length.isdigit()):
+        raise BadInput(f"{BINARY_HEADER} must be a plain decimal integer, got {header_length!r}")
+    json_end = int(header_length)
+    if not 0 < json_end <= body_bytes:
+        raise BadInput(f"{BINARY_HEADER} is {json_end} but the body has {body_bytes} bytes")
+    return json_end
+
+
+def _flag(parameters: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    value = parameters.get(key, default)
+    if not isinstance(value, bool):
+        raise BadInput(f"{where} parameter '{key}' must be true or false, got {value!r}")
+    return value
+
+
 def decode_request(body: bytes | bytearray, header_length: str | None) -> InferRequest:
     """Parse an OIP inference request; raises BadInput naming what is wrong."""
-    json_end = len(body)
-    if header_length is not None:
-        try:
-            json_end = int(header_length)
-        except ValueError:
-            raise BadInput(f"{BINARY_HEADER} must be an integer, got {header_length!r}") from None
-        if not 0 < json_end <= len(body):
-            raise BadInput(f"{BINARY_HEADER} is {json_end} but the body has {len(body)} bytes")
+    json_end = json_length(header_length, len(body))
     try:
         header = orjson.loads(memoryview(body)[:json_end])
     except orjson.JSONDecodeError as exc:
@@ -142,6 +183,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
 
     view = memoryview(body)
     offset = json_end
+    booleans = body.find(b"true", 0, json_end) >= 0 or body.find(b"false", 0, json_end) >= 0
     inputs: dict[str, InferTensor] = {}
     for raw in raw_inputs:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
@@ -154,7 +196,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
             raise BadInput(f"input '{name}': unknown datatype {datatype!r}")
         if datatype not in NUMPY_DTYPES:
             raise BadInput(f"input '{name}': datatype {datatype} is not supported here")
-        shape = _check_shape(raw.get("shape"), name)
+        shape, count = _check_shape(raw.get("shape"), name, len(body))
         input_params = _check_parameters(raw.get("parameters"), f"input '{name}'")
         binary_size = input_params.get("binary_data_size")
         if binary_size is not None:
@@ -166,7 +208,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
             if isinstance(binary_size, bool) or not isinstance(binary_size, int):
                 raise BadInput(f"input '{name}': binary_data_size must be an integer")
             dtype = NUMPY_DTYPES[datatype]
-            expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            expected = count * dtype.itemsize
             if binary_size != expected:
                 raise BadInput(
                     f"input '{name}': binary_data_size is {binary_size} but shape "
@@ -182,7 +224,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
         else:
             if "data" not in raw:
                 raise BadInput(f"input '{name}' has neither 'data' nor binary_data_size")
-            array = _json_array(raw["data"], datatype, shape, name)
+            array = _json_array(raw["data"], datatype, shape, count, name, booleans)
         inputs[name] = InferTensor(name, datatype, shape, array)
     if offset != len(body):
         raise BadInput(
@@ -190,7 +232,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
             "binary_data_size values do not add up"
         )
 
-    binary_default = bool(parameters.get("binary_data_output", False))
+    binary_default = _flag(parameters, "binary_data_output", False, "request")
     outputs: dict[str, bool] = {}
     raw_outputs = header.get("outputs")
     if raw_outputs is not None:
@@ -200,7 +242,9 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
             if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
                 raise BadInput("each requested output must be an object with a string 'name'")
             out_params = _check_parameters(raw.get("parameters"), f"output '{raw['name']}'")
-            outputs[raw["name"]] = bool(out_params.get("binary_data", binary_default))
+            outputs[raw["name"]] = _flag(
+                out_params, "binary_data", binary_default, f"output '{raw['name']}'"
+            )
     return InferRequest(request_id, parameters, inputs, outputs, binary_default)
 
 

@@ -76,5 +76,7 @@ class InferenceError(ServiceError):
 
 
 class ClientDisconnected(ServiceError):
+    """The client closed the connection before its answer (nginx's 499); logged at INFO."""
+
     status = 499
-    reason = "disconnected"
+    reason = "client_disconnected"

@@ -47,7 +47,7 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768
 RATIO_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
 FAILURE_REASONS = (
-    "bad_input", "not_found", "overloaded", "timeout", "inference_error", "disconnected",
+    "bad_input", "not_found", "overloaded", "timeout", "inference_error", "client_disconnected",
     "unavailable", "unauthorized", "forbidden",
 )  # fmt: skip
 

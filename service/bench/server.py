@@ -82,10 +82,12 @@ def running(
     log_path: Path | None = None,
     env: dict[str, str] | None = None,
     wait: bool = True,
+    root: Path = ROOT,
 ) -> Iterator[Proc]:
     """`python -m service ARGS` (or the naive baseline) until ready; SIGTERM, then SIGKILL, after.
 
-    Output goes to `log_path` when given (else it is discarded).
+    Output goes to `log_path` when given (else it is discarded). `root` is the source tree to
+    run (another checkout, e.g. to measure the code before a fix).
     """
     port = free_port()
     if naive:
@@ -93,9 +95,11 @@ def running(
     else:
         cmd = [sys.executable, "-m", "service", "--host", HOST, "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if root != ROOT:
+        full_env["PYTHONPATH"] = str(root)
     with open(log_path, "wb") if log_path else open(os.devnull, "wb") as log_file:
         process = subprocess.Popen(
-            cmd, cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT
+            cmd, cwd=root, env=full_env, stdout=log_file, stderr=subprocess.STDOUT
         )
     server = Proc(port, process, log_path)
     try:

@@ -50,7 +50,8 @@ def ensure_serving(state: ServiceState) -> None:
         raise NotReady("server is draining" if state.draining else "model is warming up")
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client has gone (call only once the body has been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -60,7 +61,7 @@ async def await_queued(
 ) -> Any:
     """Await `result` of queued batcher `items`: 499 if the client leaves, 504 if the deadline
     passes before they ran; either way the items not yet started leave the queue."""
-    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    disconnect = asyncio.ensure_future(wait_disconnect(request))
     try:
         done, _ = await asyncio.wait(
             {result, disconnect}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -76,6 +77,9 @@ async def await_queued(
         return await result  # everything already running: it finishes within one forward
     finally:
         disconnect.cancel()
+        if not result.done():  # cancelled (e.g. by the server's shutdown): never compute it
+            for item in items:
+                state.batcher.cancel(item)
 
 
 @contextmanager

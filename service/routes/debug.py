@@ -5,7 +5,9 @@ POST /v2/models/{name}/attention takes the /infer body and answers outputs `outp
 sequence). GET /v2/models/{name}/heads answers each head's share of out_proj (JSON or PNG).
 A text model also takes a sentence (service.text_attention) and answers its tokens with the
 weights. GET /debug is a page for people that calls these routes (service.debug_page).
-The routes exist only with --debug-endpoint; --debug-token requires `Authorization: Bearer`.
+The routes exist only with --debug-endpoint. --api-key guards them like every route; --debug-token
+adds a second secret: `Authorization: Bearer <token>`, or `X-Debug-Token: <token>` when the
+Authorization header carries the API key.
 Weights are computed on the engine thread, alone between batches, never on the event loop.
 """
 
@@ -46,6 +48,7 @@ from service.errors import (
     Unauthorized,
 )
 from service.inputs import OUTPUT_NAME, prepare
+from service.middleware import bearer_credential
 from service.routes.common import await_queued, check_model, ensure_serving, get_state, observed
 from service.routes.infer import read_body
 from service.settings import Settings
@@ -84,7 +87,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     """Add the debug routes when --debug-endpoint is on; otherwise they do not exist (404)."""
     if not settings.debug_endpoint:
         return
-    if settings.debug_token is None:
+    if settings.debug_token is None and settings.api_key is None:
         log.warning(
             "debug endpoint is on without --debug-token: anyone who reaches this port can read "
             "attention weights; set MHA_DEBUG_TOKEN or keep the port private"
@@ -95,16 +98,26 @@ def install(app: FastAPI, settings: Settings) -> None:
     app.include_router(router)
 
 
+DEBUG_TOKEN_HEADER = "x-debug-token"
+
+
 def check_token(request: Request, settings: Settings) -> None:
-    """401 without a Bearer token, 403 with a wrong one (constant-time compare)."""
+    """The debug token, on top of the API key (ApiKeyAuth has already checked that): 401
+    without it, 403 wrong (constant-time compare). It comes in X-Debug-Token, or as the
+    Authorization Bearer credential when no --api-key takes that header."""
     if settings.debug_token is None:
         return
     challenge = {"WWW-Authenticate": 'Bearer realm="mha-serve debug"'}
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        raise Unauthorized(
-            "the debug endpoints need 'Authorization: Bearer <token>' (--debug-token)", challenge
+    given = request.headers.get(DEBUG_TOKEN_HEADER)
+    if given is None and settings.api_key is None:
+        given = bearer_credential(request.headers.get("authorization"))
+    if not given or not given.strip():
+        where = (
+            "'X-Debug-Token: <token>' (Authorization carries the API key)"
+            if settings.api_key is not None
+            else "'Authorization: Bearer <token>' or 'X-Debug-Token: <token>'"
         )
+        raise Unauthorized(f"the debug endpoints need {where} (--debug-token)", challenge)
     expected = settings.debug_token.get_secret_value().encode()
     if not hmac.compare_digest(given.strip().encode(), expected):
         raise Forbidden("wrong debug token", challenge)

@@ -1,9 +1,12 @@
 """POST /v1/embeddings, OpenAI-compatible: strings in, sentence vectors out, via the batcher.
 
-Each input is tokenized (truncated to the model's max length; the X-Truncated-Inputs header lists
-which inputs were cut), split into batcher works that respect --max-batch-size and
---max-batch-tokens, run as token ids through the text model on the engine thread (embeddings,
-encoder, pooling, normalisation), and answered as `data[i].embedding` plus `usage`.
+Inputs are bounded in characters before any work (--max-input-chars, --max-request-chars: 413),
+then tokenized on worker threads in chunks, inside the request's deadline (504), holding queue
+slots meanwhile (429 when full) and stopping when the client leaves (499). Each input is
+truncated to the model's max length (the X-Truncated-Inputs header lists which were cut), split
+into batcher works that respect --max-batch-size and --max-batch-tokens, run as token ids through
+the text model on the engine thread (embeddings, encoder, pooling, normalisation), and answered
+as `data[i].embedding` plus `usage`.
 """
 
 from __future__ import annotations
@@ -22,12 +25,21 @@ from starlette.concurrency import run_in_threadpool
 from service.batcher import Work
 from service.errors import (
     BadInput,
+    ClientDisconnected,
+    DeadlineExceeded,
     ModelNotFound,
+    PayloadTooLarge,
 )
 from service.openapi import ERROR_RESPONSES
-from service.routes.common import await_queued, ensure_serving, get_state, observed
+from service.routes.common import (
+    await_queued,
+    ensure_serving,
+    get_state,
+    observed,
+    wait_disconnect,
+)
 from service.routes.infer import read_body
-from service.text import Encoded, embed_runner, token_payload
+from service.text import CharLimits, Encoded, TextTokenizer, embed_runner, token_payload
 
 if TYPE_CHECKING:
     from service.app import ServiceState
@@ -36,7 +48,7 @@ router = APIRouter(tags=["embeddings"])
 
 MAX_INPUTS = 2048  # OpenAI's limit per request; --max-queue may lower it
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
-OFFLOAD_CHARS = 16 * 1024  # tokenize bigger requests off the event loop
+TOKENIZE_CHUNK_CHARS = 64 * 1024  # ~40 ms of tokenizing; deadline and client checked between
 
 EMBEDDINGS_REQUEST = {
     "type": "object",
@@ -154,6 +166,64 @@ def parse_request(body: bytes, state: ServiceState, embed_dim: int) -> tuple[lis
     return texts, fmt
 
 
+def check_chars(texts: list[str], limits: CharLimits) -> None:
+    """413 naming the limit and its flag, before a single character is tokenized."""
+    total = 0
+    for i, text in enumerate(texts):
+        if len(text) > limits.per_input:
+            raise PayloadTooLarge(
+                f"input[{i}] has {len(text)} characters, over the limit of {limits.per_input} "
+                "per input (--max-input-chars); inputs are truncated to the model's max length "
+                "anyway, so send less text"
+            )
+        total += len(text)
+    if total > limits.per_request:
+        raise PayloadTooLarge(
+            f"'input' has {total} characters in all, over the limit of {limits.per_request} "
+            "per request (--max-request-chars); split it into several requests"
+        )
+
+
+def tokenize_chunks(texts: list[str]) -> list[list[str]]:
+    """Consecutive inputs cut into chunks of about TOKENIZE_CHUNK_CHARS characters."""
+    chunks: list[list[str]] = [[]]
+    chars = 0
+    for text in texts:
+        if chunks[-1] and chars + len(text) > TOKENIZE_CHUNK_CHARS:
+            chunks.append([])
+            chars = 0
+        chunks[-1].append(text)
+        chars += len(text)
+    return chunks
+
+
+async def tokenize(
+    state: ServiceState,
+    request: Request,
+    tokenizer: TextTokenizer,
+    texts: list[str],
+    deadline: float,
+) -> list[Encoded]:
+    """Tokenize on worker threads, chunk by chunk; between chunks, 499 if the client has gone,
+    504 past the deadline, 503 once the drain grace has ended (the rest is never tokenized)."""
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    encoded: list[Encoded] = []
+    try:
+        for part in tokenize_chunks(texts):
+            if gone.done():
+                raise ClientDisconnected("client disconnected while its inputs were tokenized")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"tokenizing did not finish within the request's deadline "
+                    f"({state.settings.request_timeout_s} s, --request-timeout-s)"
+                )
+            state.batcher.check_open()
+            encoded += await run_in_threadpool(tokenizer.encode, part)
+    finally:
+        gone.cancel()
+    return encoded
+
+
 def _kind(value: Any) -> str:
     """JSON's name for a parsed value, for error messages."""
     names = {dict: "an object", list: "a list", type(None): "null", bool: "a boolean"}
@@ -233,15 +303,24 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
         )
     body = await read_body(request, state.settings.max_body_bytes)
     started = time.perf_counter()
-    texts, fmt = parse_request(bytes(body), state, state.model.embed_dim)
-    if sum(len(t) for t in texts) > OFFLOAD_CHARS:
-        encoded = await run_in_threadpool(tokenizer.encode, texts)
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    if len(body) > TOKENIZE_CHUNK_CHARS:
+        texts, fmt = await run_in_threadpool(
+            parse_request, bytes(body), state, state.model.embed_dim
+        )
     else:
-        encoded = tokenizer.encode(texts)
+        texts, fmt = parse_request(bytes(body), state, state.model.embed_dim)
+    del body
+    check_chars(texts, request.app.state.char_limits)
+    with state.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
+        encoded = await tokenize(state, request, tokenizer, texts, deadline)
     state.metrics.decode.labels(state.model_name, "json").observe(time.perf_counter() - started)
     state.metrics.sequences_received([len(e.ids) for e in encoded])
 
-    vectors = await run_parts(state, request, encoded, state.settings.request_timeout_s)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
+    vectors = await run_parts(state, request, encoded, remaining)
 
     tokens = sum(len(e.ids) for e in encoded)
     if len(vectors) > 64:

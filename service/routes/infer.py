@@ -11,11 +11,19 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from service.batcher import Work
-from service.codecs import BINARY_HEADER, OutputTensor, decode_request, encode_response
+from service.codecs import (
+    BINARY_HEADER,
+    OutputTensor,
+    decode_request,
+    encode_response,
+    json_length,
+)
 from service.errors import (
     BadInput,
+    ClientDisconnected,
     PayloadTooLarge,
 )
 from service.inputs import OUTPUT_NAME, Payload, prepare
@@ -27,8 +35,10 @@ if TYPE_CHECKING:
 
 router = APIRouter(tags=["inference"])
 
-# JSON bodies larger than this are parsed/serialised off the event loop.
+# JSON parts larger than this are parsed/serialised off the event loop; so are binary bodies
+# over OFFLOAD_BINARY_BYTES (their finiteness check is a pass over every value).
 OFFLOAD_BYTES = 64 * 1024
+OFFLOAD_BINARY_BYTES = 1024 * 1024
 
 
 async def read_body(request: Request, limit: int) -> bytearray:
@@ -40,10 +50,13 @@ async def read_body(request: Request, limit: int) -> bytearray:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # the client went away mid-body: 499, not a server error
+        raise ClientDisconnected("client disconnected while sending the body") from None
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding in ("gzip", "deflate"):
         inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
@@ -88,7 +101,8 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
     protocol = "json" if header_length is None else "binary"
 
     started = time.perf_counter()
-    if protocol == "json" and len(body) > OFFLOAD_BYTES:
+    json_bytes = json_length(header_length, len(body))
+    if json_bytes > OFFLOAD_BYTES or len(body) > OFFLOAD_BINARY_BYTES:
         decoded = await run_in_threadpool(decode_request, body, header_length)
         payload = await run_in_threadpool(prepare, decoded, state.limits)
     else:
@@ -110,16 +124,16 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
         binary,
     )
     if not binary[OUTPUT_NAME] and array.nbytes > OFFLOAD_BYTES:
-        content, json_length = await run_in_threadpool(encode_response, *args)
+        content, header_bytes = await run_in_threadpool(encode_response, *args)
     else:
-        content, json_length = encode_response(*args)
+        content, header_bytes = encode_response(*args)
     state.metrics.encode.labels(state.model_name, protocol).observe(time.perf_counter() - started)
-    if json_length is None:
+    if header_bytes is None:
         return Response(content, media_type="application/json")
     return Response(
         content,
         media_type="application/octet-stream",
-        headers={BINARY_HEADER: str(json_length)},
+        headers={BINARY_HEADER: str(header_bytes)},
     )
 
 

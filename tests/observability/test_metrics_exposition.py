@@ -192,7 +192,7 @@ def test_request_counters_match_what_was_sent(exercised) -> None:
         "not_found": 1,
         "overloaded": 1,
         "timeout": 1,
-        "disconnected": 1,
+        "client_disconnected": 1,
         "inference_error": 0,
         "unavailable": 0,
     }

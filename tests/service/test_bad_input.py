@@ -70,7 +70,7 @@ CASES = [
     ("shape vs data", body(tensor("input", [1, 4, E], [0.5] * 10)), {}, 400, "needs 240 values"),
     ("unsupported datatype", body(tensor("input", [1, 4, E], datatype="INT32")), {}, 400, "INT32"),
     ("unknown datatype", body(tensor("input", [1, 4, E], datatype="FP99")), {}, 400, "FP99"),
-    ("strings in data", body(tensor("input", [1, 1, 2], ["a", "b"])), {}, 400, "list of numbers"),
+    ("strings in data", body(tensor("input", [1, 1, 2], ["a", "b"])), {}, 400, "JSON numbers"),
     ("nan in binary", *binary_request(nan_header, nan_array.tobytes()), 400, "NaN or Inf"),
     (
         "infinity in json",

@@ -124,7 +124,7 @@ def test_disconnected_client_frees_its_queue_slot(tmp_path: Path) -> None:
             time.sleep(0.01)
         assert server.metric("mha_queue_depth_sequences") == 0
         pool.shutdown(wait=True)
-        assert server.metric("mha_request_failures_total", reason="disconnected") == 1
+        assert server.metric("mha_request_failures_total", reason="client_disconnected") == 1
         assert server.metric("mha_sequences_processed_total") - base_sequences == 32
 
 

@@ -154,5 +154,5 @@ def test_oversized_binary_claims_are_refused(extra: int) -> None:
         ]
     }
     head = json.dumps(header).encode()
-    with pytest.raises(BadInput, match="runs past the end"):
+    with pytest.raises(BadInput, match=r"runs past the end|larger than a body of"):
         decode_request(bytearray(head + b"\0" * 8), str(len(head)))

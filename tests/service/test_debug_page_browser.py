@@ -22,6 +22,7 @@ from tests.support import ROOT, Server, run_server
 
 CHROMIUM = Path(shutil.which("chromium") or "/usr/bin/chromium")
 TOKEN = "page-debug-token"
+API_KEY = "page-api-key"
 NAME = "all-MiniLM-L6-v2"
 SENTENCE = "The bank raised interest rates, so she moved her savings to the river bank."
 LAYER, HEAD, OTHER_HEAD = 3, 7, 2
@@ -54,7 +55,7 @@ def browser() -> Iterator:
 def minilm_debug_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     path = minilm_dir()
     args = ["--model-dir", str(path), "--model-name", NAME, "--debug-endpoint"]
-    args += ["--debug-token", TOKEN, "--debug-max-concurrency", "1"]
+    args += ["--debug-token", TOKEN, "--api-key", API_KEY, "--debug-max-concurrency", "1"]
     with run_server(tmp_path_factory.mktemp("page"), *args) as server:
         yield server
 
@@ -67,8 +68,9 @@ def _open_page(browser, url: str, errors: list[str]):
     return page
 
 
-def _connect(page, token: str) -> None:
+def _connect(page, token: str, api_key: str = "") -> None:
     page.fill("#token", token)
+    page.fill("#api-key", api_key)
     page.click("#connect")
     page.wait_for_selector("body[data-state=connected]", timeout=30_000)
 
@@ -108,7 +110,7 @@ def _api_weights(server: Server, layer: int) -> tuple[list[str], np.ndarray]:
     response = httpx.post(
         f"{server.url}/v2/models/{NAME}/attention",
         json=body,
-        headers={"Authorization": f"Bearer {TOKEN}"},
+        headers={"Authorization": f"Bearer {API_KEY}", "X-Debug-Token": TOKEN},
         timeout=60,
     )
     assert response.status_code == 200, response.text
@@ -126,15 +128,21 @@ def test_page_shows_a_sentence_with_token_labels(browser, minilm_debug_server, t
     errors: list[str] = []
     page = _open_page(browser, server.url, errors)
 
-    # A wrong token is refused by the data routes, and the page says so.
-    page.fill("#token", "not-the-token")
+    # A missing API key and then a wrong debug token are refused by the data routes (the page
+    # itself loads without credentials), and the page says so.
+    page.fill("#token", TOKEN)
     page.click("#connect")
     page.wait_for_selector("#status.error")  # (no wait_for_function: the page's CSP bars eval)
+    assert page.text_content("#status").startswith("Could not connect: 401: missing")
+    page.fill("#token", "not-the-token")
+    page.fill("#api-key", API_KEY)
+    page.click("#connect")
+    page.wait_for_selector("#status:text('403')")
     assert page.text_content("#status") == "Could not connect: 403: wrong debug token"
     assert page.is_hidden("#controls")
-    errors.clear()  # the browser logs the refused fetch itself
+    errors.clear()  # the browser logs the refused fetches itself
 
-    _connect(page, TOKEN)
+    _connect(page, TOKEN, API_KEY)
     assert NAME in page.text_content("#model-line")
     assert page.is_visible("#text") and page.is_hidden("#random-length")
     page.fill("#text", SENTENCE)

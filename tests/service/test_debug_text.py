@@ -331,8 +331,12 @@ def test_page_with_an_api_key() -> None:
     with InProcess(config) as app:
         assert app.request("GET", "/debug").status_code == 200  # static: no key needed
         assert app.request("GET", "/debug/assets/debug.js").status_code == 200
-        assert app.request("GET", "/debug/info").status_code == 401  # data: the debug token
-        assert app.request("GET", "/debug/info", headers=AUTH).status_code == 200
+        assert app.request("GET", "/debug/info").status_code == 401  # data: the key ...
+        key = {"Authorization": "Bearer api-key"}
+        assert app.request("GET", "/debug/info", headers=AUTH).status_code == 403
+        assert app.request("GET", "/debug/info", headers=key).status_code == 401  # ... + token
+        both = {**key, "X-Debug-Token": TOKEN}
+        assert app.request("GET", "/debug/info", headers=both).status_code == 200
         assert app.request("GET", "/v2/models/minilm").status_code == 401  # the rest: the key
 
 

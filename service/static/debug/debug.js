@@ -1,12 +1,14 @@
 // The attention debug page: plain JavaScript, no libraries, no build step.
 // It calls the same JSON endpoints a script would (GET /debug/info, POST .../attention,
-// GET .../heads) and sends the pasted token as "Authorization: Bearer" on each of them.
+// GET .../heads) and sends the pasted credentials on each of them: the API key (if the server
+// has --api-key) as "Authorization: Bearer", the debug token (--debug-token) as X-Debug-Token.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 
 const page = {
   token: "",
+  apiKey: "",
   info: null, // GET /debug/info
   heads: null, // GET /v2/models/{name}/heads
   result: null, // {layer, tokens, special, weights: Float32Array (H, T, S), H, T, S}
@@ -17,7 +19,8 @@ const page = {
 // -- talking to the server ------------------------------------------------------------------
 async function api(path, options = {}) {
   const headers = { ...(options.headers || {}) };
-  if (page.token) headers.Authorization = `Bearer ${page.token}`;
+  if (page.apiKey) headers.Authorization = `Bearer ${page.apiKey}`;
+  if (page.token) headers["X-Debug-Token"] = page.token;
   const response = await fetch(path, { ...options, headers, cache: "no-store" });
   let body = null;
   try {
@@ -315,6 +318,7 @@ function selectHead(h) {
 async function connect(event) {
   event.preventDefault();
   page.token = $("token").value.trim();
+  page.apiKey = $("api-key").value.trim();
   setStatus("Connecting…");
   try {
     const info = await api("/debug/info");

@@ -1,0 +1,41 @@
+"""SIGTERM past --drain-grace-s on a real server: what had not started when the grace ended is
+answered 503 with Retry-After and never computed, what had started finishes, and the process
+exits within the grace plus about one forward."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from service.bench import reliability
+from tests.support import run_server
+
+GRACE_S = 1.0
+SEQ_LEN = 1024  # long forwards, one sequence per batch: the queue outlasts the grace
+
+
+def test_work_not_started_when_the_grace_ends_gets_503_and_is_never_computed(
+    tmp_path: Path,
+) -> None:
+    args = ("--max-batch-size", "1", "--drain-grace-s", str(GRACE_S), "--request-timeout-s", "120")
+    with run_server(tmp_path, *args) as server:
+        body, headers = reliability.binary_body(1, SEQ_LEN)
+        started = time.monotonic()
+        assert httpx.post(f"{server.url}{reliability.PATH}", content=body, headers=headers,
+                          timeout=60).status_code == 200  # fmt: skip
+        forward_s = time.monotonic() - started
+        r = reliability.drain(server, requests=16, seq_len=SEQ_LEN)
+        log = server.log()
+    assert set(r["statuses"]) <= {200, 503}, r  # never a 500, never a dropped connection
+    assert r["statuses"].get(503, 0) >= 1 and r["statuses"].get(200, 0) >= 1, r
+    assert r["503_without_retry_after"] == 0, r
+    # Exit within the grace plus the forward that was running (and a little process teardown).
+    assert r["exit_after_s"] < GRACE_S + 2 * forward_s + 2.0, (r, forward_s)
+    assert r["returncode"] in (0, -signal.SIGTERM), r
+    shed = re.search(r"drain grace over: (\d+) queued requests answered 503, not computed", log)
+    assert shed and int(shed.group(1)) == r["statuses"][503], log[-3000:]
+    assert "Traceback" not in log and " 500" not in log, log[-3000:]
