@@ -9,10 +9,13 @@ class ServiceError(Exception):
     status = 500
     reason = "inference_error"
 
-    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, headers: dict[str, str] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.param = param  # the request field at fault, for OpenAI's error.param
 
 
 class BadInput(ServiceError):
@@ -80,3 +83,19 @@ class ClientDisconnected(ServiceError):
 
     status = 499
     reason = "client_disconnected"
+
+
+OPENAI_PREFIX = "/v1/"
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}  # fmt: skip
+
+
+def error_body(
+    path: str, status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict:
+    """The one place an error becomes JSON: OpenAI's shape on /v1/*, OIP's `{"error": message}`
+    everywhere else. OpenAI clients read error.message / error.type / error.param / error.code."""
+    if not path.startswith(OPENAI_PREFIX):
+        return {"error": message}
+    kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
