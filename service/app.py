@@ -26,7 +26,7 @@ from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
 from service.routes import debug, embeddings, health, infer, metrics_route, openai_models
 from service.settings import Settings
-from service.text import CharLimits, load_tokenizer
+from service.text import CharLimits, load_tokenizer, matryoshka
 
 log = logging.getLogger("service")
 
@@ -153,6 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state = ServiceState(settings, model, name, batcher, metrics, limits, info)
         state.loop = asyncio.get_running_loop()
         app.state.tokenizer = tokenizer
+        app.state.matryoshka = matryoshka(settings.model_dir)
         if tokenizer is not None:
             app.state.char_limits = CharLimits.resolve(
                 settings.max_input_chars, settings.max_request_chars, tokenizer.max_length

@@ -10,6 +10,7 @@ response says which ones were. `python -m service.text` prints the packaged Mini
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -111,6 +112,27 @@ def load_tokenizer(
     tokenizer = TextTokenizer(path, max_length)
     log.info("tokenizer %s: inputs truncated to %d tokens", path, max_length)
     return tokenizer
+
+
+def matryoshka(model_dir: Path | None) -> bool:
+    """Whether the model was trained so its vectors may be cut short (`dimensions`):
+    sentence-transformers' config_sentence_transformers.json sets `truncate_dim`, or the model
+    card's front matter (README.md) names the "matryoshka" tag or MatryoshkaLoss."""
+    if model_dir is None:
+        return False
+    config = Path(model_dir) / "config_sentence_transformers.json"
+    if config.is_file():
+        try:
+            if json.loads(config.read_text()).get("truncate_dim") is not None:
+                return True
+        except (ValueError, AttributeError):
+            log.warning("%s is not a JSON object; ignoring it", config)
+    card = Path(model_dir) / "README.md"
+    if not card.is_file():
+        return False
+    parts = card.read_text(errors="replace").split("---", 2)
+    front = parts[1].lower() if len(parts) == 3 and not parts[0].strip() else ""
+    return "matryoshka" in front
 
 
 def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:

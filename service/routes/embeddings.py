@@ -126,9 +126,10 @@ def _max_inputs(state: ServiceState) -> int:
 
 
 def parse_request(
-    body: bytes, state: ServiceState, embed_dim: int
-) -> tuple[list[str] | list[np.ndarray], str]:
-    """The request's texts (or token ids) and encoding_format; BadInput names the problem."""
+    body: bytes, state: ServiceState, embed_dim: int, matryoshka: bool = False
+) -> tuple[list[str] | list[np.ndarray], str, int | None]:
+    """The request's texts (or token ids), encoding_format and the dimensions to cut vectors to
+    (None: keep all); BadInput names the problem."""
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -152,16 +153,21 @@ def parse_request(
     if fmt not in ("float", "base64"):
         raise BadInput(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     dims = request.get("dimensions")
-    if dims is not None and (isinstance(dims, bool) or dims != embed_dim):
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise BadInput(f"'dimensions' must be a positive integer, got {dims!r}", param="dimensions")
+    if dims is not None and dims > embed_dim:
+        raise BadInput(f"'dimensions' is {dims}, over this model's {embed_dim}", param="dimensions")
+    if dims is not None and dims < embed_dim and not matryoshka:
         raise BadInput(
             f"'dimensions' must be {embed_dim} for this model: it declares no Matryoshka "
-            "training, so its vectors cannot be shortened",
+            "training (no truncate_dim in config_sentence_transformers.json, no 'matryoshka' "
+            "in its model card), so its vectors cannot be shortened",
             param="dimensions",
         )
     user = request.get("user")
     if user is not None and not isinstance(user, str):
         raise BadInput("'user' must be a string", param="user")
-    return texts, fmt
+    return texts, fmt, (dims if dims is not None and dims < embed_dim else None)
 
 
 def _inputs(texts: Any, state: ServiceState) -> list[str] | list[np.ndarray]:
@@ -330,6 +336,13 @@ async def run_parts(
     return [vector for part in results for vector in part]
 
 
+def shorten(vector: np.ndarray, dims: int) -> np.ndarray:
+    """A Matryoshka vector's first `dims` coordinates, re-normalised to unit length."""
+    head = np.asarray(vector[:dims], dtype=np.float32)
+    norm = float(np.linalg.norm(head))
+    return head / norm if norm > 0 else head
+
+
 def _response(
     vectors: list[np.ndarray], fmt: str, model_name: str, tokens: int
 ) -> tuple[bytes, float]:
@@ -358,14 +371,15 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
             "directory with tokenizer.json (and the tokenizers package); use /v2 for tensors"
         )
     body = await read_body(request, state.settings.max_body_bytes)
+    matryoshka = getattr(request.app.state, "matryoshka", False)
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
     if len(body) > TOKENIZE_CHUNK_CHARS:
-        texts, fmt = await run_in_threadpool(
-            parse_request, bytes(body), state, state.model.embed_dim
+        texts, fmt, dims = await run_in_threadpool(
+            parse_request, bytes(body), state, state.model.embed_dim, matryoshka
         )
     else:
-        texts, fmt = parse_request(bytes(body), state, state.model.embed_dim)
+        texts, fmt, dims = parse_request(bytes(body), state, state.model.embed_dim, matryoshka)
     del body
     if isinstance(texts[0], np.ndarray):  # token ids, already bounded by parse_request
         encoded = [Encoded(ids, truncated=False) for ids in texts]
@@ -382,6 +396,8 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
     vectors = await run_parts(state, request, encoded, remaining)
 
     tokens = sum(len(e.ids) for e in encoded)
+    if dims is not None:  # Matryoshka: keep the first `dims` coordinates, unit length again
+        vectors = [shorten(v, dims) for v in vectors]
     if len(vectors) > 64:
         content, seconds = await run_in_threadpool(
             _response, vectors, fmt, state.model_name, tokens

@@ -109,3 +109,35 @@ def test_oip_routes_keep_their_error_shape(server):
     response = httpx.get(f"{server.url}/v1/models", timeout=10)
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_dimensions_over_the_model_size(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=NAME, input="a", dimensions=385)
+    assert "'dimensions' is 385, over this model's 384" in info.value.message
+
+
+def test_matryoshka_model_shortens_and_renormalises(tmp_path, client):
+    """The same weights, declared Matryoshka by `truncate_dim` in
+    config_sentence_transformers.json: dimensions=128 gives the first 128 coordinates of the full
+    vector at unit length."""
+    import json
+
+    source = minilm_dir()
+    copy = tmp_path / "minilm-matryoshka"
+    copy.mkdir()
+    for item in source.iterdir():
+        (copy / item.name).symlink_to(item)
+    config = copy / "config_sentence_transformers.json"
+    settings = json.loads(config.read_text())
+    config.unlink()
+    config.write_text(json.dumps({**settings, "truncate_dim": 128}))
+    text = "A man is riding a horse."
+    full = np.asarray(client.embeddings.create(model=NAME, input=text).data[0].embedding)
+    args = ["--model-dir", str(copy), "--model-name", NAME]
+    with run_server(tmp_path, *args) as server:
+        short_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        short = short_client.embeddings.create(model=NAME, input=text, dimensions=128)
+    got = np.asarray(short.data[0].embedding)
+    assert got.shape == (128,)
+    np.testing.assert_allclose(got, full[:128] / np.linalg.norm(full[:128]), atol=1e-6)
