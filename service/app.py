@@ -24,7 +24,7 @@ from service.errors import ServiceError, error_body
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
-from service.routes import debug, embeddings, health, infer, metrics_route, openai_models
+from service.routes import debug, embeddings, health, infer, metrics_route, openai_models, tei
 from service.settings import Settings
 from service.text import CharLimits, load_tokenizer, matryoshka
 
@@ -192,6 +192,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics_route.router)
     app.include_router(embeddings.router)
     app.include_router(openai_models.router)
+    app.include_router(tei.router)
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.batcher import Work
+from service.batcher import Runner, Work
 from service.errors import (
     BadInput,
     ClientDisconnected,
@@ -313,7 +313,11 @@ def _retrieve(future: asyncio.Future) -> None:
 
 
 async def run_parts(
-    state: ServiceState, request: Request, encoded: list[Encoded], timeout: float
+    state: ServiceState,
+    request: Request,
+    encoded: list[Encoded],
+    timeout: float,
+    runner: Runner = embed_runner,
 ) -> list[np.ndarray]:
     """Queue every part, await all; on timeout or disconnect drop the parts not yet started."""
     loop = asyncio.get_running_loop()
@@ -323,7 +327,7 @@ async def run_parts(
     try:
         for part in chunk(encoded, settings.max_batch_size, settings.max_batch_tokens):
             payload = token_payload([encoded[i].ids for i in part])
-            work = Work(payload, deadline=deadline, loop=loop, runner=embed_runner)
+            work = Work(payload, deadline=deadline, loop=loop, runner=runner)
             work.future.add_done_callback(_retrieve)
             state.batcher.submit(work)  # 429 when the queue is full
             works.append(work)
