@@ -87,8 +87,12 @@ def test_tokenize_decode_info(server):
     assert info["max_input_length"] == 256
 
 
-def test_huggingface_hub_inference_client(server):
+def test_huggingface_hub_inference_client(server, monkeypatch):
     hub = pytest.importorskip("huggingface_hub")
+    # Other tests set HF_HUB_OFFLINE (no downloads); this client only talks to 127.0.0.1.
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: False)
     client = hub.InferenceClient(base_url=server.url)
     got = np.asarray(client.feature_extraction(TEXTS[0]))
     want = post(server, "/embed", {"inputs": TEXTS[0]}).json()
