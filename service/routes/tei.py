@@ -87,32 +87,65 @@ def _texts(inputs: str | list[str]) -> list[str]:
     return texts
 
 
+async def _vectors(
+    request: Request, texts: list[str], truncate: bool, normalize: bool
+) -> list[np.ndarray]:
+    """Texts -> sentence vectors through the batcher; 413 for over-long texts unless truncate."""
+    state, tokenizer = get_state(request), _tokenizer(request)
+    check_chars(texts, request.app.state.char_limits)
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    with state.batcher.reserve(len(texts)):
+        encoded = await tokenize(state, request, tokenizer, texts, deadline)
+    cut = [i for i, e in enumerate(encoded) if e.truncated]
+    if cut and not truncate:
+        raise PayloadTooLarge(
+            f"Input validation error: inputs[{cut[0]}] is longer than the model's "
+            f"{tokenizer.max_length} tokens; send less text or set 'truncate': true"
+        )
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded("tokenizing used up the request's deadline")
+    vectors = await run_parts(state, request, encoded, remaining, raw_embed_runner)
+    if normalize:
+        vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+    return vectors
+
+
+class SimilarityInputs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: SimilarityInputs
+    truncate: bool = False
+
+
+@router.post("/similarity", summary="Cosine similarity of a sentence to others (TEI)")
+async def similarity(body: SimilarityRequest, request: Request) -> list[float]:
+    state = get_state(request)
+    with observed(state, "similarity"):
+        _tokenizer(request)
+        ensure_serving(state)
+        texts = _texts([body.inputs.source_sentence, *body.inputs.sentences])
+        if len(texts) < 2:
+            raise BadInput("'inputs.sentences' is empty; send at least one sentence")
+        source, *others = await _vectors(request, texts, body.truncate, normalize=True)
+        return [float(np.dot(source, v)) for v in others]
+
+
 @router.post("/", summary="Hugging Face-compatible route: /embed for an embedding model (TEI)")
 @router.post("/embed", summary="Sentence embeddings (TEI)")
 async def embed(body: EmbedRequest, request: Request) -> list[list[float]]:
     state = get_state(request)
     with observed(state, "embed"):
-        tokenizer = _tokenizer(request)
+        _tokenizer(request)
         ensure_serving(state)
         if body.truncation_direction == "Left":
             raise BadInput("'truncation_direction' Left is not supported yet; use Right")
-        texts = _texts(body.inputs)
-        check_chars(texts, request.app.state.char_limits)
-        deadline = time.monotonic() + state.settings.request_timeout_s
-        with state.batcher.reserve(len(texts)):
-            encoded = await tokenize(state, request, tokenizer, texts, deadline)
-        cut = [i for i, e in enumerate(encoded) if e.truncated]
-        if cut and not body.truncate:
-            raise PayloadTooLarge(
-                f"Input validation error: inputs[{cut[0]}] is longer than the model's "
-                f"{tokenizer.max_length} tokens; send less text or set 'truncate': true"
-            )
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded("tokenizing used up the request's deadline")
-        vectors = await run_parts(state, request, encoded, remaining, raw_embed_runner)
-        if body.normalize:
-            vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+        vectors = await _vectors(request, _texts(body.inputs), body.truncate, body.normalize)
         return [np.asarray(v, dtype=np.float32).tolist() for v in vectors]
 
 

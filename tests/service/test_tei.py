@@ -97,3 +97,14 @@ def test_huggingface_hub_inference_client(server, monkeypatch):
     got = np.asarray(client.feature_extraction(TEXTS[0]))
     want = post(server, "/embed", {"inputs": TEXTS[0]}).json()
     np.testing.assert_allclose(got.reshape(1, -1), want, atol=1e-6)
+
+
+def test_similarity_is_the_cosine_of_embed_vectors(server):
+    sentences = ["A man is eating food.", "He drove to the stadium."]
+    body = {"inputs": {"source_sentence": TEXTS[0], "sentences": sentences}}
+    got = post(server, "/similarity", body)
+    assert got.status_code == 200, got.text
+    vectors = np.array(post(server, "/embed", {"inputs": [TEXTS[0], *sentences]}).json())
+    np.testing.assert_allclose(got.json(), vectors[1:] @ vectors[0], atol=1e-6)
+    empty = post(server, "/similarity", {"inputs": {"source_sentence": "a", "sentences": []}})
+    assert empty.status_code == 400 and "'inputs.sentences' is empty" in empty.json()["error"]
