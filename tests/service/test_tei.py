@@ -108,3 +108,9 @@ def test_similarity_is_the_cosine_of_embed_vectors(server):
     np.testing.assert_allclose(got.json(), vectors[1:] @ vectors[0], atol=1e-6)
     empty = post(server, "/similarity", {"inputs": {"source_sentence": "a", "sentences": []}})
     assert empty.status_code == 400 and "'inputs.sentences' is empty" in empty.json()["error"]
+
+
+def test_tei_routes_are_counted_by_endpoint(server):
+    before = server.metric("mha_requests_total", endpoint="embed", status="200")
+    assert post(server, "/embed", {"inputs": "counted"}).status_code == 200
+    assert server.metric("mha_requests_total", endpoint="embed", status="200") == before + 1
