@@ -21,14 +21,14 @@ import mha_engine
 from mha_engine import ServedModel
 from service import __version__, docs
 from service.batcher import DynamicBatcher, Work
-from service.errors import ServiceError
+from service.errors import ServiceError, error_body
 from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
-from service.routes import debug, embeddings, health, infer, metrics_route
+from service.routes import debug, embeddings, health, infer, metrics_route, openai_models, tei
 from service.settings import Settings
-from service.text import CharLimits, load_tokenizer
+from service.text import CharLimits, load_tokenizer, matryoshka
 
 log = logging.getLogger("service")
 
@@ -155,6 +155,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state = ServiceState(settings, model, name, batcher, metrics, limits, info)
         state.loop = asyncio.get_running_loop()
         app.state.tokenizer = tokenizer
+        app.state.matryoshka = matryoshka(settings.model_dir)
         if tokenizer is not None:
             app.state.char_limits = CharLimits.resolve(
                 settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
@@ -206,28 +207,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics_route.router)
     app.include_router(embeddings.router)
     docs.install(app)
+    app.include_router(openai_models.router)
+    app.include_router(tei.router)
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+        body = error_body(request.url.path, exc.status, exc.message, exc.reason, exc.param)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            {"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
-        )
+        body = error_body(request.url.path, exc.status_code, str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
         )
-        return JSONResponse({"error": f"invalid request: {problems}"}, status_code=400)
+        body = error_body(request.url.path, 400, f"invalid request: {problems}", "bad_input")
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", log_safe(request.url.path))
-        return JSONResponse({"error": "internal server error"}, status_code=500)
+        body = error_body(request.url.path, 500, "internal server error", "inference_error")
+        return JSONResponse(body, status_code=500)
 
     return app

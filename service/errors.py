@@ -9,10 +9,13 @@ class ServiceError(Exception):
     status = 500
     reason = "inference_error"
 
-    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, headers: dict[str, str] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.param = param  # the request field at fault, for OpenAI's error.param
 
 
 class BadInput(ServiceError):
@@ -100,3 +103,32 @@ class ResponsesBacklogged(ServiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"retry-after": "1"})
+
+
+OPENAI_PREFIX = "/v1/"
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}  # fmt: skip
+
+
+TEI_ROUTES = frozenset({"/", "/embed", "/embed_all", "/tokenize", "/decode", "/info", "/rerank",
+                        "/predict", "/similarity"})  # fmt: skip
+
+
+def _tei_type(status: int) -> str:
+    """text-embeddings-inference's error_type for a status."""
+    return {429: "Overloaded", 503: "Unhealthy"}.get(status, "Backend" if status >= 500 else
+                                                     "Validation")  # fmt: skip
+
+
+def error_body(
+    path: str, status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict:
+    """The one place an error becomes JSON: OpenAI's shape on /v1/*, text-embeddings-inference's
+    `{"error", "error_type"}` on its routes, OIP's `{"error": message}` everywhere else.
+    OpenAI clients read error.message / error.type / error.param / error.code."""
+    if path in TEI_ROUTES:
+        return {"error": message, "error_type": _tei_type(status)}
+    if not path.startswith(OPENAI_PREFIX):
+        return {"error": message}
+    kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

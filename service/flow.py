@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from service.errors import BodyTimeout, ResponsesBacklogged
+import orjson
+
+from service.errors import BodyTimeout, ResponsesBacklogged, error_body
 
 Scope = dict[str, Any]
 ASGIApp = Any
@@ -154,7 +156,8 @@ class ResponseBackpressure:
                 if length > SLICE_BYTES:
                     if not self.budget.fits(length):
                         refused = True
-                        await _send_busy(send, length, self.budget.pending, self.budget.limit)
+                        pending, limit = self.budget.pending, self.budget.limit
+                        await _send_busy(send, scope["path"], length, pending, limit)
                         return
                     held = length
                     self.budget.pending += length
@@ -184,11 +187,12 @@ class ResponseBackpressure:
             self.budget.pending -= held
 
 
-async def _send_busy(send: Any, length: int, pending: int, limit: int) -> None:
-    body = (
-        f'{{"error":"server is already writing {pending} bytes of responses to slow clients; '
-        f'this {length}-byte response would pass --max-pending-response-bytes ({limit})"}}'
-    ).encode()
+async def _send_busy(send: Any, path: str, length: int, pending: int, limit: int) -> None:
+    message = (
+        f"server is already writing {pending} bytes of responses to slow clients; "
+        f"this {length}-byte response would pass --max-pending-response-bytes ({limit})"
+    )
+    body = orjson.dumps(error_body(path, 503, message, ResponsesBacklogged.reason))
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from service.errors import error_body
+
 access_log = logging.getLogger("service.access")
 
 Scope = dict[str, Any]
@@ -97,7 +99,7 @@ class HeaderLimit:
             size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
             if size > self.limit:
                 message = f"request headers are {size} bytes, over the limit of {self.limit}"
-                await _reject(send, 431, message + " (--max-header-bytes)")
+                await _reject(send, 431, message + " (--max-header-bytes)", scope["path"])
                 return
         await self.app(scope, receive, send)
 
@@ -160,17 +162,23 @@ class ApiKeyAuth:
         given = _header(scope, b"authorization")
         credential = bearer_credential(given)
         if given is None:
-            await _reject(send, 401, "missing 'Authorization: Bearer <api key>' header")
+            await _reject(
+                send, 401, "missing 'Authorization: Bearer <api key>' header", scope["path"]
+            )
         elif credential is None:
-            await _reject(send, 401, "the Authorization header must be 'Bearer <api key>'")
+            await _reject(
+                send, 401, "the Authorization header must be 'Bearer <api key>'", scope["path"]
+            )
         elif not secrets.compare_digest(credential.encode(), self.expected):
-            await _reject(send, 403, "wrong API key")
+            await _reject(send, 403, "wrong API key", scope["path"])
         else:
             await self.app(scope, receive, send)
 
 
-async def _reject(send: Any, status: int, message: str) -> None:
-    body = orjson.dumps({"error": message})
+async def _reject(send: Any, status: int, message: str, path: str) -> None:
+    """An error answered before the app runs, in the route's error shape (OIP or OpenAI)."""
+    code = {401: "invalid_api_key", 403: "invalid_api_key"}.get(status)
+    body = orjson.dumps(error_body(path, status, message, code))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="mha-serve"'))

@@ -10,6 +10,7 @@ response says which ones were. `python -m service.text` prints the packaged Mini
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -73,6 +74,22 @@ class TextTokenizer:
         """Token ids of every text, special tokens added."""
         return [_encoded(enc) for enc in self._tokenizer.encode_batch(texts)]
 
+    def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """Texts of token-id sequences."""
+        return self._tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+        """TEI's /tokenize answer: each token's id, text, whether special, char span."""
+        out = []
+        for enc in self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens):
+            out.append([
+                {"id": i, "text": t, "special": bool(sp), "start": a, "stop": b}
+                for i, t, sp, (a, b) in zip(
+                    enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+                )
+            ])  # fmt: skip
+        return out
+
     def label(self, text: str) -> Labelled:
         """One text's ids exactly as `encode` gives them, plus its token strings and which of
         them are special ([CLS], [SEP], ...): the axis labels of the attention debug view."""
@@ -113,12 +130,46 @@ def load_tokenizer(
     return tokenizer
 
 
+def matryoshka(model_dir: Path | None) -> bool:
+    """Whether the model was trained so its vectors may be cut short (`dimensions`):
+    sentence-transformers' config_sentence_transformers.json sets `truncate_dim`, or the model
+    card's front matter (README.md) names the "matryoshka" tag or MatryoshkaLoss."""
+    if model_dir is None:
+        return False
+    config = Path(model_dir) / "config_sentence_transformers.json"
+    if config.is_file():
+        try:
+            if json.loads(config.read_text()).get("truncate_dim") is not None:
+                return True
+        except (ValueError, AttributeError):
+            log.warning("%s is not a JSON object; ignoring it", config)
+    card = Path(model_dir) / "README.md"
+    if not card.is_file():
+        return False
+    parts = card.read_text(errors="replace").split("---", 2)
+    front = parts[1].lower() if len(parts) == 3 and not parts[0].strip() else ""
+    return "matryoshka" in front
+
+
 def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
     """Batcher runner: every payload's token-id sequences -> sentence vectors, one engine call."""
     seqs = [seq for p in payloads for seq in p.query]
     ids = torch.from_numpy(np.concatenate(seqs))  # (tokens,) packed
     cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
     vectors = model.embed_packed(ids, cu_seqlens).cpu().numpy()  # (N, D) float32
+    out, start = [], 0
+    for p in payloads:
+        out.append(list(vectors[start : start + p.num_sequences]))
+        start += p.num_sequences
+    return out
+
+
+def raw_embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
+    """As embed_runner, without normalising: /embed normalises per request (TEI's `normalize`)."""
+    seqs = [seq for p in payloads for seq in p.query]
+    ids = torch.from_numpy(np.concatenate(seqs))
+    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
+    vectors = model.embed_packed(ids, cu_seqlens, normalize=False).cpu().numpy()
     out, start = [], 0
     for p in payloads:
         out.append(list(vectors[start : start + p.num_sequences]))

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.batcher import Work
+from service.batcher import Runner, Work
 from service.errors import (
     BadInput,
     ClientDisconnected,
@@ -58,6 +58,12 @@ EMBEDDINGS_REQUEST = {
             "anyOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+                },
             ]
         },
         "model": {"type": "string"},
@@ -119,8 +125,11 @@ def _max_inputs(state: ServiceState) -> int:
     return min(MAX_INPUTS, state.settings.max_queue)
 
 
-def parse_request(body: bytes, state: ServiceState, embed_dim: int) -> tuple[list[str], str]:
-    """The request's texts and encoding_format; BadInput names the first problem."""
+def parse_request(
+    body: bytes, state: ServiceState, embed_dim: int, matryoshka: bool = False
+) -> tuple[list[str] | list[np.ndarray], str, int | None]:
+    """The request's texts (or token ids), encoding_format and the dimensions to cut vectors to
+    (None: keep all); BadInput names the problem."""
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -134,36 +143,89 @@ def parse_request(body: bytes, state: ServiceState, embed_dim: int) -> tuple[lis
     if not isinstance(model, str):
         raise BadInput("'model' is required and must be a string")
     if model != state.model_name:
-        raise ModelNotFound(f"unknown model '{model}'; this server serves '{state.model_name}'")
+        raise ModelNotFound(
+            f"unknown model '{model}'; this server serves '{state.model_name}'", param="model"
+        )
     if "input" not in request:
         raise BadInput("'input' is required: a string or a list of strings")
-    texts = request["input"]
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, list):
-        raise BadInput(f"'input' must be a string or a list of strings, got {_kind(texts)}")
-    if not texts:
-        raise BadInput("'input' is an empty list; send at least one string")
-    if len(texts) > _max_inputs(state):
-        raise BadInput(f"'input' has {len(texts)} items; at most {_max_inputs(state)} per request")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise BadInput(
-                f"input[{i}] is {_kind(text)}; every item must be a string "
-                "(token-id arrays are not accepted)"
-            )
-        if not text:
-            raise BadInput(f"input[{i}] is an empty string; empty inputs have no embedding")
+    texts = _inputs(request["input"], state)
     fmt = request.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise BadInput(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     dims = request.get("dimensions")
-    if dims is not None and (isinstance(dims, bool) or dims != embed_dim):
-        raise BadInput(f"'dimensions' must be {embed_dim} for this model (no shortening)")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise BadInput(f"'dimensions' must be a positive integer, got {dims!r}", param="dimensions")
+    if dims is not None and dims > embed_dim:
+        raise BadInput(f"'dimensions' is {dims}, over this model's {embed_dim}", param="dimensions")
+    if dims is not None and dims < embed_dim and not matryoshka:
+        raise BadInput(
+            f"'dimensions' must be {embed_dim} for this model: it declares no Matryoshka "
+            "training (no truncate_dim in config_sentence_transformers.json, no 'matryoshka' "
+            "in its model card), so its vectors cannot be shortened",
+            param="dimensions",
+        )
     user = request.get("user")
     if user is not None and not isinstance(user, str):
-        raise BadInput("'user' must be a string")
-    return texts, fmt
+        raise BadInput("'user' must be a string", param="user")
+    return texts, fmt, (dims if dims is not None and dims < embed_dim else None)
+
+
+def _inputs(texts: Any, state: ServiceState) -> list[str] | list[np.ndarray]:
+    """'input' as strings, or as token ids (one list of ints, or a list of such lists) checked
+    against the vocabulary and the model's max length (OpenAI rejects over-long ids too)."""
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list):
+        raise BadInput(
+            f"'input' must be a string, a list of strings or token ids, got {_kind(texts)}",
+            param="input",
+        )
+    if not texts:
+        raise BadInput("'input' is an empty list; send at least one string", param="input")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in texts):
+        texts = [texts]  # one sequence of token ids
+    if len(texts) > _max_inputs(state):
+        raise BadInput(
+            f"'input' has {len(texts)} items; at most {_max_inputs(state)} per request",
+            param="input",
+        )
+    if isinstance(texts[0], list):
+        return [_token_ids(i, ids, state) for i, ids in enumerate(texts)]
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise BadInput(
+                f"input[{i}] is {_kind(text)}; send all strings or all token-id lists",
+                param="input",
+            )
+        if not text:
+            raise BadInput(
+                f"input[{i}] is an empty string; empty inputs have no embedding", param="input"
+            )
+    return texts
+
+
+def _token_ids(i: int, ids: Any, state: ServiceState) -> np.ndarray:
+    """One token-id sequence, bounded by the model's max length and vocabulary."""
+    if not isinstance(ids, list) or not ids:
+        raise BadInput(
+            f"input[{i}] must be a non-empty list of token ids, got {_kind(ids)}", param="input"
+        )
+    max_len = min(state.model.max_seq_len, state.settings.max_seq_len)
+    if len(ids) > max_len:
+        raise BadInput(
+            f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
+            f"{max_len} tokens",
+            param="input",
+        )
+    vocab = state.model.vocab_size
+    for j, token in enumerate(ids):
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+            raise BadInput(
+                f"input[{i}][{j}] = {token!r} is not a token id: ids are integers in "
+                f"[0, {vocab}) for this model's vocabulary",
+                param="input",
+            )
+    return np.asarray(ids, dtype=np.int64)
 
 
 def check_chars(texts: list[str], limits: CharLimits) -> None:
@@ -251,7 +313,11 @@ def _retrieve(future: asyncio.Future) -> None:
 
 
 async def run_parts(
-    state: ServiceState, request: Request, encoded: list[Encoded], timeout: float
+    state: ServiceState,
+    request: Request,
+    encoded: list[Encoded],
+    timeout: float,
+    runner: Runner = embed_runner,
 ) -> list[np.ndarray]:
     """Queue every part, await all; on timeout or disconnect drop the parts not yet started."""
     loop = asyncio.get_running_loop()
@@ -261,7 +327,7 @@ async def run_parts(
     try:
         for part in chunk(encoded, settings.max_batch_size, settings.max_batch_tokens):
             payload = token_payload([encoded[i].ids for i in part])
-            work = Work(payload, deadline=deadline, loop=loop, runner=embed_runner)
+            work = Work(payload, deadline=deadline, loop=loop, runner=runner)
             work.future.add_done_callback(_retrieve)
             state.batcher.submit(work)  # 429 when the queue is full
             works.append(work)
@@ -272,6 +338,13 @@ async def run_parts(
             state.batcher.cancel(work)
         raise
     return [vector for part in results for vector in part]
+
+
+def shorten(vector: np.ndarray, dims: int) -> np.ndarray:
+    """A Matryoshka vector's first `dims` coordinates, re-normalised to unit length."""
+    head = np.asarray(vector[:dims], dtype=np.float32)
+    norm = float(np.linalg.norm(head))
+    return head / norm if norm > 0 else head
 
 
 def _response(
@@ -302,18 +375,22 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
             "directory with tokenizer.json (and the tokenizers package); use /v2 for tensors"
         )
     body = await read_body(request, state.settings.max_body_bytes)
+    matryoshka = getattr(request.app.state, "matryoshka", False)
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
     if len(body) > TOKENIZE_CHUNK_CHARS:
-        texts, fmt = await run_in_threadpool(
-            parse_request, bytes(body), state, state.model.embed_dim
+        texts, fmt, dims = await run_in_threadpool(
+            parse_request, bytes(body), state, state.model.embed_dim, matryoshka
         )
     else:
-        texts, fmt = parse_request(bytes(body), state, state.model.embed_dim)
+        texts, fmt, dims = parse_request(bytes(body), state, state.model.embed_dim, matryoshka)
     del body
-    check_chars(texts, request.app.state.char_limits)
-    with state.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
-        encoded = await tokenize(state, request, tokenizer, texts, deadline)
+    if isinstance(texts[0], np.ndarray):  # token ids, already bounded by parse_request
+        encoded = [Encoded(ids, truncated=False) for ids in texts]
+    else:
+        check_chars(texts, request.app.state.char_limits)
+        with state.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
+            encoded = await tokenize(state, request, tokenizer, texts, deadline)
     state.metrics.decode.labels(state.model_name, "json").observe(time.perf_counter() - started)
     state.metrics.sequences_received([len(e.ids) for e in encoded])
 
@@ -323,6 +400,8 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
     vectors = await run_parts(state, request, encoded, remaining)
 
     tokens = sum(len(e.ids) for e in encoded)
+    if dims is not None:  # Matryoshka: keep the first `dims` coordinates, unit length again
+        vectors = [shorten(v, dims) for v in vectors]
     if len(vectors) > 64:
         content, seconds = await run_in_threadpool(
             _response, vectors, fmt, state.model_name, tokens

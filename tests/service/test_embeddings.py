@@ -160,8 +160,11 @@ BAD = [
     ("empty item", {"input": ["a", ""], "model": NAME}, 400, "input[1] is an empty string"),
     ("number item", {"input": ["a", 3], "model": NAME}, 400, "input[1] is an integer"),
     ("null item", {"input": [None], "model": NAME}, 400, "input[0] is null"),
-    ("nested list", {"input": [["a"]], "model": NAME}, 400, "input[0] is a list"),
-    ("token ids", {"input": [101, 102], "model": NAME}, 400, "token-id arrays are not accepted"),
+    ("nested list", {"input": [["a"]], "model": NAME}, 400, "input[0][0] = 'a' is not a token"),
+    ("id over vocab", {"input": [101, 30522], "model": NAME}, 400, "input[0][1] = 30522"),
+    ("negative id", {"input": [[101], [-1]], "model": NAME}, 400, "input[1][0] = -1"),
+    ("too many ids", {"input": [[101] * 257], "model": NAME}, 400, "context length is 256"),
+    ("empty ids", {"input": [[101], []], "model": NAME}, 400, "input[1] must be a non-empty"),
     ("object input", {"input": {"a": 1}, "model": NAME}, 400, "got an object"),
     ("too many", {"input": ["a"] * (MAX_QUEUE + 1), "model": NAME}, 400, "at most 64"),
     ("no input", {"model": NAME}, 400, "'input' is required"),
@@ -179,7 +182,9 @@ def test_bad_input_gets_4xx_naming_the_problem(minilm_server, case):
     _, body, status, words = case
     response = post(minilm_server, body)
     assert response.status_code == status, response.text
-    assert words in response.json()["error"]
+    error = response.json()["error"]  # OpenAI's shape on /v1
+    assert words in error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
 def test_malformed_json_and_metrics(minilm_server):
@@ -190,7 +195,7 @@ def test_malformed_json_and_metrics(minilm_server):
         headers={"Content-Type": "application/json"},
         timeout=30,
     )
-    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     after = minilm_server.metric("mha_requests_total", endpoint="embeddings", status="400")
     assert after == before + 1
     failures = minilm_server.metric(
@@ -237,7 +242,7 @@ def test_tensor_api_and_attention_debug_serve_the_bert_encoder(minilm_server):
 def test_model_without_tokenizer_refuses_embeddings(demo_server):
     response = post(demo_server, {"input": "hello", "model": "mha"})
     assert response.status_code == 400
-    assert "has no tokenizer" in response.json()["error"]
+    assert "has no tokenizer" in response.json()["error"]["message"]
 
 
 def test_model_path_helper_prints_the_directory():

@@ -48,11 +48,11 @@ def test_character_limits_are_413_before_tokenizing(monkeypatch: pytest.MonkeyPa
         started = time.perf_counter()
         response = await client.post("/v1/embeddings", content=body(["x" * 2_000_000]))
         assert response.status_code == 413, response.text
-        assert "16384 per input (--max-input-chars)" in response.json()["error"]
+        assert "16384 per input (--max-input-chars)" in response.json()["error"]["message"]
         assert time.perf_counter() - started < 1.0  # tokenizing it would take ~1.5 s of CPU
         response = await client.post("/v1/embeddings", content=body([text(15_000)] * 100))
         assert response.status_code == 413, response.text
-        assert "1048576 per request (--max-request-chars)" in response.json()["error"]
+        assert "1048576 per request (--max-request-chars)" in response.json()["error"]["message"]
         assert (await client.post("/v1/embeddings", content=body([text(16_384)]))).is_success
 
     run(defaults)
@@ -74,7 +74,7 @@ def test_tokenizing_stops_at_the_deadline() -> None:
         response = await client.post("/v1/embeddings", content=body([text(100_000)] * 100))
         took = time.perf_counter() - started
         assert response.status_code == 504, response.text
-        assert "--request-timeout-s" in response.json()["error"]
+        assert "--request-timeout-s" in response.json()["error"]["message"]
         assert took < 2.0, took
 
     run(test, request_timeout_s=0.3, max_input_chars=100_000, max_request_chars=20_000_000)
@@ -96,7 +96,7 @@ def test_tokenizing_holds_queue_slots() -> None:
             await asyncio.sleep(0.005)
         assert depth == 16, depth
         second = await client.post("/v1/embeddings", content=body(["hello"]))
-        assert second.status_code == 429 and "queue full" in second.json()["error"]
+        assert second.status_code == 429 and "queue full" in second.json()["error"]["message"]
         assert (await first).status_code == 200
 
     run(test, max_queue=16, max_batch_size=8, max_input_chars=100_000)
