@@ -97,24 +97,55 @@ BINARY_BODY = {
 }
 
 
-def _error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": ERROR}}}
-
-
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: _error("Malformed request or tensors that don't fit the model"),
-    404: _error("Unknown model or version"),
-    401: _error("--api-key is set and the Bearer token is missing"),
-    403: _error("--api-key is set and the Bearer token is wrong"),
-    413: _error("Body over --max-body-bytes"),
-    422: _error("The model's output for these inputs overflowed to NaN/Inf"),
-    431: _error("Request headers over --max-header-bytes"),
-    429: _error("Queue full; retry after Retry-After seconds"),
-    499: _error("Client disconnected (logged, never seen by the client)"),
-    500: _error("The forward pass failed"),
-    503: _error("Not ready, or draining for shutdown"),
-    504: _error("Deadline passed while queued; never computed"),
+# The same errors in the shape each protocol's clients read (service.errors.error_body).
+OPENAI_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
 }
+TEI_ERROR = {
+    "type": "object",
+    "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
+    "required": ["error", "error_type"],
+}
+
+ERROR_DESCRIPTIONS: dict[int, str] = {
+    400: "Malformed request or inputs that don't fit the model",
+    404: "Unknown model or version",
+    401: "--api-key is set and the Bearer token is missing",
+    403: "--api-key is set and the Bearer token is wrong",
+    408: "Headers or body arrived too slowly (--header-timeout-s, --body-min-rate)",
+    413: "Body over --max-body-bytes, or text over the character or token limits",
+    422: "The model's output for these inputs overflowed to NaN/Inf",
+    431: "Request headers over --max-header-bytes",
+    429: "Queue full; retry after Retry-After seconds",
+    499: "Client disconnected (logged, never seen by the client)",
+    500: "The forward pass failed",
+    503: "Not ready, draining for shutdown, or too many response bytes pending",
+    504: "Deadline passed while queued; never computed",
+}
+
+
+def error_responses(schema: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
+    """Every error status a route may answer, each with the protocol's error body schema."""
+    content = {"application/json": {"schema": schema}}
+    return {code: {"description": d, "content": content} for code, d in ERROR_DESCRIPTIONS.items()}
+
+
+ERROR_RESPONSES = error_responses(ERROR)
+OPENAI_ERROR_RESPONSES = error_responses(OPENAI_ERROR)
+TEI_ERROR_RESPONSES = error_responses(TEI_ERROR)
 
 INFER_OPENAPI: dict[str, Any] = {
     "requestBody": {

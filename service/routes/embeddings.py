@@ -30,7 +30,7 @@ from service.errors import (
     ModelNotFound,
     PayloadTooLarge,
 )
-from service.openapi import ERROR_RESPONSES
+from service.openapi import OPENAI_ERROR_RESPONSES
 from service.routes.common import (
     await_queued,
     ensure_serving,
@@ -117,7 +117,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "One vector per input, in order (X-Truncated-Inputs lists cut inputs)",
         "content": {"application/json": {"schema": EMBEDDINGS_RESPONSE}},
     },
-    **ERROR_RESPONSES,
+    **OPENAI_ERROR_RESPONSES,
 }
 
 

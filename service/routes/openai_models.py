@@ -8,9 +8,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from service.errors import ModelNotFound
+from service.openapi import OPENAI_ERROR_RESPONSES
 from service.routes.common import get_state
 
-router = APIRouter(tags=["embeddings"])
+router = APIRouter(tags=["embeddings"], responses=OPENAI_ERROR_RESPONSES)
 
 OWNER = "mha-serve"
 

@@ -16,11 +16,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import BadInput, DeadlineExceeded, PayloadTooLarge
+from service.openapi import TEI_ERROR_RESPONSES
 from service.routes.common import ensure_serving, get_state, observed
 from service.routes.embeddings import check_chars, run_parts, tokenize
 from service.text import TextTokenizer, raw_embed_runner
 
-router = APIRouter(tags=["text-embeddings-inference"])
+router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
 
 MAX_CLIENT_BATCH = 32  # TEI's default --max-client-batch-size
 
