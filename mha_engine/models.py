@@ -45,9 +45,27 @@ class EngineModel(nn.Module):
     is_cross_attention_capable = property(lambda self: self.config.cross_attention)
 
     def _anchor(self) -> Tensor:
-        """The first floating weight of `core`: its device and dtype are the model's."""
-        for t in itertools.chain(self.core.parameters(), self.core.buffers()):
+        """The first floating weight of `core`: its device and dtype are the model's.
+
+        Found once and then re-checked by name (a few getattrs, not a walk over every weight:
+        the walk cost ~0.1 ms a forward at small shapes); a replaced weight (load with
+        assign=True, quantize) is noticed and the walk runs again. `.to()` keeps the objects.
+        """
+        cached = self.__dict__.get("_anchor_cache")
+        if cached is not None:
+            name, tensor = cached
+            try:
+                if self.core.get_parameter(name) is tensor:
+                    return tensor
+            except AttributeError:
+                try:
+                    if self.core.get_buffer(name) is tensor:
+                        return tensor
+                except AttributeError:
+                    pass
+        for name, t in itertools.chain(self.core.named_parameters(), self.core.named_buffers()):
             if t.is_floating_point():
+                self.__dict__["_anchor_cache"] = (name, t)
                 return t
         raise RuntimeError("the model holds no floating point weights to take a dtype from")
 
@@ -77,10 +95,13 @@ class EngineModel(nn.Module):
 
     def _cast(self, x: Tensor | None) -> Tensor | None:
         """Move a floating input to the model's device and dtype (no copy when already there)."""
-        if x is None or x.dtype == torch.bool:
-            return None if x is None else x.to(self.device)
+        if x is None:
+            return None
+        anchor = self._anchor()
+        if x.dtype == torch.bool:
+            return x.to(anchor.device)
         if torch.is_floating_point(x):
-            return x.to(device=self.device, dtype=self.dtype)
+            return x.to(device=anchor.device, dtype=anchor.dtype)
         raise TypeError(f"expected a floating point or bool tensor, got {x.dtype}")
 
     def forward_packed(self, query: Tensor, cu_seqlens: Tensor | Sequence[int], **kwargs) -> Tensor:
@@ -139,7 +160,10 @@ class MultiheadAttentionModel(EngineModel):
         """Default key/value to query, cast once keeping `is` identity, add a missing batch dim."""
         key = query if key is None else key
         value = key if value is None else value
-        cast = {id(t): self._cast(t) for t in (query, key, value)}
+        cast = {}
+        for t in (query, key, value):
+            if id(t) not in cast:
+                cast[id(t)] = self._cast(t)
         query, key, value = cast[id(query)], cast[id(key)], cast[id(value)]
         batched = query.dim() == 3
         if not batched:
