@@ -23,11 +23,23 @@ from service import __version__, docs
 from service.batcher import DynamicBatcher, Work
 from service.errors import ServiceError, error_body
 from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
+from service.grpc.server import GrpcListener
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
-from service.routes import debug, embeddings, health, infer, metrics_route, openai_models, tei
+from service.model_config import MODEL_VERSION
+from service.routes import (
+    config_stats,
+    debug,
+    embeddings,
+    health,
+    infer,
+    metrics_route,
+    openai_models,
+    tei,
+)
 from service.settings import Settings
+from service.stats import ModelStats, Observers
 from service.text import CharLimits, load_tokenizer, matryoshka
 
 log = logging.getLogger("service")
@@ -44,6 +56,7 @@ class ServiceState:
     metrics: Metrics
     limits: ModelLimits
     info: dict[str, Any]
+    stats: ModelStats
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.time)
@@ -68,6 +81,12 @@ class ServiceState:
 
     def _arm_grace_timer(self, grace: float) -> None:
         self.grace_timer = asyncio.get_running_loop().call_later(grace, self.end_grace)
+
+    def grace_left(self) -> float:
+        """Seconds of the drain grace still to run (all of it before draining starts)."""
+        if self.grace_timer is None:
+            return self.settings.drain_grace_s
+        return max(0.0, self.grace_timer.when() - asyncio.get_running_loop().time())
 
     def end_grace(self) -> None:
         """The drain grace is over: what has not started is answered 503 and never computed."""
@@ -119,6 +138,7 @@ async def _warm_up(state: ServiceState) -> None:
     except Exception:
         log.exception("warm-up failed; the server stays not ready")
         return
+    state.stats.counting = True  # statistics count client requests, not the warm-up
     state.set_ready(True)
     log.info("model %r ready", state.model_name)
 
@@ -138,13 +158,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         info = model_info(model, name)
         metrics.set_model_info(info)
         metrics.queue_capacity.labels(name).set(settings.max_queue)
+        stats = ModelStats(name, MODEL_VERSION)
         batcher = DynamicBatcher(
             model,
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_delay_s=settings.max_batch_delay_ms / 1000,
             max_queue=settings.max_queue,
-            observer=metrics,
+            observer=Observers(metrics, stats),
         )
         limits = ModelLimits.from_config(
             model.config,
@@ -152,7 +173,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_sequences=settings.max_batch_size,
             max_tokens=settings.max_batch_tokens,
         )
-        state = ServiceState(settings, model, name, batcher, metrics, limits, info)
+        state = ServiceState(settings, model, name, batcher, metrics, limits, info, stats)
         state.loop = asyncio.get_running_loop()
         app.state.tokenizer = tokenizer
         app.state.matryoshka = matryoshka(settings.model_dir)
@@ -162,11 +183,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
         app.state.service = state
         batcher.start()
+        grpc_listener = GrpcListener(state) if settings.grpc_port else None
+        if grpc_listener is not None:
+            await grpc_listener.start()
+        app.state.grpc = grpc_listener
         warm_up = asyncio.create_task(_warm_up(state))
         try:
             yield
         finally:
             state.start_draining()
+            if grpc_listener is not None:  # calls in progress get what is left of the grace
+                await asyncio.sleep(0)  # let start_draining arm the grace timer
+                await grpc_listener.stop(state.grace_left())
             warm_up.cancel()
             if state.grace_timer is not None:
                 state.grace_timer.cancel()
@@ -202,6 +230,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.response_budget = ResponseBudget(settings.max_pending_response_bytes)
     app.add_middleware(ResponseBackpressure, budget=app.state.response_budget)
     app.add_middleware(RequestContext)  # outermost: even a 401 gets an id and a log line
+    app.include_router(config_stats.router)  # before health: /v2/models/stats is not a model
     app.include_router(health.router)
     app.include_router(infer.router)
     app.include_router(metrics_route.router)

@@ -1,7 +1,9 @@
 """Prometheus metrics (prefix `mha_`), one registry per app, plus the process collectors.
 
 Labels stay low-cardinality: model, endpoint, protocol, HTTP status code (or its class),
-failure reason, batch outcome. One uvicorn worker per device is the deployment model (one
+failure reason, batch outcome. Request families carry `protocol` ("http" or "grpc"); a gRPC
+call's `status` is the HTTP status of the same outcome (service.grpc.status), so status-class
+panels and alerts cover both listeners. One uvicorn worker per device is the deployment model (one
 batcher, one copy of the weights), so a plain per-process registry is exact. If several uvicorn
 workers per device are ever allowed, this must switch to prometheus-client's multiprocess mode
 (PROMETHEUS_MULTIPROC_DIR, a MultiProcessCollector registry, and explicit gauge modes), or
@@ -50,6 +52,7 @@ FAILURE_REASONS = (
     "bad_input", "not_found", "overloaded", "timeout", "inference_error", "client_disconnected",
     "unavailable", "unauthorized", "forbidden",
 )  # fmt: skip
+PROTOCOLS = ("http", "grpc")  # the `protocol` label of the request families
 
 
 class Metrics:
@@ -64,18 +67,19 @@ class Metrics:
         gc_collector.GCCollector(registry=r)
 
         self.requests = Counter(
-            "mha_requests", "HTTP requests answered, by endpoint and status code.",
-            ["model", "endpoint", "status"], registry=r,
+            "mha_requests", "Requests answered, by endpoint, status code and protocol.",
+            ["model", "endpoint", "status", "protocol"], registry=r,
         )  # fmt: skip
         self.failures = Counter(
             "mha_request_failures", "Requests that failed, by reason.",
-            ["model", "endpoint", "reason"], registry=r,
+            ["model", "endpoint", "reason", "protocol"], registry=r,
         )  # fmt: skip
         # status_class (2xx/4xx/5xx) keeps fast rejections out of the success percentiles.
         self.request_duration = Histogram(
             "mha_request_duration_seconds",
             "End-to-end request time inside the server, by status class (2xx, 4xx, 5xx).",
-            ["model", "endpoint", "status_class"], buckets=LATENCY_BUCKETS, registry=r,
+            ["model", "endpoint", "status_class", "protocol"], buckets=LATENCY_BUCKETS,
+            registry=r,
         )  # fmt: skip
         self.queue_wait = Histogram(
             "mha_queue_wait_seconds", "Time a request waited in the batcher queue.",
@@ -142,8 +146,9 @@ class Metrics:
         self.batches = Counter(
             "mha_batches", "Forwards run, by outcome.", ["model", "outcome"], registry=r
         )
-        for reason in FAILURE_REASONS:
-            self.failures.labels(model, "infer", reason)  # expose zeros so rate() has a series
+        for reason in FAILURE_REASONS:  # expose zeros so rate() has a series
+            for protocol in PROTOCOLS:
+                self.failures.labels(model, "infer", reason, protocol)
         for outcome in ("ok", "error"):
             self.batches.labels(model, outcome)
         self.ready.labels(model).set(0)
@@ -179,12 +184,19 @@ class Metrics:
         if device.startswith("cuda") and torch.cuda.is_available() and not self._cuda_gauges:
             self._add_cuda_gauges(torch.device(device))
 
-    def request_done(self, endpoint: str, status: int, seconds: float, reason: str | None) -> None:
-        self.requests.labels(self.model, endpoint, str(status)).inc()
+    def request_done(
+        self,
+        endpoint: str,
+        status: int,
+        seconds: float,
+        reason: str | None,
+        protocol: str = "http",
+    ) -> None:
+        self.requests.labels(self.model, endpoint, str(status), protocol).inc()
         status_class = f"{status // 100}xx"
-        self.request_duration.labels(self.model, endpoint, status_class).observe(seconds)
+        self.request_duration.labels(self.model, endpoint, status_class, protocol).observe(seconds)
         if reason is not None:
-            self.failures.labels(self.model, endpoint, reason).inc()
+            self.failures.labels(self.model, endpoint, reason, protocol).inc()
 
     def sequences_received(self, lengths: list[int]) -> None:
         hist = self.sequence_length.labels(self.model)

@@ -33,6 +33,11 @@ def log_safe(text: str) -> str:
     return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
+def request_id(given: str | None) -> str:
+    """The client's request id when it is sane (1-128 of [A-Za-z0-9._:-]), else a new one."""
+    return given if given and _SAFE_ID.match(given) else uuid.uuid4().hex
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -51,9 +56,8 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = _header(scope, b"x-request-id")
-        request_id = given if given and _SAFE_ID.match(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        rid = request_id(_header(scope, b"x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
         started = time.perf_counter()
         status = 500
 
@@ -62,7 +66,7 @@ class RequestContext:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
-                headers.append((b"x-request-id", request_id.encode()))
+                headers.append((b"x-request-id", rid.encode()))
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -76,7 +80,7 @@ class RequestContext:
                 path,
                 status,
                 extra={
-                    "request_id": request_id,
+                    "request_id": rid,
                     "status": status,
                     "duration_ms": round((time.perf_counter() - started) * 1000, 3),
                     "method": method,

@@ -31,6 +31,16 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 in containers).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    grpc_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="Port of the Open Inference Protocol's gRPC listener "
+        "(inference.GRPCInferenceService); 0 disables it.",
+    )
+    grpc_host: str | None = Field(
+        None, description="Address the gRPC listener binds. Default: the same as --host."
+    )
     device: str | None = Field(None, description="torch device: cuda, cuda:1, cpu. Default: auto.")
     dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         "float32",

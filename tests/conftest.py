@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support import Server, run_server
+
+# Servers the tests start (in-process or as subprocesses, which inherit this) open no gRPC
+# listener on the default port 8001 unless a test passes --grpc-port / grpc_port itself.
+os.environ.setdefault("MHA_GRPC_PORT", "0")
 
 
 @pytest.fixture(scope="session")

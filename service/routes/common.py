@@ -17,11 +17,10 @@ from service.errors import (
     NotReady,
     ServiceError,
 )
+from service.model_config import MODEL_VERSION
 
 if TYPE_CHECKING:
     from service.app import ServiceState
-
-MODEL_VERSION = "1"
 
 
 def get_state(request: Request) -> ServiceState:

@@ -8,8 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service import __version__
+from service.model_config import EXTENSIONS
+from service.model_config import model_metadata as metadata_of
 from service.openapi import ERROR_RESPONSES
-from service.routes.common import MODEL_VERSION, check_model, get_state
+from service.routes.common import check_model, get_state
 
 router = APIRouter(tags=["health and metadata"])
 MODEL_ERRORS = {code: ERROR_RESPONSES[code] for code in (404, 503)}
@@ -33,11 +35,7 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get("/v2", summary="Server metadata")
 async def server_metadata() -> dict[str, Any]:
-    return {"name": "mha-serve", "version": __version__, "extensions": ["binary_tensor_data"]}
-
-
-def _tensor(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
-    return {"name": name, "datatype": datatype, "shape": shape}
+    return {"name": "mha-serve", "version": __version__, "extensions": list(EXTENSIONS)}
 
 
 @router.get("/v2/models/{model_name}", summary="Model metadata", responses=MODEL_ERRORS)
@@ -51,23 +49,7 @@ async def model_metadata(
 ) -> dict[str, Any]:
     state = get_state(request)
     check_model(state, model_name, model_version)
-    model = state.model
-    datatype = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}[
-        str(model.dtype).removeprefix("torch.")
-    ]
-    inputs = [_tensor("input", datatype, [-1, -1, model.embed_dim])]
-    if model.is_cross_attention_capable:
-        inputs.append(_tensor("key", datatype, [-1, -1, model.kdim]))
-        inputs.append(_tensor("value", datatype, [-1, -1, model.vdim]))
-    inputs.append(_tensor("key_padding_mask", "BOOL", [-1, -1]))
-    return {
-        "name": state.model_name,
-        "versions": [MODEL_VERSION],
-        "platform": "mha_engine",
-        "inputs": inputs,
-        "outputs": [_tensor("output", datatype, [-1, -1, model.embed_dim])],
-        "properties": {k: str(v) for k, v in state.info.items()},
-    }
+    return metadata_of(state)
 
 
 @router.get("/v2/models/{model_name}/ready", summary="Model ready", responses=MODEL_ERRORS)

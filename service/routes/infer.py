@@ -71,7 +71,7 @@ async def read_body(request: Request, limit: int) -> bytearray:
     return body
 
 
-def _deadline_s(state: ServiceState, parameters: dict[str, Any]) -> float:
+def deadline_s(state: ServiceState, parameters: dict[str, Any]) -> float:
     """Seconds the request may wait: --request-timeout-s, or less if the client asks."""
     timeout = state.settings.request_timeout_s
     asked = parameters.get("timeout")  # tritonclient sends microseconds
@@ -108,10 +108,12 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
     else:
         decoded = decode_request(body, header_length)
         payload = prepare(decoded, state.limits)
-    state.metrics.decode.labels(state.model_name, protocol).observe(time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    state.metrics.decode.labels(state.model_name, protocol).observe(seconds)
+    state.stats.add("compute_input", seconds)
     state.metrics.sequences_received([q.shape[0] for q in payload.query])
 
-    outputs = await run_work(state, request, payload, _deadline_s(state, decoded.parameters))
+    outputs = await run_work(state, request, payload, deadline_s(state, decoded.parameters))
 
     started = time.perf_counter()
     array = np.stack(outputs) if payload.batched else outputs[0]  # (B, T, E) or (T, E)
@@ -129,7 +131,9 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
         content, header_bytes = await run_in_threadpool(encode_response, *args)
     else:
         content, header_bytes = encode_response(*args)
-    state.metrics.encode.labels(state.model_name, protocol).observe(time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    state.metrics.encode.labels(state.model_name, protocol).observe(seconds)
+    state.stats.add("compute_output", seconds)
     if header_bytes is None:
         return Response(content, media_type="application/json")
     return Response(
@@ -155,5 +159,5 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
 )
 async def infer(request: Request, model_name: str, model_version: str | None = None) -> Response:
     state = get_state(request)
-    with observed(state, "infer"):
+    with observed(state, "infer"), state.stats.request():
         return await _infer(state, request, model_name, model_version or None)

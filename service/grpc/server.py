@@ -1,0 +1,50 @@
+"""The gRPC listener: a `grpc.aio` server on the lifespan's event loop, beside uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from service.grpc import grpc_service_pb2_grpc as pb_grpc
+from service.grpc.servicer import InferenceServicer
+
+if TYPE_CHECKING:
+    from service.app import ServiceState
+
+log = logging.getLogger("service.grpc")
+
+
+class GrpcListener:
+    """Started and stopped by the FastAPI lifespan; `port` is the bound port (for --grpc-port 0
+    in code paths that pick one, e.g. tests starting the app in-process)."""
+
+    def __init__(self, state: ServiceState) -> None:
+        settings = state.settings
+        limit = settings.max_body_bytes  # the same bound as an HTTP body, both ways
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared listener
+            ],
+            maximum_concurrent_rpcs=settings.max_connections,  # past it: RESOURCE_EXHAUSTED
+        )
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), self.server)
+        host = settings.grpc_host or settings.host
+        address = (
+            f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
+        )
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind the gRPC listener to {address} (--grpc-port)")
+        self.address = address
+
+    async def start(self) -> None:
+        await self.server.start()
+        log.info("gRPC listening on %s", self.address)
+
+    async def stop(self, grace: float) -> None:
+        """Refuse new calls; calls in progress get up to `grace` seconds, then are cancelled."""
+        await self.server.stop(grace)

@@ -1,0 +1,231 @@
+"""The GRPCInferenceService handlers: the HTTP routes' checks, batcher and codecs behind gRPC.
+
+Every call: the API key from `authorization: Bearer <key>` metadata, a request id (the client's
+`x-request-id`, else a new one) sent back in the initial metadata, one access-log line, and the
+request metrics with protocol="grpc". A ServiceError ends the call with its status code
+(service.grpc.status); a cancelled call leaves the queue like a disconnected HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from service import __version__
+from service.batcher import Work
+from service.codecs import OutputTensor
+from service.errors import DeadlineExceeded, ServiceError, Unauthorized
+from service.grpc import grpc_service_pb2 as pb
+from service.grpc import grpc_service_pb2_grpc as pb_grpc
+from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
+from service.grpc.tensors import decode_infer_request, encode_infer_response
+from service.inputs import OUTPUT_NAME, prepare
+from service.middleware import bearer_credential, log_safe, request_id
+from service.model_config import EXTENSIONS, MODEL_VERSION, model_config, model_metadata
+from service.routes.common import check_model, ensure_serving
+from service.routes.infer import OFFLOAD_BINARY_BYTES, deadline_s
+
+if TYPE_CHECKING:
+    from service.app import ServiceState
+
+access_log = logging.getLogger("service.access")
+log = logging.getLogger("service.grpc")
+
+# Open without the API key when --open-health-metrics is on (as /v2/health/* over HTTP).
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
+
+
+class Call:
+    """One RPC's bookkeeping: its id and the HTTP-equivalent status the metrics record."""
+
+    def __init__(self, method: str, rid: str) -> None:
+        self.method = method
+        self.request_id = rid
+        self.status = 200
+        self.reason: str | None = None
+
+
+async def wait_work(state: ServiceState, work: Work, timeout: float) -> Any:
+    """Await queued `work`: DEADLINE_EXCEEDED if the deadline passes before it starts; a
+    cancelled call (client gone, its deadline) takes the work out of the queue."""
+    try:
+        done, _ = await asyncio.wait({work.future}, timeout=timeout)
+        if done:
+            return work.future.result()
+        if state.batcher.cancel(work):
+            raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
+        return await work.future  # already running: it finishes within one forward
+    finally:
+        if not work.future.done():  # cancelled: never compute it
+            state.batcher.cancel(work)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Handlers over the lifespan's ServiceState."""
+
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+        key = state.settings.api_key
+        self.api_key = None if key is None else key.get_secret_value().encode()
+
+    # -- per-call plumbing --------------------------------------------------------------------
+    def _check_key(self, method: str, metadata: dict[str, str]) -> None:
+        if self.api_key is None:
+            return
+        if method in OPEN_METHODS and self.state.settings.open_health_metrics:
+            return
+        given = metadata.get("authorization")
+        credential = bearer_credential(given)
+        if given is None:
+            raise Unauthorized("missing 'authorization: Bearer <api key>' call metadata")
+        if credential is None:
+            raise Unauthorized("the authorization metadata must be 'Bearer <api key>'")
+        if not secrets.compare_digest(credential.encode(), self.api_key):
+            raise Unauthorized("wrong API key")
+
+    @contextlib.asynccontextmanager
+    async def _call(
+        self, method: str, context: grpc.aio.ServicerContext, endpoint: str | None = None
+    ) -> AsyncIterator[Call]:
+        """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
+        started = time.perf_counter()
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        call = Call(method, request_id(metadata.get("x-request-id")))
+        metrics = self.state.metrics
+        gauge = metrics.in_flight.labels(self.state.model_name) if endpoint else None
+        if gauge is not None:
+            gauge.inc()
+        try:
+            await context.send_initial_metadata((("x-request-id", call.request_id),))
+            self._check_key(method, metadata)
+            yield call
+        except ServiceError as exc:
+            call.status, call.reason = exc.status, exc.reason
+            await context.abort(grpc_code(exc), exc.message, trailing_metadata(exc))
+        except asyncio.CancelledError:
+            call.status, call.reason = CANCELLED_STATUS, "client_disconnected"
+            raise
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            call.status, call.reason = 500, "inference_error"
+            log.exception("unhandled error in gRPC %s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+        finally:
+            seconds = time.perf_counter() - started
+            if gauge is not None:
+                gauge.dec()
+                metrics.request_done(endpoint, call.status, seconds, call.reason, "grpc")
+            access_log.info(
+                "GRPC %s %d",
+                method,
+                call.status,
+                extra={
+                    "request_id": call.request_id,
+                    "status": call.status,
+                    "duration_ms": round(seconds * 1000, 3),
+                    "method": "GRPC",
+                    "path": log_safe(method),
+                },
+            )
+
+    def _model(self, name: str, version: str) -> ServiceState:
+        check_model(self.state, name, version or None)
+        return self.state
+
+    def _ready(self) -> bool:
+        return self.state.ready and not self.state.draining
+
+    # -- health and metadata ------------------------------------------------------------------
+    async def ServerLive(self, request, context):
+        async with self._call("ServerLive", context):
+            return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        async with self._call("ServerReady", context):
+            return pb.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(self, request, context):
+        async with self._call("ModelReady", context):
+            self._model(request.name, request.version)
+            return pb.ModelReadyResponse(ready=self._ready())
+
+    async def ServerMetadata(self, request, context):
+        async with self._call("ServerMetadata", context):
+            return pb.ServerMetadataResponse(
+                name="mha-serve", version=__version__, extensions=EXTENSIONS
+            )
+
+    async def ModelMetadata(self, request, context):
+        async with self._call("ModelMetadata", context):
+            meta = model_metadata(self._model(request.name, request.version))
+            meta.pop("properties")  # not part of the gRPC message
+            return json_format.ParseDict(meta, pb.ModelMetadataResponse())
+
+    async def ModelConfig(self, request, context):
+        async with self._call("ModelConfig", context):
+            config = model_config(self._model(request.name, request.version))
+            return json_format.ParseDict({"config": config}, pb.ModelConfigResponse())
+
+    async def ModelStatistics(self, request, context):
+        async with self._call("ModelStatistics", context):
+            stats = []
+            if request.name:
+                self._model(request.name, request.version)
+            if not request.version or request.version == MODEL_VERSION:
+                stats.append(self.state.stats.as_dict())
+            return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+
+    # -- inference ----------------------------------------------------------------------------
+    async def ModelInfer(self, request, context):
+        async with self._call("ModelInfer", context, endpoint="infer") as call:
+            state = self._model(request.model_name, request.model_version)
+            with state.stats.request():
+                return await self._infer(state, request, context, call)
+
+    async def _infer(self, state: ServiceState, request, context, call: Call):
+        ensure_serving(state)
+        metrics = state.metrics
+        started = time.perf_counter()
+        raw = bool(request.raw_input_contents)
+        if sum(len(r) for r in request.raw_input_contents) > OFFLOAD_BINARY_BYTES:
+            decoded = await asyncio.to_thread(decode_infer_request, request)
+            payload = await asyncio.to_thread(prepare, decoded, state.limits)
+        else:
+            decoded = decode_infer_request(request)
+            payload = prepare(decoded, state.limits)
+        seconds = time.perf_counter() - started
+        metrics.decode.labels(state.model_name, "grpc").observe(seconds)
+        state.stats.add("compute_input", seconds)
+        metrics.sequences_received([q.shape[0] for q in payload.query])
+
+        timeout = deadline_s(state, decoded.parameters)
+        remaining = context.time_remaining()  # the call's gRPC deadline, if it has one
+        if remaining is not None:
+            timeout = min(timeout, max(remaining, 0.0))
+        work = Work(payload, deadline=time.monotonic() + timeout, loop=asyncio.get_running_loop())
+        state.batcher.submit(work)
+        outputs = await wait_work(state, work, timeout)
+
+        started = time.perf_counter()
+        array = np.stack(outputs) if payload.batched else outputs[0]  # (B, T, E) or (T, E)
+        response = encode_infer_response(
+            state.model_name,
+            request.model_version or MODEL_VERSION,
+            decoded.id or call.request_id,
+            [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
+            raw=raw,
+        )
+        seconds = time.perf_counter() - started
+        metrics.encode.labels(state.model_name, "grpc").observe(seconds)
+        state.stats.add("compute_output", seconds)
+        return response

@@ -1,0 +1,146 @@
+"""ModelInfer messages <-> the service's decoded request and output tensors.
+
+The request becomes the same `codecs.InferRequest` that HTTP bodies decode to, so
+`inputs.prepare` validates both protocols with the same rules and messages. Raw contents are
+read as numpy views over the message's bytes (no copy); typed contents are copied once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from service.codecs import MAX_RANK, NUMPY_DTYPES, InferRequest, InferTensor, OutputTensor
+from service.errors import BadInput
+from service.grpc import grpc_service_pb2 as pb
+
+# datatype -> the InferTensorContents field that carries it (FP16/BF16 only as raw bytes).
+CONTENT_FIELDS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+
+def parameter_value(parameter: pb.InferParameter) -> Any:
+    """The Python value of an InferParameter (bool, int, str or float); None when unset."""
+    choice = parameter.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(parameter, choice)
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    return {key: parameter_value(value) for key, value in parameters.items()}
+
+
+def _shape(tensor: pb.ModelInferRequest.InferInputTensor) -> tuple[tuple[int, ...], int]:
+    """The shape and its element count in Python ints (no int64 wrap-around)."""
+    shape = tuple(tensor.shape)
+    if len(shape) > MAX_RANK or any(dim < 0 for dim in shape):
+        raise BadInput(
+            f"input '{tensor.name}': shape {list(shape)} must be at most {MAX_RANK} "
+            "non-negative integers"
+        )
+    return shape, math.prod(shape)
+
+
+def _raw_array(name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes):
+    dtype = NUMPY_DTYPES[datatype]
+    if len(raw) != count * dtype.itemsize:
+        raise BadInput(
+            f"input '{name}': raw_input_contents has {len(raw)} bytes but shape {list(shape)} "
+            f"of {datatype} needs {count * dtype.itemsize}"
+        )
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _typed_array(tensor: pb.ModelInferRequest.InferInputTensor, shape, count: int) -> np.ndarray:
+    name, datatype = tensor.name, tensor.datatype
+    field = CONTENT_FIELDS.get(datatype)
+    if field is None:
+        raise BadInput(
+            f"input '{name}': {datatype} data travels only in raw_input_contents "
+            "(InferTensorContents has no field for it)"
+        )
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise BadInput(
+            f"input '{name}': shape {list(shape)} needs {count} values, contents.{field} has "
+            f"{len(values)}"
+        )
+    wide = {"BOOL": np.bool_, "FP32": np.float32, "FP64": np.float64}.get(datatype, np.int64)
+    array = np.array(values, dtype=wide)
+    if datatype not in ("BOOL", "FP32", "FP64"):
+        dtype = NUMPY_DTYPES[datatype]
+        info = np.iinfo(dtype)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise BadInput(f"input '{name}': contents.{field} holds values outside {datatype}")
+        array = array.astype(dtype)
+    return array.reshape(shape)
+
+
+def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
+    """The protobuf request as an InferRequest; raises BadInput naming the field at fault."""
+    if not request.inputs:
+        raise BadInput("'inputs' must hold at least one tensor")
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise BadInput(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+            "send one per input, in the order of 'inputs'"
+        )
+    inputs: dict[str, InferTensor] = {}
+    for index, tensor in enumerate(request.inputs):
+        name, datatype = tensor.name, tensor.datatype
+        if name in inputs:
+            raise BadInput(f"input '{name}' appears twice")
+        if datatype not in NUMPY_DTYPES:
+            raise BadInput(f"input '{name}': datatype {datatype!r} is not supported here")
+        shape, count = _shape(tensor)
+        if raw:
+            if tensor.HasField("contents"):
+                raise BadInput(
+                    f"input '{name}' has contents and raw_input_contents; send one of them"
+                )
+            array = _raw_array(name, datatype, shape, count, raw[index])
+        else:
+            array = _typed_array(tensor, shape, count)
+        inputs[name] = InferTensor(name, datatype, shape, array)
+    outputs = {}
+    for output in request.outputs:
+        # the flag only matters over HTTP: gRPC answers in raw or typed contents (see encode)
+        outputs[output.name] = True
+    return InferRequest(request.id or None, _parameters(request.parameters), inputs, outputs, True)
+
+
+def encode_infer_response(
+    model_name: str,
+    model_version: str,
+    request_id: str,
+    outputs: list[OutputTensor],
+    raw: bool,
+) -> pb.ModelInferResponse:
+    """The response; tensors in raw_output_contents, or typed contents when `raw` is False and
+    the datatype has a typed field (FP16/BF16 always go raw)."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=model_version)
+    response.id = request_id
+    typed = not raw and all(t.datatype in CONTENT_FIELDS for t in outputs)
+    for tensor in outputs:
+        entry = response.outputs.add(name=tensor.name, datatype=tensor.datatype)
+        entry.shape.extend(tensor.array.shape)
+        if typed:
+            getattr(entry.contents, CONTENT_FIELDS[tensor.datatype]).extend(
+                tensor.array.reshape(-1).tolist()
+            )
+        else:
+            response.raw_output_contents.append(np.ascontiguousarray(tensor.array).tobytes())
+    return response
