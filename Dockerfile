@@ -86,13 +86,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     MHA_HOST=0.0.0.0 \
-    MHA_PORT=8000
+    MHA_PORT=8000 \
+    MHA_GRPC_PORT=8001
 USER 10001:10001
 WORKDIR /home/mha
 # Mount a directory of models here and point MHA_MODEL_DIR at one of them; with MHA_MODEL_DIR
 # unset the server builds its demo model and /models is not read.
 VOLUME ["/models"]
-EXPOSE 8000
+EXPOSE 8000 8001
 # Ready = model loaded and warmed up, and not draining. Python is the only HTTP client in the
 # image; urlopen raises on the 503 of a loading or draining replica, so the exit code is 1.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \

@@ -83,7 +83,7 @@ def test_runtime_stage_promises() -> None:
     (user,) = [args for kind, args in stage if kind == "USER"]
     uid = user.split(":")[0]
     assert uid.isdigit() and int(uid) != 0, "numeric non-root uid (k8s runAsNonRoot checks it)"
-    assert ("EXPOSE", "8000") in stage
+    assert ("EXPOSE", "8000 8001") in stage  # HTTP and the OIP gRPC listener
     (cmd,) = [args for kind, args in stage if kind == "CMD"]
     assert json.loads(cmd) == ["mha-serve"], "exec form: mha-serve is PID 1 and gets SIGTERM"
     assert "ENTRYPOINT" not in kinds, "no wrapper between the runtime and the server"
