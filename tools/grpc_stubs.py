@@ -37,7 +37,22 @@ def generate(out: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     (out / PROTO_DIR / "model_config_pb2_grpc.py").unlink()  # no service in it: empty module
+    for name in PROTOS:
+        _use_private_pool(out / PROTO_DIR / name.replace(".proto", "_pb2.py"))
     return sorted((out / PROTO_DIR).glob("*_pb2*.py*"))
+
+
+def _use_private_pool(module: Path) -> None:
+    """Register the module's descriptors in service.grpc.pool.POOL instead of protobuf's
+    default pool, where a Triton client's own `inference.*` definitions may already be."""
+    text = module.read_text()
+    default = "_descriptor_pool.Default().AddSerializedFile("
+    marker = "# @@protoc_insertion_point(imports)\n"
+    if text.count(default) != 1 or text.count(marker) != 1:
+        raise RuntimeError(f"unexpected protoc output in {module}; update _use_private_pool")
+    text = text.replace(default, "_POOL.AddSerializedFile(")
+    text = text.replace(marker, marker + "from service.grpc.pool import POOL as _POOL\n")
+    module.write_text(text)
 
 
 def main() -> None:

@@ -6,23 +6,26 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.model_config import MODEL_VERSION, model_config
+from service.model_config import model_config
 from service.openapi import ERROR_RESPONSES
+from service.openapi_extensions import MODEL_CONFIG, STATISTICS, ok
 from service.routes.common import check_model, get_state
 
 router = APIRouter(tags=["model configuration and statistics"])
 MODEL_ERRORS = {code: ERROR_RESPONSES[code] for code in (404, 503)}
+CONFIG_RESPONSES = {**ok(MODEL_CONFIG, "Triton's model configuration"), **MODEL_ERRORS}
+STATS_RESPONSES = {**ok(STATISTICS, "Triton's model statistics"), **MODEL_ERRORS}
 
 
 @router.get(
     "/v2/models/{model_name}/config",
     summary="Model configuration (Triton's model_config.proto as JSON)",
-    responses=MODEL_ERRORS,
+    responses=CONFIG_RESPONSES,
 )
 @router.get(
     "/v2/models/{model_name}/versions/{model_version}/config",
     summary="Model configuration (Triton's model_config.proto as JSON)",
-    responses=MODEL_ERRORS,
+    responses=CONFIG_RESPONSES,
 )
 async def config(
     request: Request, model_name: str, model_version: str | None = None
@@ -35,24 +38,26 @@ async def config(
 @router.get(
     "/v2/models/stats",
     summary="Statistics of every model (Triton's statistics extension)",
-    responses={503: ERROR_RESPONSES[503]},
+    responses={**ok(STATISTICS, "Triton's model statistics"), 503: ERROR_RESPONSES[503]},
 )
+async def all_stats(request: Request) -> dict[str, Any]:
+    return {"model_stats": [get_state(request).stats.as_dict()]}
+
+
 @router.get(
     "/v2/models/{model_name}/stats",
     summary="Statistics of a model (Triton's statistics extension)",
-    responses=MODEL_ERRORS,
+    responses=STATS_RESPONSES,
 )
 @router.get(
     "/v2/models/{model_name}/versions/{model_version}/stats",
     summary="Statistics of a model version (Triton's statistics extension)",
-    responses=MODEL_ERRORS,
+    responses=STATS_RESPONSES,
 )
 async def stats(
-    request: Request, model_name: str | None = None, model_version: str | None = None
+    request: Request, model_name: str, model_version: str | None = None
 ) -> dict[str, Any]:
+    """One model's statistics (an unknown model or version: 404, as Triton answers)."""
     state = get_state(request)
-    if model_name is not None:
-        check_model(state, model_name, model_version)
-    if model_version not in (None, MODEL_VERSION):
-        return {"model_stats": []}
+    check_model(state, model_name, model_version)
     return {"model_stats": [state.stats.as_dict()]}

@@ -46,3 +46,18 @@ def test_stubs_keep_the_wire_names_clients_use() -> None:
     request = grpc_service_pb2.ModelInferRequest.DESCRIPTOR
     assert request.fields_by_name["raw_input_contents"].number == 7
     assert request.fields_by_name["inputs"].number == 5
+
+
+def test_stubs_and_tritonclient_import_in_one_process() -> None:
+    """The stubs live in a private descriptor pool: tritonclient's own `inference.*` definitions
+    in the default pool do not collide with them (in-process tests import both), and messages
+    cross between the two by their wire bytes."""
+    import tritonclient.grpc as triton
+
+    from service.grpc import grpc_service_pb2
+
+    ours = grpc_service_pb2.ModelInferRequest(model_name="m", id="7")
+    ours.inputs.add(name="input", datatype="FP32", shape=[1, 2])
+    ours.raw_input_contents.append(bytes(8))
+    theirs = triton.service_pb2.ModelInferRequest.FromString(ours.SerializeToString())
+    assert (theirs.model_name, theirs.id, list(theirs.inputs[0].shape)) == ("m", "7", [1, 2])
