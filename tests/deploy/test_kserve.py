@@ -1,0 +1,92 @@
+"""deploy/kserve: the ServingRuntime and InferenceServices agree with each other and with the
+server they start.
+
+No cluster or KServe CRD schemas here, so validation is offline: the runtime's container is
+validated strictly as a core/v1 Container (inside a Pod) against Kubernetes' schemas; its args
+go through mha-serve's own flag parser (a flag that does not exist fails); the ports KServe
+routes to (HTTP, the h2c port of the gRPC InferenceService, the Prometheus annotation) and the
+readiness probe are those the parsed settings listen on; each InferenceService names the
+runtime, one of its model formats and one of its protocol versions.
+"""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from service.__main__ import parse_settings
+from service.app import create_app
+from tests.support import ROOT
+
+KSERVE = ROOT / "deploy" / "kserve"
+
+
+def load(name: str) -> dict:
+    (doc,) = [d for d in yaml.safe_load_all((KSERVE / name).read_text()) if d]
+    return doc
+
+
+RUNTIME = load("servingruntime.yaml")
+SERVICES = {name: load(name) for name in ("inferenceservice.yaml", "inferenceservice-grpc.yaml")}
+
+
+def container() -> dict:
+    (only,) = RUNTIME["spec"]["containers"]
+    return only
+
+
+def settings_for(service: dict):
+    """The server's settings as KServe starts it for `service` ({{.Name}} filled in)."""
+    name = service["metadata"]["name"]
+    return parse_settings([arg.replace("{{.Name}}", name) for arg in container()["args"]])
+
+
+def test_runtime_kinds_and_container_validate() -> None:
+    assert (RUNTIME["apiVersion"], RUNTIME["kind"]) == (
+        "serving.kserve.io/v1alpha1",
+        "ServingRuntime",
+    )
+    for service in SERVICES.values():
+        assert (service["apiVersion"], service["kind"]) == (
+            "serving.kserve.io/v1beta1",
+            "InferenceService",
+        )
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
+           "spec": {"containers": [container()]}}  # fmt: skip
+    for version in ("1.28.0", kubernetes_validate.latest_version()):
+        kubernetes_validate.validate(pod, version, strict=True)
+    broken = {**pod, "spec": {"containers": [{**container(), "argz": []}]}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+def test_services_match_the_runtime_and_the_ports_it_listens_on(name: str) -> None:
+    service = SERVICES[name]
+    model = service["spec"]["predictor"]["model"]
+    assert model["runtime"] == RUNTIME["metadata"]["name"]
+    formats = {f["name"] for f in RUNTIME["spec"]["supportedModelFormats"]}
+    assert model["modelFormat"]["name"] in formats
+    assert model["protocolVersion"] in RUNTIME["spec"]["protocolVersions"]
+    settings = settings_for(service)
+    assert str(settings.model_dir) == "/mnt/models"  # where KServe's storage initializer puts it
+    assert settings.served_model_name == service["metadata"]["name"]
+    assert settings.host == "0.0.0.0" and settings.port == 8080  # KServe's HTTP port
+    assert settings.grpc_port and settings.grpc_port != settings.port
+    if model["protocolVersion"] == "grpc-v2":
+        (port,) = model["ports"]
+        assert (port["name"], port["containerPort"]) == ("h2c", settings.grpc_port)
+    else:
+        assert "ports" not in model
+    annotations = RUNTIME["spec"]["annotations"]
+    assert int(annotations["prometheus.kserve.io/port"]) == settings.port
+    assert annotations["prometheus.kserve.io/path"] == "/metrics"
+
+
+def test_readiness_probe_is_the_servers_own() -> None:
+    probe = container()["readinessProbe"]["httpGet"]
+    settings = settings_for(SERVICES["inferenceservice.yaml"])
+    assert probe["port"] == settings.port
+    paths = create_app(settings).openapi()["paths"]
+    assert probe["path"] in paths
