@@ -25,7 +25,12 @@ def loaded_state(request: Request) -> ServiceState | None:
     return getattr(request.app.state, "service", None)
 
 
-State = Annotated[ServiceState, Depends(get_state)]
+async def _state(request: Request) -> ServiceState:
+    # async: FastAPI runs a plain `def` dependency on a worker thread, for every request.
+    return get_state(request)
+
+
+State = Annotated[ServiceState, Depends(_state)]
 
 
 def ensure_serving(state: ServiceState) -> None:
@@ -39,7 +44,7 @@ def ensure_serving(state: ServiceState) -> None:
         )
 
 
-def path_model(state: State, model_name: str, model_version: str | None = None) -> ModelEntry:
+async def path_model(state: State, model_name: str, model_version: str | None = None) -> ModelEntry:
     """The model named by the path (`/v2/models/{model_name}[/versions/{model_version}]`)."""
     return state.find(model_name, model_version or None)
 
