@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import mha_engine
-from service.bench.client import binary_infer_body, run_load
-from service.bench.server import HOST, Proc, free_port, running
+from benchmarks.client import binary_infer_body, run_load
+from benchmarks.server import HOST, Proc, free_port, running
 from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 

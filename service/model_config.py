@@ -1,67 +1,64 @@
-"""What the protocols say about the served model: OIP metadata, Triton's model configuration,
+"""What the protocols say about a served model: OIP metadata, Triton's model configuration,
 and the extensions the server offers (HTTP and gRPC answer from these same dicts)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from service.app import ServiceState
+from service.datatypes import of_torch
 
-MODEL_VERSION = "1"
+if TYPE_CHECKING:
+    from service.settings import Settings
+    from service.state import ModelEntry
+
 PLATFORM = "mha_engine"
 # Triton extension names, offered over HTTP and gRPC alike (binary_tensor_data is HTTP's
 # framing; gRPC carries raw_input_contents/raw_output_contents in the core protocol).
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
-WIRE_DATATYPES = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
 
 
-def wire_datatype(state: ServiceState) -> str:
-    """The OIP datatype of the model's floats (int8 models take and give FP32)."""
-    return WIRE_DATATYPES[str(state.model.dtype).removeprefix("torch.")]
-
-
-def _tensors(state: ServiceState) -> tuple[list[tuple[str, str, int | None]], int]:
-    """(name, datatype, last dim or None for a mask) of each input, and the output's width."""
-    model, datatype = state.model, wire_datatype(state)
+def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None]], str, int]:
+    """(name, datatype, last dim or None for the mask) of each input; the output's datatype and
+    width. int8 models take and give FP32 (their dtype is float32)."""
+    model = entry.model
+    datatype = of_torch(model.dtype)
     inputs: list[tuple[str, str, int | None]] = [("input", datatype, model.embed_dim)]
     if model.is_cross_attention_capable:
         inputs += [("key", datatype, model.kdim), ("value", datatype, model.vdim)]
     inputs.append(("key_padding_mask", "BOOL", None))
-    return inputs, model.embed_dim
+    return inputs, datatype, model.embed_dim
 
 
-def model_metadata(state: ServiceState) -> dict[str, Any]:
+def model_metadata(entry: ModelEntry) -> dict[str, Any]:
     """OIP model metadata: inputs/outputs with datatypes and shapes (-1 = variable)."""
-    inputs, width = _tensors(state)
+    inputs, datatype, width = _tensors(entry)
 
-    def tensor(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
-        return {"name": name, "datatype": datatype, "shape": shape}
+    def tensor(name: str, dt: str, shape: list[int]) -> dict[str, Any]:
+        return {"name": name, "datatype": dt, "shape": shape}
 
     return {
-        "name": state.model_name,
-        "versions": [MODEL_VERSION],
+        "name": entry.name,
+        "versions": [entry.version],
         "platform": PLATFORM,
         "inputs": [
             tensor(name, dt, [-1, -1] if dim is None else [-1, -1, dim]) for name, dt, dim in inputs
         ],
-        "outputs": [tensor("output", wire_datatype(state), [-1, -1, width])],
-        "properties": {k: str(v) for k, v in state.info.items()},
+        "outputs": [tensor("output", datatype, [-1, -1, width])],
+        "properties": {k: str(v) for k, v in entry.info.items()},
     }
 
 
-def model_config(state: ServiceState) -> dict[str, Any]:
+def model_config(entry: ModelEntry, settings: Settings) -> dict[str, Any]:
     """Triton's model configuration (model_config.proto as JSON): dims leave out the batch
     dimension (max_batch_size > 0); only `input` is required, [T, E] or [B, T, E] both work."""
-    settings = state.settings
-    inputs, width = _tensors(state)
-    gpu = str(state.model.device).startswith("cuda")
+    inputs, datatype, width = _tensors(entry)
+    gpu = str(entry.model.device).startswith("cuda")
     return {
-        "name": state.model_name,
+        "name": entry.name,
         "platform": PLATFORM,
         "backend": PLATFORM,
         "version_policy": {"latest": {"num_versions": 1}},
-        "max_batch_size": settings.max_batch_size,
+        "max_batch_size": entry.batcher.max_batch_size,
         "input": [
             {
                 "name": name,
@@ -72,14 +69,12 @@ def model_config(state: ServiceState) -> dict[str, Any]:
             }
             for name, dt, dim in inputs
         ],
-        "output": [
-            {"name": "output", "data_type": f"TYPE_{wire_datatype(state)}", "dims": [-1, width]}
-        ],
+        "output": [{"name": "output", "data_type": f"TYPE_{datatype}", "dims": [-1, width]}],
         "instance_group": [
-            {"name": state.model_name, "kind": "KIND_GPU" if gpu else "KIND_CPU", "count": 1}
+            {"name": entry.name, "kind": "KIND_GPU" if gpu else "KIND_CPU", "count": 1}
         ],
         "dynamic_batching": {
-            "preferred_batch_size": [settings.max_batch_size],
+            "preferred_batch_size": [entry.batcher.max_batch_size],
             "max_queue_delay_microseconds": round(settings.max_batch_delay_ms * 1000),
         },
     }

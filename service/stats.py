@@ -13,8 +13,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from service.errors import ModelNotFound
-
 
 class Duration:
     """A cumulative count and total nanoseconds (Triton's StatisticDuration)."""
@@ -59,19 +57,14 @@ class ModelStats:
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
-        """Count the inference request run inside as a success or a failure, with its duration
-        (a request for another model counts for none)."""
+        """Count the inference request run inside as a success or a failure, with its duration."""
         started = time.perf_counter()
         ok = False
         try:
             yield
             ok = True
-        except ModelNotFound:
-            started = None
-            raise
         finally:
-            if started is not None:
-                self.add("success" if ok else "fail", time.perf_counter() - started)
+            self.add("success" if ok else "fail", time.perf_counter() - started)
 
     # -- batcher side (BatchObserver) -------------------------------------------------------
     def queue_depth(self, sequences: int) -> None:

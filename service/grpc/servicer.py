@@ -21,21 +21,22 @@ import numpy as np
 from google.protobuf import json_format
 
 from service import __version__
-from service.batcher import Work
 from service.codecs import OutputTensor
+from service.deps import ensure_serving
 from service.errors import DeadlineExceeded, ServiceError, Unauthorized
+from service.forward import hidden_states
 from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.grpc.tensors import decode_infer_request, encode_infer_response
 from service.inputs import OUTPUT_NAME, prepare
 from service.middleware import bearer_credential, log_safe, request_id
-from service.model_config import EXTENSIONS, MODEL_VERSION, model_config, model_metadata
-from service.routes.common import check_model, ensure_serving
+from service.model_config import EXTENSIONS, model_config, model_metadata
 from service.routes.infer import OFFLOAD_BINARY_BYTES, deadline_s
+from service.work import Work
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.state import ModelEntry, ServiceState
 
 access_log = logging.getLogger("service.access")
 log = logging.getLogger("service.grpc")
@@ -54,19 +55,19 @@ class Call:
         self.reason: str | None = None
 
 
-async def wait_work(state: ServiceState, work: Work, timeout: float) -> Any:
+async def wait_work(entry: ModelEntry, work: Work, timeout: float) -> Any:
     """Await queued `work`: DEADLINE_EXCEEDED if the deadline passes before it starts; a
     cancelled call (client gone, its deadline) takes the work out of the queue."""
     try:
         done, _ = await asyncio.wait({work.future}, timeout=timeout)
         if done:
             return work.future.result()
-        if state.batcher.cancel(work):
+        if entry.batcher.cancel(work):
             raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
         return await work.future  # already running: it finishes within one forward
     finally:
         if not work.future.done():  # cancelled: never compute it
-            state.batcher.cancel(work)
+            entry.batcher.cancel(work)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -138,12 +139,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 },
             )
 
-    def _model(self, name: str, version: str) -> ServiceState:
-        check_model(self.state, name, version or None)
-        return self.state
-
-    def _ready(self) -> bool:
-        return self.state.ready and not self.state.draining
+    def _model(self, name: str, version: str) -> ModelEntry:
+        return self.state.find(name, version or None)
 
     # -- health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request, context):
@@ -152,12 +149,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request, context):
         async with self._call("ServerReady", context):
-            return pb.ServerReadyResponse(ready=self._ready())
+            return pb.ServerReadyResponse(ready=self.state.serving)
 
     async def ModelReady(self, request, context):
         async with self._call("ModelReady", context):
             self._model(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self._ready())
+            return pb.ModelReadyResponse(ready=self.state.serving)
 
     async def ServerMetadata(self, request, context):
         async with self._call("ServerMetadata", context):
@@ -173,59 +170,63 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request, context):
         async with self._call("ModelConfig", context):
-            config = model_config(self._model(request.name, request.version))
+            entry = self._model(request.name, request.version)
+            config = model_config(entry, self.state.settings)
             return json_format.ParseDict({"config": config}, pb.ModelConfigResponse())
 
     async def ModelStatistics(self, request, context):
         async with self._call("ModelStatistics", context):
-            stats = []
-            if request.name:
-                self._model(request.name, request.version)
-            if not request.version or request.version == MODEL_VERSION:
-                stats.append(self.state.stats.as_dict())
+            if request.name:  # one model (unknown: NOT_FOUND); else every model
+                entries = [self._model(request.name, request.version)]
+            else:
+                entries = list(self.state.models.values())
+            stats = [entry.stats.as_dict() for entry in entries]
             return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     # -- inference ----------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
         async with self._call("ModelInfer", context, endpoint="infer") as call:
-            state = self._model(request.model_name, request.model_version)
-            with state.stats.request():
-                return await self._infer(state, request, context, call)
+            entry = self._model(request.model_name, request.model_version)
+            with entry.stats.request():
+                return await self._infer(entry, request, context, call)
 
-    async def _infer(self, state: ServiceState, request, context, call: Call):
+    async def _infer(self, entry: ModelEntry, request, context, call: Call):
+        state = self.state
         ensure_serving(state)
         metrics = state.metrics
         started = time.perf_counter()
         raw = bool(request.raw_input_contents)
         if sum(len(r) for r in request.raw_input_contents) > OFFLOAD_BINARY_BYTES:
             decoded = await asyncio.to_thread(decode_infer_request, request)
-            payload = await asyncio.to_thread(prepare, decoded, state.limits)
+            payload = await asyncio.to_thread(prepare, decoded, entry.limits)
         else:
             decoded = decode_infer_request(request)
-            payload = prepare(decoded, state.limits)
+            payload = prepare(decoded, entry.limits)
         seconds = time.perf_counter() - started
-        metrics.decode.labels(state.model_name, "grpc").observe(seconds)
-        state.stats.add("compute_input", seconds)
+        metrics.decode.labels(entry.name, "grpc").observe(seconds)
+        entry.stats.add("compute_input", seconds)
         metrics.sequences_received([q.shape[0] for q in payload.query])
 
         timeout = deadline_s(state, decoded.parameters)
         remaining = context.time_remaining()  # the call's gRPC deadline, if it has one
         if remaining is not None:
             timeout = min(timeout, max(remaining, 0.0))
-        work = Work(payload, deadline=time.monotonic() + timeout, loop=asyncio.get_running_loop())
-        state.batcher.submit(work)
-        outputs = await wait_work(state, work, timeout)
+        deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        work = Work(payload=payload, runner=hidden_states, deadline=deadline, loop=loop)
+        entry.batcher.submit(work)
+        outputs = await wait_work(entry, work, timeout)
 
         started = time.perf_counter()
         array = np.stack(outputs) if payload.batched else outputs[0]  # (B, T, E) or (T, E)
         response = encode_infer_response(
-            state.model_name,
-            request.model_version or MODEL_VERSION,
+            entry.name,
+            request.model_version or entry.version,
             decoded.id or call.request_id,
             [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
             raw=raw,
         )
         seconds = time.perf_counter() - started
-        metrics.encode.labels(state.model_name, "grpc").observe(seconds)
-        state.stats.add("compute_output", seconds)
+        metrics.encode.labels(entry.name, "grpc").observe(seconds)
+        entry.stats.add("compute_output", seconds)
         return response

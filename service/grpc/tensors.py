@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from service.codecs import MAX_RANK, NUMPY_DTYPES, InferRequest, InferTensor, OutputTensor
+from service.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor
+from service.datatypes import DATATYPES
 from service.errors import BadInput
 from service.grpc import grpc_service_pb2 as pb
 
@@ -54,7 +55,7 @@ def _shape(tensor: pb.ModelInferRequest.InferInputTensor) -> tuple[tuple[int, ..
 
 
 def _raw_array(name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes):
-    dtype = NUMPY_DTYPES[datatype]
+    dtype = DATATYPES[datatype].numpy
     if len(raw) != count * dtype.itemsize:
         raise BadInput(
             f"input '{name}': raw_input_contents has {len(raw)} bytes but shape {list(shape)} "
@@ -80,7 +81,7 @@ def _typed_array(tensor: pb.ModelInferRequest.InferInputTensor, shape, count: in
     wide = {"BOOL": np.bool_, "FP32": np.float32, "FP64": np.float64}.get(datatype, np.int64)
     array = np.array(values, dtype=wide)
     if datatype not in ("BOOL", "FP32", "FP64"):
-        dtype = NUMPY_DTYPES[datatype]
+        dtype = DATATYPES[datatype].numpy
         info = np.iinfo(dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise BadInput(f"input '{name}': contents.{field} holds values outside {datatype}")
@@ -103,7 +104,7 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
         name, datatype = tensor.name, tensor.datatype
         if name in inputs:
             raise BadInput(f"input '{name}' appears twice")
-        if datatype not in NUMPY_DTYPES:
+        if datatype not in DATATYPES:
             raise BadInput(f"input '{name}': datatype {datatype!r} is not supported here")
         shape, count = _shape(tensor)
         if raw:

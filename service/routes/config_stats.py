@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
+from service.deps import PathModel, State
 from service.model_config import model_config
 from service.openapi import ERROR_RESPONSES
 from service.openapi_extensions import MODEL_CONFIG, STATISTICS, ok
-from service.routes.common import check_model, get_state
 
 router = APIRouter(tags=["model configuration and statistics"])
 MODEL_ERRORS = {code: ERROR_RESPONSES[code] for code in (404, 503)}
@@ -27,12 +27,8 @@ STATS_RESPONSES = {**ok(STATISTICS, "Triton's model statistics"), **MODEL_ERRORS
     summary="Model configuration (Triton's model_config.proto as JSON)",
     responses=CONFIG_RESPONSES,
 )
-async def config(
-    request: Request, model_name: str, model_version: str | None = None
-) -> dict[str, Any]:
-    state = get_state(request)
-    check_model(state, model_name, model_version)
-    return model_config(state)
+async def config(state: State, entry: PathModel) -> dict[str, Any]:
+    return model_config(entry, state.settings)
 
 
 @router.get(
@@ -40,8 +36,8 @@ async def config(
     summary="Statistics of every model (Triton's statistics extension)",
     responses={**ok(STATISTICS, "Triton's model statistics"), 503: ERROR_RESPONSES[503]},
 )
-async def all_stats(request: Request) -> dict[str, Any]:
-    return {"model_stats": [get_state(request).stats.as_dict()]}
+async def all_stats(state: State) -> dict[str, Any]:
+    return {"model_stats": [entry.stats.as_dict() for entry in state.models.values()]}
 
 
 @router.get(
@@ -54,10 +50,6 @@ async def all_stats(request: Request) -> dict[str, Any]:
     summary="Statistics of a model version (Triton's statistics extension)",
     responses=STATS_RESPONSES,
 )
-async def stats(
-    request: Request, model_name: str, model_version: str | None = None
-) -> dict[str, Any]:
+async def stats(entry: PathModel) -> dict[str, Any]:
     """One model's statistics (an unknown model or version: 404, as Triton answers)."""
-    state = get_state(request)
-    check_model(state, model_name, model_version)
-    return {"model_stats": [state.stats.as_dict()]}
+    return {"model_stats": [entry.stats.as_dict()]}

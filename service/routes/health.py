@@ -8,10 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service import __version__
+from service.deps import PathModel, State, loaded_state
 from service.model_config import EXTENSIONS
 from service.model_config import model_metadata as metadata_of
 from service.openapi import ERROR_RESPONSES
-from service.routes.common import check_model, get_state
 
 router = APIRouter(tags=["health and metadata"])
 MODEL_ERRORS = {code: ERROR_RESPONSES[code] for code in (404, 503)}
@@ -28,8 +28,8 @@ async def live() -> dict[str, bool]:
     responses={503: {"description": "Loading, warming up or draining"}},
 )
 async def ready(request: Request) -> JSONResponse:
-    state = getattr(request.app.state, "service", None)
-    is_ready = bool(state and state.ready and not state.draining)
+    state = loaded_state(request)
+    is_ready = bool(state and state.serving)
     return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
@@ -44,12 +44,8 @@ async def server_metadata() -> dict[str, Any]:
     summary="Model metadata",
     responses=MODEL_ERRORS,
 )
-async def model_metadata(
-    request: Request, model_name: str, model_version: str | None = None
-) -> dict[str, Any]:
-    state = get_state(request)
-    check_model(state, model_name, model_version)
-    return metadata_of(state)
+async def model_metadata(entry: PathModel) -> dict[str, Any]:
+    return metadata_of(entry)
 
 
 @router.get("/v2/models/{model_name}/ready", summary="Model ready", responses=MODEL_ERRORS)
@@ -58,12 +54,8 @@ async def model_metadata(
     summary="Model ready",
     responses=MODEL_ERRORS,
 )
-async def model_ready(
-    request: Request, model_name: str, model_version: str | None = None
-) -> JSONResponse:
-    state = get_state(request)
-    check_model(state, model_name, model_version)
-    is_ready = state.ready and not state.draining
+async def model_ready(state: State, entry: PathModel) -> JSONResponse:
+    is_ready = state.serving
     return JSONResponse(
-        {"name": state.model_name, "ready": is_ready}, status_code=200 if is_ready else 503
+        {"name": entry.name, "ready": is_ready}, status_code=200 if is_ready else 503
     )

@@ -15,9 +15,10 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.deps import ensure_serving, get_state
 from service.errors import BadInput, DeadlineExceeded, PayloadTooLarge
 from service.openapi import TEI_ERROR_RESPONSES
-from service.routes.common import ensure_serving, get_state, observed
+from service.routes.common import observed
 from service.routes.embeddings import check_chars, run_parts, tokenize
 from service.text import TextTokenizer, raw_embed_runner
 
@@ -66,9 +67,9 @@ class Info(BaseModel):
 
 
 def _tokenizer(request: Request) -> TextTokenizer:
-    tokenizer = getattr(request.app.state, "tokenizer", None)
+    state = get_state(request)
+    tokenizer = state.tokenizer
     if tokenizer is None:
-        state = get_state(request)
         raise BadInput(
             f"model '{state.model_name}' has no tokenizer.json: the text routes need a text "
             "model directory; use /v2 for tensors"
@@ -93,7 +94,7 @@ async def _vectors(
 ) -> list[np.ndarray]:
     """Texts -> sentence vectors through the batcher; 413 for over-long texts unless truncate."""
     state, tokenizer = get_state(request), _tokenizer(request)
-    check_chars(texts, request.app.state.char_limits)
+    check_chars(texts, get_state(request).char_limits)
     deadline = time.monotonic() + state.settings.request_timeout_s
     with state.batcher.reserve(len(texts)):
         encoded = await tokenize(state, request, tokenizer, texts, deadline)
@@ -156,7 +157,7 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[S
     with observed(state, "tokenize"):
         tokenizer = _tokenizer(request)
         texts = _texts(body.inputs)
-        check_chars(texts, request.app.state.char_limits)
+        check_chars(texts, get_state(request).char_limits)
         return tokenizer.tokens(texts, body.add_special_tokens)
 
 
