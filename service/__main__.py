@@ -17,6 +17,7 @@ from service import __version__
 from service.app import create_app
 from service.connections import connection_cap, protocol_class
 from service.logs import configure_logging
+from service.repository import RepositoryError, model_sources
 from service.settings import Settings
 
 PROG = "mha-serve"
@@ -39,6 +40,11 @@ class DrainingServer(uvicorn.Server):
 def serve(settings: Settings) -> None:
     """Run the server until SIGTERM; accepted requests are answered before exit."""
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
+    try:
+        model_sources(settings)  # a bad repository or name clash stops here, in one line
+    except RepositoryError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     app = create_app(settings)
     config = uvicorn.Config(
         app,

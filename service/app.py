@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from service.grpc.server import GrpcListener
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
+from service.repository import ModelSource, model_sources
 from service.routes import (
     config_stats,
     debug,
@@ -38,7 +40,7 @@ from service.routes import (
     tei,
 )
 from service.settings import Settings
-from service.state import MODEL_VERSION, ModelEntry, ServiceState
+from service.state import ModelEntry, ServiceState
 from service.stats import ModelStats, Observers
 from service.text import CharLimits, load_tokenizer, matryoshka
 from service.work import Work
@@ -46,11 +48,11 @@ from service.work import Work
 log = logging.getLogger("service")
 
 
-def load_served_model(settings: Settings) -> ServedModel:
-    """The model from --model-dir, or the built-in demo model."""
-    if settings.model_dir is None:
+def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
+    """The model in directory `path`, or the built-in demo model."""
+    if path is None:
         return mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
-    return mha_engine.load_model(settings.model_dir, device=settings.device, dtype=settings.dtype)
+    return mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
 
 
 def model_info(model: ServedModel, name: str) -> dict[str, Any]:
@@ -68,33 +70,75 @@ def model_info(model: ServedModel, name: str) -> dict[str, Any]:
     }
 
 
-async def _warm_up(state: ServiceState) -> None:
-    """Run real batches through the batcher once, then turn readiness on."""
+async def _warm_up_model(settings: Settings, entry: ModelEntry) -> None:
+    """Run real batches through the model's batcher once."""
     rng = np.random.default_rng(0)
-    seq_len = min(128, state.settings.max_seq_len)
-    batch = min(state.settings.max_batch_size, 8)
+    seq_len = min(128, settings.max_seq_len)
+    batch = min(settings.max_batch_size, 8)
     loop = asyncio.get_running_loop()
+    limits = entry.limits
+    for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
+        query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
+        key = value = None
+        if limits.needs_key_value:
+            key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
+            value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
+        payload = Payload(list(query), key, value, None, False, "FP32", True)
+        work = Work(
+            payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
+        )
+        entry.batcher.submit(work)
+        await work.future
+    entry.stats.counting = True  # statistics count client requests, not the warm-up
+
+
+async def _warm_up(state: ServiceState) -> None:
+    """Warm every model up, then turn readiness on."""
     try:
-        limits = state.limits
-        for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
-            query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
-            key = value = None
-            if limits.needs_key_value:
-                key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
-                value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
-            payload = Payload(list(query), key, value, None, False, "FP32", True)
-            work = Work(
-                payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
-            )
-            state.batcher.submit(work)
-            await work.future
+        for entry in state.models.values():
+            await _warm_up_model(state.settings, entry)
     except Exception:
         log.exception("warm-up failed; the server stays not ready")
         return
-    for entry in state.models.values():
-        entry.stats.counting = True  # statistics count client requests, not the warm-up
     state.set_ready(True)
-    log.info("model %r ready", state.model_name)
+    log.info("ready: %s", ", ".join(repr(name) for name in state.models))
+
+
+async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) -> ModelEntry:
+    """Load one model with its own batcher, limits, statistics and metrics label (not started)."""
+    name = source.name
+    model = await asyncio.to_thread(load_served_model, settings, source.path)
+    tokenizer = await asyncio.to_thread(
+        load_tokenizer, source.path, model, settings.max_seq_len
+    )  # None (/v1/embeddings then answers 400) unless the model dir has a tokenizer.json
+    info = model_info(model, name)
+    model_metrics = metrics.for_model(name)
+    model_metrics.set_model_info(info)
+    model_metrics.queue_capacity.labels(name).set(settings.max_queue)
+    stats = ModelStats(name, source.version)
+    batcher = DynamicBatcher(
+        model,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_batch_delay_s=settings.max_batch_delay_ms / 1000,
+        max_queue=settings.max_queue,
+        observer=Observers(model_metrics, stats),
+    )
+    limits = ModelLimits.from_config(
+        model.config,
+        max_seq_len=settings.max_seq_len,
+        max_sequences=settings.max_batch_size,
+        max_tokens=settings.max_batch_tokens,
+    )
+    entry = ModelEntry(name, model, batcher, limits, info, stats, tokenizer)
+    entry.metrics = model_metrics
+    entry.version = source.version
+    entry.matryoshka = matryoshka(source.path)
+    if tokenizer is not None:
+        entry.char_limits = CharLimits.resolve(
+            settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
+        )
+    return entry
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -103,40 +147,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        name = settings.served_model_name
-        model = await asyncio.to_thread(load_served_model, settings)
-        tokenizer = await asyncio.to_thread(
-            load_tokenizer, settings.model_dir, model, settings.max_seq_len
-        )  # None (/v1/embeddings then answers 400) unless the model dir has a tokenizer.json
-        metrics = Metrics(name)
-        info = model_info(model, name)
-        metrics.set_model_info(info)
-        metrics.queue_capacity.labels(name).set(settings.max_queue)
-        stats = ModelStats(name, MODEL_VERSION)
-        batcher = DynamicBatcher(
-            model,
-            max_batch_size=settings.max_batch_size,
-            max_batch_tokens=settings.max_batch_tokens,
-            max_batch_delay_s=settings.max_batch_delay_ms / 1000,
-            max_queue=settings.max_queue,
-            observer=Observers(metrics, stats),
-        )
-        limits = ModelLimits.from_config(
-            model.config,
-            max_seq_len=settings.max_seq_len,
-            max_sequences=settings.max_batch_size,
-            max_tokens=settings.max_batch_tokens,
-        )
-        entry = ModelEntry(name, model, batcher, limits, info, stats, tokenizer)
-        entry.matryoshka = matryoshka(settings.model_dir)
-        if tokenizer is not None:
-            entry.char_limits = CharLimits.resolve(
-                settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
-            )
-        state = ServiceState(settings, metrics, {name: entry})
+        sources = model_sources(settings)
+        metrics = Metrics(sources[0].name)
+        entries = {}
+        for source in sources:
+            entries[source.name] = await load_entry(settings, metrics, source)
+        state = ServiceState(settings, metrics, entries)
         state.loop = asyncio.get_running_loop()
         app.state.service = state
-        batcher.start()
+        for entry in entries.values():
+            entry.batcher.start()
         grpc_listener = GrpcListener(state) if settings.grpc_port else None
         if grpc_listener is not None:
             await grpc_listener.start()
@@ -153,7 +173,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if state.grace_timer is not None:
                 state.grace_timer.cancel()
             state.end_grace()  # no connection is left to answer: nothing queued is computed
-            await asyncio.to_thread(batcher.stop, settings.drain_grace_s)
+            for entry in entries.values():
+                await asyncio.to_thread(entry.batcher.stop, settings.drain_grace_s)
 
     app = FastAPI(
         title="mha-serve",

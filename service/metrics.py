@@ -12,6 +12,7 @@ each scrape would see one random worker.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -135,8 +136,9 @@ class Metrics:
         self.ready = Gauge("mha_ready", "1 when ready to serve.", ["model"], registry=r)
         self.info = Info(
             "mha_model",
-            "The served model: name, architecture, embed_dim, num_heads, dtype, device, SDPA "
+            "A served model: name, architecture, embed_dim, num_heads, dtype, device, SDPA "
             "backend.",
+            ["model"],
             registry=r,
         )
         self.sequences = Counter(
@@ -146,7 +148,20 @@ class Metrics:
         self.batches = Counter(
             "mha_batches", "Forwards run, by outcome.", ["model", "outcome"], registry=r
         )
-        for reason in FAILURE_REASONS:  # expose zeros so rate() has a series
+        self._cuda: dict[str, Gauge] = {}  # shared by every model's view (one registry)
+        self._zero_series()
+
+    def for_model(self, model: str) -> Metrics:
+        """The same families and registry with `model` bound to another served model."""
+        view = copy.copy(self)
+        view.model = model
+        view._zero_series()
+        return view
+
+    def _zero_series(self) -> None:
+        """Expose the model's series at 0 so rate() and dashboards have them from the start."""
+        model = self.model
+        for reason in FAILURE_REASONS:
             for protocol in PROTOCOLS:
                 self.failures.labels(model, "infer", reason, protocol)
         for outcome in ("ok", "error"):
@@ -155,33 +170,33 @@ class Metrics:
         self.queue_depth_gauge.labels(model).set(0)
         self.in_flight.labels(model).set(0)
         self.engine_busy.labels(model).set(0)
-        self._cuda_gauges = False
 
     def _add_cuda_gauges(self, device: torch.device) -> None:
         """Memory gauges of the model's CUDA device, read at scrape time (not on CPU runs)."""
-        allocated = Gauge(
-            "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
-            ["model", "device"], registry=self.registry,
-        )  # fmt: skip
-        reserved = Gauge(
-            "mha_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved() of the device.",
-            ["model", "device"], registry=self.registry,
-        )  # fmt: skip
+        if not self._cuda:
+            self._cuda["allocated"] = Gauge(
+                "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
+                ["model", "device"], registry=self.registry,
+            )  # fmt: skip
+            self._cuda["reserved"] = Gauge(
+                "mha_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved() of the device.",
+                ["model", "device"], registry=self.registry,
+            )  # fmt: skip
+        allocated, reserved = self._cuda["allocated"], self._cuda["reserved"]
         allocated.labels(self.model, str(device)).set_function(
             lambda: torch.cuda.memory_allocated(device)
         )
         reserved.labels(self.model, str(device)).set_function(
             lambda: torch.cuda.memory_reserved(device)
         )
-        self._cuda_gauges = True
 
     # -- request side -----------------------------------------------------------------------
     def set_model_info(self, info: dict[str, Any]) -> None:
         """Publish mha_model_info (with a `model` label to join on); on CUDA, add memory gauges."""
-        self.info.info({"model": self.model, **{k: str(v) for k, v in info.items()}})
+        self.info.labels(self.model).info({k: str(v) for k, v in info.items()})
         device = str(info.get("device", ""))
         # Not verified on a GPU: the machines this was built on have none.
-        if device.startswith("cuda") and torch.cuda.is_available() and not self._cuda_gauges:
+        if device.startswith("cuda") and torch.cuda.is_available():
             self._add_cuda_gauges(torch.device(device))
 
     def request_done(

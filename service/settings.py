@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -21,13 +21,22 @@ class Settings(BaseSettings):
         protected_namespaces=(),
     )
 
-    model_dir: Path | None = Field(
+    model_dir: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Model directory (config.json + model.safetensors); repeat the flag (or "
+        "separate with commas) to serve several, each under its directory's name. Unset, and "
+        "no --model-repository: serve the built-in demo model (one encoder layer, d_model=512, "
+        "8 heads).",
+    )
+    model_repository: Path | None = Field(
         None,
-        description="Model directory (config.json + model.safetensors). "
-        "Unset: serve the built-in demo model (one encoder layer, d_model=512, 8 heads).",
+        description="Triton-style model repository: DIR/<model>/<version>/ each a model "
+        "directory; every model is served under its name, at its highest version.",
     )
     model_name: str | None = Field(
-        None, description="Name under /v2/models/. Default: the model directory's name, or 'mha'."
+        None,
+        description="Name under /v2/models/ when one model is served. Default: the model "
+        "directory's name, or 'mha'.",
     )
     host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 in containers).")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
@@ -156,6 +165,18 @@ class Settings(BaseSettings):
         "(--no-open-health-metrics puts them behind the key too).",
     )
 
+    @field_validator("model_dir", mode="before")
+    @classmethod
+    def _model_dirs(cls, value: Any) -> Any:
+        """One path, comma-separated paths (a repeated flag arrives so), or a list."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [part for part in value.split(",") if part]
+        if isinstance(value, Path):
+            return [value]
+        return value
+
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:
         if self.max_batch_tokens < self.max_seq_len:
@@ -170,15 +191,6 @@ class Settings(BaseSettings):
                 f"({self.max_batch_size}); raise --max-queue"
             )
         return self
-
-    @property
-    def served_model_name(self) -> str:
-        """The model's name in URLs."""
-        if self.model_name:
-            return self.model_name
-        if self.model_dir is not None:
-            return Path(self.model_dir).resolve().name
-        return "mha"
 
     # -- attention-weights debug endpoint (service/routes/debug.py); off unless asked for -----
     debug_endpoint: bool = Field(

@@ -37,6 +37,7 @@ class ModelEntry:
     char_limits: CharLimits | None = None  # set with the tokenizer
     matryoshka: bool = False  # vectors may be cut short (`dimensions`)
     version: str = MODEL_VERSION
+    metrics: Metrics | None = None  # its label's view of the shared metrics (None: the default)
 
 
 @dataclass
@@ -102,6 +103,13 @@ class ServiceState:
     @property
     def matryoshka(self) -> bool:
         return self.default.matryoshka
+
+    def metrics_for(self, name: str | None) -> Metrics:
+        """Metrics labelled with model `name` when it is served, else the default model's."""
+        entry = self.models.get(name) if name is not None else None
+        if entry is None or entry.metrics is None:
+            return self.metrics
+        return entry.metrics
 
     @property
     def serving(self) -> bool:

@@ -95,14 +95,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @contextlib.asynccontextmanager
     async def _call(
-        self, method: str, context: grpc.aio.ServicerContext, endpoint: str | None = None
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        endpoint: str | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[Call]:
         """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
         started = time.perf_counter()
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         call = Call(method, request_id(metadata.get("x-request-id")))
-        metrics = self.state.metrics
-        gauge = metrics.in_flight.labels(self.state.model_name) if endpoint else None
+        metrics = self.state.metrics_for(model)
+        gauge = metrics.in_flight.labels(metrics.model) if endpoint else None
         if gauge is not None:
             gauge.inc()
         try:
@@ -185,7 +189,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ----------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
-        async with self._call("ModelInfer", context, endpoint="infer") as call:
+        async with self._call("ModelInfer", context, "infer", request.model_name) as call:
             entry = self._model(request.model_name, request.model_version)
             with entry.stats.request():
                 return await self._infer(entry, request, context, call)
@@ -205,7 +209,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         seconds = time.perf_counter() - started
         metrics.decode.labels(entry.name, "grpc").observe(seconds)
         entry.stats.add("compute_input", seconds)
-        metrics.sequences_received([q.shape[0] for q in payload.query])
+        state.metrics_for(entry.name).sequences_received([q.shape[0] for q in payload.query])
 
         timeout = deadline_s(state, decoded.parameters)
         remaining = context.time_remaining()  # the call's gRPC deadline, if it has one

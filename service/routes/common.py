@@ -49,11 +49,15 @@ async def await_queued(
 
 
 @contextmanager
-def observed(state: ServiceState, endpoint: str, in_flight: bool = True) -> Iterator[None]:
-    """Request metrics around a handler: count by status, failure reason, duration, in-flight."""
+def observed(
+    state: ServiceState, endpoint: str, in_flight: bool = True, model: str | None = None
+) -> Iterator[None]:
+    """Request metrics around a handler: count by status, failure reason, duration, in-flight;
+    labelled with `model` when it names a served model (else the default model)."""
     started = time.perf_counter()
     status, reason = 200, None
-    gauge = state.metrics.in_flight.labels(state.model_name) if in_flight else None
+    metrics = state.metrics_for(model)
+    gauge = metrics.in_flight.labels(metrics.model) if in_flight else None
     if gauge is not None:
         gauge.inc()
     try:
@@ -67,4 +71,4 @@ def observed(state: ServiceState, endpoint: str, in_flight: bool = True) -> Iter
     finally:
         if gauge is not None:
             gauge.dec()
-        state.metrics.request_done(endpoint, status, time.perf_counter() - started, reason)
+        metrics.request_done(endpoint, status, time.perf_counter() - started, reason)

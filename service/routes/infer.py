@@ -123,7 +123,7 @@ async def _infer_model(
     seconds = time.perf_counter() - started
     state.metrics.decode.labels(entry.name, protocol).observe(seconds)
     entry.stats.add("compute_input", seconds)
-    state.metrics.sequences_received([q.shape[0] for q in payload.query])
+    state.metrics_for(entry.name).sequences_received([q.shape[0] for q in payload.query])
 
     timeout = deadline_s(state, decoded.parameters)
     outputs = await run_work(state, entry, request, payload, timeout)
@@ -173,5 +173,5 @@ async def _infer_model(
 async def infer(
     request: Request, state: State, model_name: str, model_version: str | None = None
 ) -> Response:
-    with observed(state, "infer"):
+    with observed(state, "infer", model=model_name):
         return await _infer(state, request, model_name, model_version or None)

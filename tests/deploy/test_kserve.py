@@ -17,6 +17,7 @@ import yaml
 
 from service.__main__ import parse_settings
 from service.app import create_app
+from service.repository import model_sources
 from tests.support import ROOT
 
 KSERVE = ROOT / "deploy" / "kserve"
@@ -70,8 +71,9 @@ def test_services_match_the_runtime_and_the_ports_it_listens_on(name: str) -> No
     assert model["modelFormat"]["name"] in formats
     assert model["protocolVersion"] in RUNTIME["spec"]["protocolVersions"]
     settings = settings_for(service)
-    assert str(settings.model_dir) == "/mnt/models"  # where KServe's storage initializer puts it
-    assert settings.served_model_name == service["metadata"]["name"]
+    (source,) = model_sources(settings)
+    assert str(source.path) == "/mnt/models"  # where KServe's storage initializer puts it
+    assert source.name == service["metadata"]["name"]
     assert settings.host == "0.0.0.0" and settings.port == 8080  # KServe's HTTP port
     assert settings.grpc_port and settings.grpc_port != settings.port
     if model["protocolVersion"] == "grpc-v2":
