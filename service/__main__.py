@@ -77,12 +77,16 @@ class _Parser(argparse.ArgumentParser):
 def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> Any:
     metavar = kwargs.get("metavar")
     if isinstance(metavar, str) and not kwargs.get("choices"):
-        kinds = re.sub(r"[{}]", "", metavar).split(",")
+        kinds = re.sub(r"[{}]|^list\[|\]$", "", metavar).split(",")  # list[Path]: a repeated PATH
         plain = [k for k in kinds if k != "null"]
         if len(plain) == 1:  # "{Path,null}" -> PATH; a choice list stays as it is
             kwargs["metavar"] = {"SecretStr": "TEXT", "str": "TEXT"}.get(plain[0], plain[0]).upper()
     if isinstance(kwargs.get("help"), str):  # pydantic's "null" is JSON, not what a user types
-        kwargs["help"] = kwargs["help"].replace("(default: null)", "(default: unset)")
+        kwargs["help"] = (
+            kwargs["help"]
+            .replace("(default: null)", "(default: unset)")
+            .replace("(default factory: list)", "(default: unset)")
+        )
     return parser.add_argument(*names, **kwargs)
 
 

@@ -4,31 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-import mha_engine
-from mha_engine import ServedModel
 from service import __version__, docs
-from service.batcher import DynamicBatcher
 from service.errors import ServiceError, error_body
 from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
-from service.forward import hidden_states
 from service.grpc.server import GrpcListener
-from service.inputs import ModelLimits, Payload
+from service.loading import load_entry, warm_up_model
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
-from service.repository import ModelSource, model_sources
+from service.model_control import ModelControl
+from service.repository import model_sources
 from service.routes import (
     config_stats,
     debug,
@@ -37,108 +30,25 @@ from service.routes import (
     infer,
     metrics_route,
     openai_models,
+    repository,
     tei,
 )
 from service.settings import Settings
-from service.state import ModelEntry, ServiceState
-from service.stats import ModelStats, Observers
-from service.text import CharLimits, load_tokenizer, matryoshka
-from service.work import Work
+from service.state import ServiceState
 
 log = logging.getLogger("service")
-
-
-def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
-    """The model in directory `path`, or the built-in demo model."""
-    if path is None:
-        return mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
-    return mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
-
-
-def model_info(model: ServedModel, name: str) -> dict[str, Any]:
-    """Labels for the mha_model_info metric and the model metadata's properties."""
-    diagnostics = model.diagnostics()
-    return {
-        "name": name,
-        "architecture": model.architecture,
-        "embed_dim": model.embed_dim,
-        "num_heads": model.num_heads,
-        "num_layers": model.num_layers,
-        "dtype": model.precision,
-        "device": str(model.device),
-        "sdpa_backend": diagnostics.get("sdpa_backend", "unknown"),
-    }
-
-
-async def _warm_up_model(settings: Settings, entry: ModelEntry) -> None:
-    """Run real batches through the model's batcher once."""
-    rng = np.random.default_rng(0)
-    seq_len = min(128, settings.max_seq_len)
-    batch = min(settings.max_batch_size, 8)
-    loop = asyncio.get_running_loop()
-    limits = entry.limits
-    for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
-        query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
-        key = value = None
-        if limits.needs_key_value:
-            key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
-            value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
-        payload = Payload(list(query), key, value, None, False, "FP32", True)
-        work = Work(
-            payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
-        )
-        entry.batcher.submit(work)
-        await work.future
-    entry.stats.counting = True  # statistics count client requests, not the warm-up
 
 
 async def _warm_up(state: ServiceState) -> None:
     """Warm every model up, then turn readiness on."""
     try:
         for entry in state.models.values():
-            await _warm_up_model(state.settings, entry)
+            await warm_up_model(state.settings, entry)
     except Exception:
         log.exception("warm-up failed; the server stays not ready")
         return
     state.set_ready(True)
     log.info("ready: %s", ", ".join(repr(name) for name in state.models))
-
-
-async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) -> ModelEntry:
-    """Load one model with its own batcher, limits, statistics and metrics label (not started)."""
-    name = source.name
-    model = await asyncio.to_thread(load_served_model, settings, source.path)
-    tokenizer = await asyncio.to_thread(
-        load_tokenizer, source.path, model, settings.max_seq_len
-    )  # None (/v1/embeddings then answers 400) unless the model dir has a tokenizer.json
-    info = model_info(model, name)
-    model_metrics = metrics.for_model(name)
-    model_metrics.set_model_info(info)
-    model_metrics.queue_capacity.labels(name).set(settings.max_queue)
-    stats = ModelStats(name, source.version)
-    batcher = DynamicBatcher(
-        model,
-        max_batch_size=settings.max_batch_size,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_batch_delay_s=settings.max_batch_delay_ms / 1000,
-        max_queue=settings.max_queue,
-        observer=Observers(model_metrics, stats),
-    )
-    limits = ModelLimits.from_config(
-        model.config,
-        max_seq_len=settings.max_seq_len,
-        max_sequences=settings.max_batch_size,
-        max_tokens=settings.max_batch_tokens,
-    )
-    entry = ModelEntry(name, model, batcher, limits, info, stats, tokenizer)
-    entry.metrics = model_metrics
-    entry.version = source.version
-    entry.matryoshka = matryoshka(source.path)
-    if tokenizer is not None:
-        entry.char_limits = CharLimits.resolve(
-            settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
-        )
-    return entry
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -157,7 +67,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.service = state
         for entry in entries.values():
             entry.batcher.start()
-        grpc_listener = GrpcListener(state) if settings.grpc_port else None
+        app.state.model_control = control = ModelControl(state)
+        grpc_listener = GrpcListener(state, control) if settings.grpc_port else None
         if grpc_listener is not None:
             await grpc_listener.start()
         app.state.grpc = grpc_listener
@@ -208,6 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(config_stats.router)  # before health: /v2/models/stats is not a model
     app.include_router(health.router)
     app.include_router(infer.router)
+    app.include_router(repository.router)
     app.include_router(metrics_route.router)
     app.include_router(embeddings.router)
     docs.install(app)

@@ -17,6 +17,12 @@ PLATFORM = "mha_engine"
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
 
 
+def extensions(settings: Settings) -> list[str]:
+    """The extensions offered: model_repository (index, load, unload) in explicit mode only."""
+    explicit = settings.model_control_mode == "explicit"
+    return [*EXTENSIONS, *(["model_repository"] if explicit else [])]
+
+
 def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None]], str, int]:
     """(name, datatype, last dim or None for the mask) of each input; the output's datatype and
     width. int8 models take and give FP32 (their dtype is float32)."""

@@ -33,6 +33,12 @@ class Settings(BaseSettings):
         description="Triton-style model repository: DIR/<model>/<version>/ each a model "
         "directory; every model is served under its name, at its highest version.",
     )
+    model_control_mode: Literal["none", "explicit"] = Field(
+        "none",
+        description="Triton's model control: none (every model loads at start-up) or explicit "
+        "(POST /v2/repository/models/{name}/load and /unload, and the gRPC "
+        "RepositoryModelLoad/Unload, load and unload models while the others serve).",
+    )
     model_name: str | None = Field(
         None,
         description="Name under /v2/models/ when one model is served. Default: the model "

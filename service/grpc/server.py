@@ -11,7 +11,8 @@ from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.servicer import InferenceServicer
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.model_control import ModelControl
+    from service.state import ServiceState
 
 log = logging.getLogger("service.grpc")
 
@@ -20,7 +21,7 @@ class GrpcListener:
     """Started and stopped by the FastAPI lifespan; `port` is the bound port (for --grpc-port 0
     in code paths that pick one, e.g. tests starting the app in-process)."""
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: ServiceState, control: ModelControl) -> None:
         settings = state.settings
         limit = settings.max_body_bytes  # the same bound as an HTTP body, both ways
         self.server = grpc.aio.server(
@@ -31,7 +32,9 @@ class GrpcListener:
             ],
             maximum_concurrent_rpcs=settings.max_connections,  # past it: RESOURCE_EXHAUSTED
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), self.server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(state, control), self.server
+        )
         host = settings.grpc_host or settings.host
         address = (
             f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"

@@ -23,7 +23,7 @@ from google.protobuf import json_format
 from service import __version__
 from service.codecs import OutputTensor
 from service.deps import ensure_serving
-from service.errors import DeadlineExceeded, ServiceError, Unauthorized
+from service.errors import BadInput, DeadlineExceeded, ServiceError, Unauthorized
 from service.forward import hidden_states
 from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
@@ -31,11 +31,13 @@ from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.grpc.tensors import decode_infer_request, encode_infer_response
 from service.inputs import OUTPUT_NAME, prepare
 from service.middleware import bearer_credential, log_safe, request_id
-from service.model_config import EXTENSIONS, model_config, model_metadata
+from service.model_config import extensions, model_config, model_metadata
 from service.routes.infer import OFFLOAD_BINARY_BYTES, deadline_s
+from service.routes.repository import UNLOAD_PARAMETERS
 from service.work import Work
 
 if TYPE_CHECKING:
+    from service.model_control import ModelControl
     from service.state import ModelEntry, ServiceState
 
 access_log = logging.getLogger("service.access")
@@ -73,8 +75,9 @@ async def wait_work(entry: ModelEntry, work: Work, timeout: float) -> Any:
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Handlers over the lifespan's ServiceState."""
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: ServiceState, control: ModelControl) -> None:
         self.state = state
+        self.control = control
         key = state.settings.api_key
         self.api_key = None if key is None else key.get_secret_value().encode()
 
@@ -163,7 +166,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(self, request, context):
         async with self._call("ServerMetadata", context):
             return pb.ServerMetadataResponse(
-                name="mha-serve", version=__version__, extensions=EXTENSIONS
+                name="mha-serve", version=__version__, extensions=extensions(self.state.settings)
             )
 
     async def ModelMetadata(self, request, context):
@@ -234,3 +237,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         metrics.encode.labels(entry.name, "grpc").observe(seconds)
         entry.stats.add("compute_output", seconds)
         return response
+
+    # -- model repository (service/model_control.py) ---------------------------------------------
+    async def RepositoryIndex(self, request, context):
+        async with self._call("RepositoryIndex", context):
+            rows = self.control.index(ready_only=request.ready)
+            return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
+
+    async def RepositoryModelLoad(self, request, context):
+        async with self._call("RepositoryModelLoad", context):
+            self._no_parameters(request)
+            await self.control.load(request.model_name)
+            return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        async with self._call("RepositoryModelUnload", context):
+            self._no_parameters(request, UNLOAD_PARAMETERS)
+            await self.control.unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+    @staticmethod
+    def _no_parameters(request, allowed: frozenset[str] = frozenset()) -> None:
+        names = sorted(set(request.parameters) - allowed)
+        if names:
+            raise BadInput(
+                f"load/unload parameters are not supported (got {names}); "
+                "the model's directory is its configuration"
+            )

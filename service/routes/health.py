@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from service import __version__
 from service.deps import PathModel, State, loaded_state
-from service.model_config import EXTENSIONS
+from service.model_config import extensions
 from service.model_config import model_metadata as metadata_of
 from service.openapi import ERROR_RESPONSES
 
@@ -34,8 +34,9 @@ async def ready(request: Request) -> JSONResponse:
 
 
 @router.get("/v2", summary="Server metadata")
-async def server_metadata() -> dict[str, Any]:
-    return {"name": "mha-serve", "version": __version__, "extensions": list(EXTENSIONS)}
+async def server_metadata(request: Request) -> dict[str, Any]:
+    offered = extensions(request.app.state.settings)
+    return {"name": "mha-serve", "version": __version__, "extensions": offered}
 
 
 @router.get("/v2/models/{model_name}", summary="Model metadata", responses=MODEL_ERRORS)

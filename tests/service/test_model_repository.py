@@ -173,3 +173,17 @@ def test_statistics_and_metrics_are_per_model(server) -> None:
     assert http.metric("mha_sequences_processed_total", model="extra") == sequences + 2
     grpc_stats = tgrpc.InferenceServerClient(address).get_inference_statistics("enc")
     assert [s.name for s in grpc_stats.model_stats] == ["enc"]
+
+
+def test_load_and_unload_need_explicit_mode(server) -> None:
+    http, address = server
+    client = thttp.InferenceServerClient(http.address)
+    assert "model_repository" not in client.get_server_metadata()["extensions"]
+    states = {row["name"]: row["state"] for row in client.get_model_repository_index()}
+    assert states == dict.fromkeys(WIDTH, "READY")
+    with pytest.raises(Exception, match="--model-control-mode explicit"):
+        client.unload_model("enc")
+    with pytest.raises(tgrpc.InferenceServerException) as info:
+        tgrpc.InferenceServerClient(address).load_model("enc")
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert client.is_model_ready("enc")

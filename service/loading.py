@@ -1,0 +1,105 @@
+"""Loading one model: engine module, tokenizer, batcher, limits, statistics, metrics label, and
+its warm-up. Used at start-up and by explicit model control (service/model_control.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mha_engine
+from mha_engine import ServedModel
+from service.batcher import DynamicBatcher
+from service.forward import hidden_states
+from service.inputs import ModelLimits, Payload
+from service.metrics import Metrics
+from service.repository import ModelSource
+from service.settings import Settings
+from service.state import ModelEntry
+from service.stats import ModelStats, Observers
+from service.text import CharLimits, load_tokenizer, matryoshka
+from service.work import Work
+
+
+def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
+    """The model in directory `path`, or the built-in demo model."""
+    if path is None:
+        return mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
+    return mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
+
+
+def model_info(model: ServedModel, name: str) -> dict[str, Any]:
+    """Labels for the mha_model_info metric and the model metadata's properties."""
+    diagnostics = model.diagnostics()
+    return {
+        "name": name,
+        "architecture": model.architecture,
+        "embed_dim": model.embed_dim,
+        "num_heads": model.num_heads,
+        "num_layers": model.num_layers,
+        "dtype": model.precision,
+        "device": str(model.device),
+        "sdpa_backend": diagnostics.get("sdpa_backend", "unknown"),
+    }
+
+
+async def warm_up_model(settings: Settings, entry: ModelEntry) -> None:
+    """Run real batches through the model's batcher once."""
+    rng = np.random.default_rng(0)
+    seq_len = min(128, settings.max_seq_len)
+    batch = min(settings.max_batch_size, 8)
+    loop = asyncio.get_running_loop()
+    limits = entry.limits
+    for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
+        query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
+        key = value = None
+        if limits.needs_key_value:
+            key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
+            value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
+        payload = Payload(list(query), key, value, None, False, "FP32", True)
+        work = Work(
+            payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
+        )
+        entry.batcher.submit(work)
+        await work.future
+    entry.stats.counting = True  # statistics count client requests, not the warm-up
+
+
+async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) -> ModelEntry:
+    """Load one model with its own batcher, limits, statistics and metrics label (not started)."""
+    name = source.name
+    model = await asyncio.to_thread(load_served_model, settings, source.path)
+    tokenizer = await asyncio.to_thread(
+        load_tokenizer, source.path, model, settings.max_seq_len
+    )  # None (/v1/embeddings then answers 400) unless the model dir has a tokenizer.json
+    info = model_info(model, name)
+    model_metrics = metrics.for_model(name)
+    model_metrics.set_model_info(info)
+    model_metrics.queue_capacity.labels(name).set(settings.max_queue)
+    stats = ModelStats(name, source.version)
+    batcher = DynamicBatcher(
+        model,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_batch_delay_s=settings.max_batch_delay_ms / 1000,
+        max_queue=settings.max_queue,
+        observer=Observers(model_metrics, stats),
+    )
+    limits = ModelLimits.from_config(
+        model.config,
+        max_seq_len=settings.max_seq_len,
+        max_sequences=settings.max_batch_size,
+        max_tokens=settings.max_batch_tokens,
+    )
+    entry = ModelEntry(name, model, batcher, limits, info, stats, tokenizer)
+    entry.metrics = model_metrics
+    entry.version = source.version
+    entry.matryoshka = matryoshka(source.path)
+    if tokenizer is not None:
+        entry.char_limits = CharLimits.resolve(
+            settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
+        )
+    return entry
