@@ -43,6 +43,14 @@ def settings_for(service: dict):
     return parse_settings([arg.replace("{{.Name}}", name) for arg in container()["args"]])
 
 
+def test_the_runtime_serves_a_repository_laid_out_as_documented(tmp_path) -> None:
+    """A repository as inferenceservice.yaml describes it, at the runtime's path, serves `attn`."""
+    args = [a.replace("/mnt/models", str(tmp_path)) for a in container()["args"]]
+    (tmp_path / "attn" / "1").mkdir(parents=True)
+    sources = model_sources(parse_settings(args))
+    assert [(s.name, s.version) for s in sources] == [("attn", "1")]
+
+
 def test_runtime_kinds_and_container_validate() -> None:
     assert (RUNTIME["apiVersion"], RUNTIME["kind"]) == (
         "serving.kserve.io/v1alpha1",
@@ -71,9 +79,8 @@ def test_services_match_the_runtime_and_the_ports_it_listens_on(name: str) -> No
     assert model["modelFormat"]["name"] in formats
     assert model["protocolVersion"] in RUNTIME["spec"]["protocolVersions"]
     settings = settings_for(service)
-    (source,) = model_sources(settings)
-    assert str(source.path) == "/mnt/models"  # where KServe's storage initializer puts it
-    assert source.name == service["metadata"]["name"]
+    # the repository KServe's storage initializer puts at /mnt/models
+    assert str(settings.model_repository) == "/mnt/models" and settings.model_dir == []
     assert settings.host == "0.0.0.0" and settings.port == 8080  # KServe's HTTP port
     assert settings.grpc_port and settings.grpc_port != settings.port
     if model["protocolVersion"] == "grpc-v2":
