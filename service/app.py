@@ -43,7 +43,7 @@ async def _warm_up(state: ServiceState) -> None:
     """Warm every model up, then turn readiness on."""
     try:
         for entry in state.models.values():
-            await warm_up_model(state.settings, entry)
+            await warm_up_model(entry)
     except Exception:
         log.exception("warm-up failed; the server stays not ready")
         return

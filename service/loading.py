@@ -16,7 +16,7 @@ from service.batcher import DynamicBatcher
 from service.forward import hidden_states
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
-from service.repository import ModelSource
+from service.repository import ModelSource, model_settings
 from service.settings import Settings
 from service.state import ModelEntry
 from service.stats import ModelStats, Observers
@@ -46,13 +46,13 @@ def model_info(model: ServedModel, name: str) -> dict[str, Any]:
     }
 
 
-async def warm_up_model(settings: Settings, entry: ModelEntry) -> None:
+async def warm_up_model(entry: ModelEntry) -> None:
     """Run real batches through the model's batcher once."""
     rng = np.random.default_rng(0)
-    seq_len = min(128, settings.max_seq_len)
-    batch = min(settings.max_batch_size, 8)
-    loop = asyncio.get_running_loop()
     limits = entry.limits
+    seq_len = min(128, limits.max_seq_len)
+    batch = min(limits.max_sequences, 8)
+    loop = asyncio.get_running_loop()
     for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
         query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
         key = value = None
@@ -69,7 +69,9 @@ async def warm_up_model(settings: Settings, entry: ModelEntry) -> None:
 
 
 async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) -> ModelEntry:
-    """Load one model with its own batcher, limits, statistics and metrics label (not started)."""
+    """Load one model with its own batcher, limits, statistics and metrics label (not started);
+    the model's settings file, if any, overrides the server's limits, dtype and device."""
+    settings = model_settings(settings, source)
     name = source.name
     model = await asyncio.to_thread(load_served_model, settings, source.path)
     tokenizer = await asyncio.to_thread(

@@ -54,7 +54,7 @@ def model_metadata(entry: ModelEntry) -> dict[str, Any]:
     }
 
 
-def model_config(entry: ModelEntry, settings: Settings) -> dict[str, Any]:
+def model_config(entry: ModelEntry) -> dict[str, Any]:
     """Triton's model configuration (model_config.proto as JSON): dims leave out the batch
     dimension (max_batch_size > 0); only `input` is required, [T, E] or [B, T, E] both work."""
     inputs, datatype, width = _tensors(entry)
@@ -81,6 +81,6 @@ def model_config(entry: ModelEntry, settings: Settings) -> dict[str, Any]:
         ],
         "dynamic_batching": {
             "preferred_batch_size": [entry.batcher.max_batch_size],
-            "max_queue_delay_microseconds": round(settings.max_batch_delay_ms * 1000),
+            "max_queue_delay_microseconds": round(entry.batcher.max_batch_delay_s * 1e6),
         },
     }

@@ -83,7 +83,7 @@ class ModelControl:
                 raise BadInput(f"loading model '{name}' failed: {exc}") from None
             entry.batcher.start()
             try:
-                await warm_up_model(state.settings, entry)
+                await warm_up_model(entry)
             except Exception as exc:
                 await asyncio.to_thread(entry.batcher.stop, 1.0)
                 raise BadInput(f"model '{name}' failed its warm-up: {exc}") from None

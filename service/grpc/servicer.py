@@ -178,7 +178,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request, context):
         async with self._call("ModelConfig", context):
             entry = self._model(request.name, request.version)
-            config = model_config(entry, self.state.settings)
+            config = model_config(entry)
             return json_format.ParseDict({"config": config}, pb.ModelConfigResponse())
 
     async def ModelStatistics(self, request, context):

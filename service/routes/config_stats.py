@@ -27,8 +27,8 @@ STATS_RESPONSES = {**ok(STATISTICS, "Triton's model statistics"), **MODEL_ERRORS
     summary="Model configuration (Triton's model_config.proto as JSON)",
     responses=CONFIG_RESPONSES,
 )
-async def config(state: State, entry: PathModel) -> dict[str, Any]:
-    return model_config(entry, state.settings)
+async def config(entry: PathModel) -> dict[str, Any]:
+    return model_config(entry)
 
 
 @router.get(

@@ -3,6 +3,7 @@ own batcher, statistics and metrics label, over HTTP and gRPC with the unmodifie
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -72,6 +73,24 @@ def test_model_dir_repeats_and_names_must_be_unique(tmp_path: Path) -> None:
         model_sources(parse_settings(["--model-repository", str(tmp_path)]))
 
 
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_beam": 3}, "unknown setting(s) ['max_beam']"),
+        ({"version_policy": {"all": {}}}, "version_policy"),
+        ({"max_seq_len": 99999}, "max_batch_tokens"),  # the server's own cross-field check
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_a_models_settings_file_is_checked_at_start(tmp_path: Path, content, fragment) -> None:
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "mha-serve.json").write_text(json.dumps(content))
+    with pytest.raises(RepositoryError) as info:
+        model_sources(parse_settings(["--model-repository", str(tmp_path)]))
+    assert fragment in str(info.value)
+
+
 def test_a_bad_repository_stops_the_server_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "lonely").mkdir()
     result = subprocess.run(
@@ -92,6 +111,7 @@ MODULES = {
     "extra": _mha(16, 2, seed=7),  # from --model-dir
 }
 WIDTH = {"attn": 48, "enc": 32, "extra": 16}
+ENC_SETTINGS = {"max_batch_size": 4, "max_batch_delay_ms": 5, "max_seq_len": 64}
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +120,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, s
     mha_engine.save_model(_mha(48, 4, seed=1), root / "repository" / "attn" / "1")
     mha_engine.save_model(MODULES["attn"], root / "repository" / "attn" / "3")
     mha_engine.save_model(MODULES["enc"], root / "repository" / "enc" / "1")
+    (root / "repository" / "enc" / "mha-serve.json").write_text(json.dumps(ENC_SETTINGS))
     mha_engine.save_model(MODULES["extra"], root / "extra")
     port = free_port()
     args = ("--model-repository", str(root / "repository"), "--model-dir", str(root / "extra"))
@@ -173,6 +194,23 @@ def test_statistics_and_metrics_are_per_model(server) -> None:
     assert http.metric("mha_sequences_processed_total", model="extra") == sequences + 2
     grpc_stats = tgrpc.InferenceServerClient(address).get_inference_statistics("enc")
     assert [s.name for s in grpc_stats.model_stats] == ["enc"]
+
+
+def test_a_models_settings_file_sets_its_own_limits(server) -> None:
+    http, address = server
+    client = thttp.InferenceServerClient(http.address)
+    enc, attn = client.get_model_config("enc"), client.get_model_config("attn")
+    assert enc["max_batch_size"] == 4 and attn["max_batch_size"] == 32
+    assert enc["dynamic_batching"] == {
+        "preferred_batch_size": [4],
+        "max_queue_delay_microseconds": 5000,
+    }
+    assert http.metric("mha_queue_capacity_sequences", model="enc") == 1024
+    with pytest.raises(Exception, match="at most 4 per request"):
+        _grpc_infer(address, "enc", np.ones((5, 2, 32), np.float32))
+    with pytest.raises(Exception, match="over the limit of 64"):
+        _http_infer(http, "enc", np.ones((1, 65, 32), np.float32))
+    assert _http_infer(http, "attn", np.ones((5, 65, 48), np.float32)).shape == (5, 65, 48)
 
 
 def test_load_and_unload_need_explicit_mode(server) -> None:
