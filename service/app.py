@@ -26,9 +26,18 @@ from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
-from service.routes import debug, embeddings, health, infer, metrics_route, openai_models, tei
+from service.routes import (
+    debug,
+    embeddings,
+    health,
+    infer,
+    metrics_route,
+    openai_models,
+    tei,
+    tei_rank,
+)
 from service.settings import Settings
-from service.text import CharLimits, load_tokenizer, matryoshka
+from service.text import CharLimits, load_tokenizer, matryoshka, read_prompts
 
 log = logging.getLogger("service")
 
@@ -156,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.loop = asyncio.get_running_loop()
         app.state.tokenizer = tokenizer
         app.state.matryoshka = matryoshka(settings.model_dir)
+        app.state.prompts = read_prompts(settings.model_dir)
         if tokenizer is not None:
             app.state.char_limits = CharLimits.resolve(
                 settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
@@ -209,6 +219,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     docs.install(app)
     app.include_router(openai_models.router)
     app.include_router(tei.router)
+    app.include_router(tei_rank.router)
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)

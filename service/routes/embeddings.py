@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from service.errors import (
     ModelNotFound,
     PayloadTooLarge,
 )
+from service.inputs import Payload
 from service.openapi import OPENAI_ERROR_RESPONSES
 from service.routes.common import (
     await_queued,
@@ -39,7 +41,15 @@ from service.routes.common import (
     wait_disconnect,
 )
 from service.routes.infer import read_body
-from service.text import CharLimits, Encoded, TextTokenizer, embed_runner, token_payload
+from service.text import (
+    CharLimits,
+    Encoded,
+    Text,
+    TextTokenizer,
+    embed_runner,
+    model_kind,
+    token_payload,
+)
 
 if TYPE_CHECKING:
     from service.app import ServiceState
@@ -228,17 +238,22 @@ def _token_ids(i: int, ids: Any, state: ServiceState) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def check_chars(texts: list[str], limits: CharLimits) -> None:
-    """413 naming the limit and its flag, before a single character is tokenized."""
+def _chars(text: Text) -> int:
+    return len(text) if isinstance(text, str) else sum(map(len, text))
+
+
+def check_chars(texts: list[Text], limits: CharLimits) -> None:
+    """413 naming the limit and its flag, before a single character is tokenized (a pair
+    counts both its texts)."""
     total = 0
     for i, text in enumerate(texts):
-        if len(text) > limits.per_input:
+        if _chars(text) > limits.per_input:
             raise PayloadTooLarge(
-                f"input[{i}] has {len(text)} characters, over the limit of {limits.per_input} "
+                f"input[{i}] has {_chars(text)} characters, over the limit of {limits.per_input} "
                 "per input (--max-input-chars); inputs are truncated to the model's max length "
                 "anyway, so send less text"
             )
-        total += len(text)
+        total += _chars(text)
     if total > limits.per_request:
         raise PayloadTooLarge(
             f"'input' has {total} characters in all, over the limit of {limits.per_request} "
@@ -246,16 +261,16 @@ def check_chars(texts: list[str], limits: CharLimits) -> None:
         )
 
 
-def tokenize_chunks(texts: list[str]) -> list[list[str]]:
+def tokenize_chunks(texts: list[Text]) -> list[list[Text]]:
     """Consecutive inputs cut into chunks of about TOKENIZE_CHUNK_CHARS characters."""
-    chunks: list[list[str]] = [[]]
+    chunks: list[list[Text]] = [[]]
     chars = 0
     for text in texts:
-        if chunks[-1] and chars + len(text) > TOKENIZE_CHUNK_CHARS:
+        if chunks[-1] and chars + _chars(text) > TOKENIZE_CHUNK_CHARS:
             chunks.append([])
             chars = 0
         chunks[-1].append(text)
-        chars += len(text)
+        chars += _chars(text)
     return chunks
 
 
@@ -263,13 +278,16 @@ async def tokenize(
     state: ServiceState,
     request: Request,
     tokenizer: TextTokenizer,
-    texts: list[str],
+    texts: list[Text],
     deadline: float,
-) -> list[Encoded]:
+    encode: Callable[[list[Text]], list[Any]] | None = None,
+) -> list[Any]:
     """Tokenize on worker threads, chunk by chunk; between chunks, 499 if the client has gone,
-    504 past the deadline, 503 once the drain grace has ended (the rest is never tokenized)."""
+    504 past the deadline, 503 once the drain grace has ended (the rest is never tokenized).
+    `encode` (default: tokenizer.encode) maps a chunk of texts or pairs to one item each."""
+    encode = encode or tokenizer.encode
     gone = asyncio.ensure_future(wait_disconnect(request))
-    encoded: list[Encoded] = []
+    encoded: list[Any] = []
     try:
         for part in tokenize_chunks(texts):
             if gone.done():
@@ -280,7 +298,7 @@ async def tokenize(
                     f"({state.settings.request_timeout_s} s, --request-timeout-s)"
                 )
             state.batcher.check_open()
-            encoded += await run_in_threadpool(tokenizer.encode, part)
+            encoded += await run_in_threadpool(encode, part)
     finally:
         gone.cancel()
     return encoded
@@ -318,15 +336,18 @@ async def run_parts(
     encoded: list[Encoded],
     timeout: float,
     runner: Runner = embed_runner,
+    payload_of: Callable[[list[Encoded]], Payload] | None = None,
 ) -> list[np.ndarray]:
-    """Queue every part, await all; on timeout or disconnect drop the parts not yet started."""
+    """Queue every part, await all; on timeout or disconnect drop the parts not yet started.
+    payload_of builds a part's payload (default: its token ids)."""
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout
     settings = state.settings
     works: list[Work] = []
     try:
         for part in chunk(encoded, settings.max_batch_size, settings.max_batch_tokens):
-            payload = token_payload([encoded[i].ids for i in part])
+            items = [encoded[i] for i in part]
+            payload = payload_of(items) if payload_of else token_payload([e.ids for e in items])
             work = Work(payload, deadline=deadline, loop=loop, runner=runner)
             work.future.add_done_callback(_retrieve)
             state.batcher.submit(work)  # 429 when the queue is full
@@ -373,6 +394,13 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
         raise BadInput(
             f"model '{state.model_name}' has no tokenizer: /v1/embeddings needs a text model "
             "directory with tokenizer.json (and the tokenizers package); use /v2 for tensors"
+        )
+    kind = model_kind(state.model)
+    if kind != "embedding":
+        raise BadInput(
+            f"model '{state.model_name}' is a {kind} (a sequence-classification head), not an "
+            "embedding model: use /rerank or /predict",
+            param="model",
         )
     body = await read_body(request, state.settings.max_body_bytes)
     matryoshka = getattr(request.app.state, "matryoshka", False)

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from service import __version__
 from service.openapi import ERROR_RESPONSES
 from service.routes.common import MODEL_VERSION, check_model, get_state
+from service.text import text_properties
 
 router = APIRouter(tags=["health and metadata"])
 MODEL_ERRORS = {code: ERROR_RESPONSES[code] for code in (404, 503)}
@@ -66,7 +67,7 @@ async def model_metadata(
         "platform": "mha_engine",
         "inputs": inputs,
         "outputs": [_tensor("output", datatype, [-1, -1, model.embed_dim])],
-        "properties": {k: str(v) for k, v in state.info.items()},
+        "properties": {**{k: str(v) for k, v in state.info.items()}, **text_properties(model)},
     }
 
 
