@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never th
 WORDS = """the a an is are was of to in on for with and or what how who where deep learning
 machine model models text texts query passage search rank paris france capital city cat cats
 dog dogs sat mat good bad great terrible movie film food weather rain sun this that it be not
-very hello world sentence sentences example each converted""".split()  # noqa: SIM905
+very hello world sentence sentences example each converted : ? . ,""".split()  # noqa: SIM905
 SPECIALS = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] = 1: RoBERTa's offset shows
 VOCAB = [*SPECIALS, *string.ascii_lowercase, *(f"##{c}" for c in string.ascii_lowercase), *WORDS]
 PAD, CLS, SEP = 1, 2, 3

@@ -131,7 +131,11 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Tex
     return items, True
 
 
-@router.post("/rerank", summary="Texts ranked by relevance to a query (TEI)")
+@router.post(
+    "/rerank",
+    summary="Texts ranked by relevance to a query (TEI)",
+    response_model_exclude_none=True,
+)
 async def rerank(body: RerankRequest, request: Request) -> list[Rank]:
     state = get_state(request)
     with observed(state, "rerank"):
