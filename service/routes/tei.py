@@ -177,7 +177,57 @@ async def embed(body: EmbedRequest, request: Request) -> list[list[float]]:
     return await _embed(body, request)
 
 
-@router.post("/embed_all", summary="Every token's embedding, without pooling (TEI)")
+def _inlined(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its $defs substituted in place (the route's OpenAPI document
+    has no $defs section for them to point into)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+ROOT_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"anyOf": [_inlined(EmbedRequest), _inlined(HubPredictRequest)]}
+            }
+        },
+    }
+}
+EMBED_ALL_RESPONSES = {
+    200: {
+        "description": "Per input, every token's hidden state (T_i, D), special tokens included",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "array",
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "array", "items": {"type": "number"}},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/embed_all",
+    summary="Every token's embedding, without pooling (TEI)",
+    response_class=Response,
+    responses=EMBED_ALL_RESPONSES,
+)
 async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
     state = get_state(request)
     with observed(state, "embed_all"):
@@ -188,23 +238,6 @@ async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
         states = await _run(request, texts, body.truncate, body.truncation_direction, token_runner)
         content = orjson.dumps(states, option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(content, media_type="application/json")
-
-
-ROOT_OPENAPI = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "anyOf": [
-                        EmbedRequest.model_json_schema(),
-                        HubPredictRequest.model_json_schema(),
-                    ]
-                }
-            }
-        },
-    }
-}
 
 
 @router.post(

@@ -303,3 +303,23 @@ def test_huggingface_hub_inference_client(models, tmp_path, monkeypatch):
         got = np.asarray(client.feature_extraction("paris"))
         want = httpx.post(f"{server.url}/embed", json={"inputs": "paris"}, timeout=30).json()
         np.testing.assert_allclose(got.reshape(1, -1), want, **TOL)
+
+
+def test_openapi_documents_the_text_routes(models):
+    """TEI's error shape (with its 424) on the new routes; every $ref resolves in the document."""
+    _, reranker = models["bert-reranker"]
+
+    async def test(client: httpx.AsyncClient) -> None:
+        spec = (await client.get("/openapi.json")).json()
+        for path in ("/rerank", "/predict", "/embed_all", "/embed", "/"):
+            responses = spec["paths"][path]["post"]["responses"]
+            error = responses["424"]["content"]["application/json"]["schema"]
+            assert error["required"] == ["error", "error_type"], path
+        assert "$defs" not in str(spec)
+        rerank = spec["paths"]["/rerank"]["post"]["requestBody"]["content"]["application/json"]
+        assert (
+            rerank["schema"]["$ref"].removeprefix("#/components/schemas/")
+            in (spec["components"]["schemas"])
+        )
+
+    serve(reranker, test)
