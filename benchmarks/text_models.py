@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 import mha_engine
-from service.bench.client import LoadResult, run_load
-from service.bench.embeddings import SENTENCES
-from service.bench.server import HOST, running
+from benchmarks.client import LoadResult, run_load
+from benchmarks.embeddings import SENTENCES
+from benchmarks.server import HOST, running
 from service.text import TextTokenizer, minilm_path
 
 QUERY = "How can I make my laptop battery last longer?"

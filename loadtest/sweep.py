@@ -19,14 +19,14 @@ import os
 import shlex
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks import scrape
+from benchmarks.server import running
 from loadtest import report
 from loadtest.run import RESULTS, new_results_dir, run
-from service.bench.server import running
 
 
 @dataclass
@@ -53,15 +53,7 @@ def serve(args: list[str], log_path: Path) -> Iterator[str]:
 
 def mean_batch(url: str) -> float:
     """Mean sequences per forward so far: mha_batch_size_sequences sum / count."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        for suffix in ("_sum", "_count"):
-            if line.startswith(f"mha_batch_size_sequences{suffix}"):
-                values[suffix] = values.get(suffix, 0.0) + float(line.rsplit(" ", 1)[1])
-    count = values.get("_count", 0.0)
-    return values.get("_sum", 0.0) / count if count else float("nan")
+    return scrape.mean(scrape.scrape(url), "mha_batch_size_sequences")
 
 
 def settings(batch_sizes: list[int], delays_ms: list[float]) -> list[tuple[int, float]]:

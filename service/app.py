@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,9 +19,10 @@ from starlette.middleware.cors import CORSMiddleware
 import mha_engine
 from mha_engine import ServedModel
 from service import __version__, docs
-from service.batcher import DynamicBatcher, Work
+from service.batcher import DynamicBatcher
 from service.errors import ServiceError, error_body
 from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
+from service.forward import hidden_states
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
@@ -37,52 +37,11 @@ from service.routes import (
     tei_rank,
 )
 from service.settings import Settings
+from service.state import ModelEntry, ServiceState
 from service.text import CharLimits, load_tokenizer, matryoshka, read_prompts
+from service.work import Work
 
 log = logging.getLogger("service")
-
-
-@dataclass
-class ServiceState:
-    """Everything a request handler needs, created by the lifespan."""
-
-    settings: Settings
-    model: ServedModel
-    model_name: str
-    batcher: DynamicBatcher
-    metrics: Metrics
-    limits: ModelLimits
-    info: dict[str, Any]
-    ready: bool = False
-    draining: bool = False
-    started_at: float = field(default_factory=time.time)
-    loop: asyncio.AbstractEventLoop | None = None
-    grace_timer: asyncio.TimerHandle | None = None
-
-    def set_ready(self, ready: bool) -> None:
-        self.ready = ready
-        self.metrics.ready.labels(self.model_name).set(1 if ready else 0)
-
-    def start_draining(self) -> None:
-        """SIGTERM: refuse new work (503) and fail readiness; queued and running requests go on,
-        and when --drain-grace-s ends, those not yet started are answered 503 (`end_grace`)."""
-        if self.draining:
-            return
-        self.draining = True
-        self.set_ready(False)
-        if self.loop is not None:
-            grace = self.settings.drain_grace_s
-            log.info("draining: %.1f s for queued requests to start, then 503", grace)
-            self.loop.call_soon_threadsafe(self._arm_grace_timer, grace)
-
-    def _arm_grace_timer(self, grace: float) -> None:
-        self.grace_timer = asyncio.get_running_loop().call_later(grace, self.end_grace)
-
-    def end_grace(self) -> None:
-        """The drain grace is over: what has not started is answered 503 and never computed."""
-        shed = self.batcher.close()
-        if shed:
-            log.info("drain grace over: %d queued requests answered 503, not computed", shed)
 
 
 def load_served_model(settings: Settings) -> ServedModel:
@@ -122,7 +81,9 @@ async def _warm_up(state: ServiceState) -> None:
                 key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
                 value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
             payload = Payload(list(query), key, value, None, False, "FP32", True)
-            work = Work(payload, deadline=time.monotonic() + 600, loop=loop)
+            work = Work(
+                payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
+            )
             state.batcher.submit(work)
             await work.future
     except Exception:
@@ -161,15 +122,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_sequences=settings.max_batch_size,
             max_tokens=settings.max_batch_tokens,
         )
-        state = ServiceState(settings, model, name, batcher, metrics, limits, info)
-        state.loop = asyncio.get_running_loop()
-        app.state.tokenizer = tokenizer
-        app.state.matryoshka = matryoshka(settings.model_dir)
-        app.state.prompts = read_prompts(settings.model_dir)
+        entry = ModelEntry(name, model, batcher, limits, info, tokenizer)
+        entry.matryoshka = matryoshka(settings.model_dir)
+        entry.prompts, entry.default_prompt = read_prompts(settings.model_dir)
         if tokenizer is not None:
-            app.state.char_limits = CharLimits.resolve(
+            entry.char_limits = CharLimits.resolve(
                 settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
             )
+        state = ServiceState(settings, metrics, {name: entry})
+        state.loop = asyncio.get_running_loop()
         app.state.service = state
         batcher.start()
         warm_up = asyncio.create_task(_warm_up(state))

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.datatypes import to_numpy, to_torch
 from service.errors import BadInput
-from service.forward import to_numpy, to_torch
 from service.inputs import Payload
 
 WEIGHTS_NAME = "attention_weights"

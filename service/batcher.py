@@ -15,7 +15,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mha_engine import ServedModel
@@ -26,12 +25,11 @@ from service.errors import (
     Overloaded,
     ServiceError,
 )
-from service.forward import forward_works
-from service.inputs import Payload
+from service.forward import run_batch
+from service.work import Exclusive, QueueItem, Work
 
 log = logging.getLogger(__name__)
 
-Runner = Callable[[Any, list[Payload]], list[Any]]
 SHUTTING_DOWN = "server is shutting down; retry on another replica"
 
 
@@ -42,63 +40,6 @@ class BatchObserver(Protocol):
     def batch_started(self, works: list[Work]) -> None: ...
     def expired(self, work: Work) -> None: ...
     def batch_done(self, works: list[Work], compute_s: float, ok: bool) -> None: ...
-
-
-@dataclass(eq=False)
-class Work:
-    """One request in the queue; its future resolves to a list of per-sequence numpy outputs."""
-
-    payload: Payload
-    deadline: float  # time.monotonic() by which it must have started
-    loop: asyncio.AbstractEventLoop
-    # None: hidden states through model.forward_packed. Otherwise the batch's works that share
-    # this runner go to it in one call, runner(model, payloads) -> per-payload outputs (e.g.
-    # token ids through the text model's embed_varlen for /v1/embeddings).
-    runner: Runner | None = None
-    future: asyncio.Future = field(init=False)
-    enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-
-    def __post_init__(self) -> None:
-        self.future = self.loop.create_future()
-
-    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Hand the outcome to the event loop (safe from any thread)."""
-
-        def deliver() -> None:
-            if self.future.done():
-                return
-            if error is not None:
-                self.future.set_exception(error)
-            else:
-                self.future.set_result(result)
-
-        self.loop.call_soon_threadsafe(deliver)
-
-
-@dataclass(eq=False)
-class Exclusive:
-    """A callable the engine thread runs alone between batches (e.g. the attention-weights
-    debug path); it holds `sequences` queue slots and its future resolves to `fn()`."""
-
-    fn: Callable[[], Any]
-    sequences: int
-    deadline: float  # time.monotonic() by which it must have started
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future = field(init=False)
-    enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-
-    __post_init__ = Work.__post_init__
-    resolve = Work.resolve
-
-
-def _slots(item: Work | Exclusive) -> int:
-    return item.sequences if isinstance(item, Exclusive) else item.payload.num_sequences
-
-
-def _tokens(item: Work | Exclusive) -> int:
-    return 0 if isinstance(item, Exclusive) else item.payload.num_tokens
 
 
 class DynamicBatcher:
@@ -127,7 +68,7 @@ class DynamicBatcher:
         self.max_batch_delay_s = max_batch_delay_s
         self.max_queue = max_queue
         self.observer = observer
-        self._queue: collections.deque[Work | Exclusive] = collections.deque()
+        self._queue: collections.deque[QueueItem] = collections.deque()
         self._queued_sequences = 0
         self._queued_tokens = 0
         self._reserved = 0  # slots held by requests still being prepared (e.g. tokenizing)
@@ -175,11 +116,11 @@ class DynamicBatcher:
                 self._reserved -= sequences
                 self._report_depth()
 
-    def submit(self, work: Work | Exclusive) -> None:
+    def submit(self, work: QueueItem) -> None:
         """Queue `work`, or raise Overloaded (429) when the queue is full or would outlast its
         deadline (queued tokens ÷ recent engine tokens/s): shed now rather than time out later.
         After the drain grace (`close`) it raises NotReady (503)."""
-        size = _slots(work)
+        size = work.sequences
         with self._cond:
             self._check_room(size)
             if self._tokens_per_s and self._queued_tokens:
@@ -193,18 +134,20 @@ class DynamicBatcher:
                     )
             self._queue.append(work)
             self._queued_sequences += size
-            self._queued_tokens += _tokens(work)
+            self._queued_tokens += work.tokens
             self._report_depth()
             self._cond.notify()
 
     def run_exclusive(self, fn: Callable[[], Any], *, sequences: int, deadline: float) -> Exclusive:
         """Queue `fn` to run on the engine thread alone, in FIFO turn with batches; await
         `.future` for its result. Counts `sequences` against --max-queue (429 when full)."""
-        item = Exclusive(fn, max(1, sequences), deadline, asyncio.get_running_loop())
+        item = Exclusive(
+            fn=fn, slots=max(1, sequences), deadline=deadline, loop=asyncio.get_running_loop()
+        )
         self.submit(item)
         return item
 
-    def cancel(self, work: Work | Exclusive) -> bool:
+    def cancel(self, work: QueueItem) -> bool:
         """Drop `work` if it is still queued (never run); False if it has already started."""
         with self._cond:
             if work.started_at is not None:
@@ -213,8 +156,8 @@ class DynamicBatcher:
                 self._queue.remove(work)
             except ValueError:
                 return False
-            self._queued_sequences -= _slots(work)
-            self._queued_tokens -= _tokens(work)
+            self._queued_sequences -= work.sequences
+            self._queued_tokens -= work.tokens
             self._report_depth()
             return True
 
@@ -254,11 +197,11 @@ class DynamicBatcher:
             elif batch:
                 self._execute(batch)
 
-    def _fits(self, seqs: int, tokens: int, work: Work | Exclusive) -> bool:
+    def _fits(self, seqs: int, tokens: int, work: QueueItem) -> bool:
         # An Exclusive never joins a batch: it closes the batch before it.
         return not isinstance(work, Exclusive) and (
-            seqs + work.payload.num_sequences <= self.max_batch_size
-            and tokens + work.payload.num_tokens <= self.max_batch_tokens
+            seqs + work.sequences <= self.max_batch_size
+            and tokens + work.tokens <= self.max_batch_tokens
         )
 
     def _next_batch(self) -> list[Work] | Exclusive | None:
@@ -282,8 +225,8 @@ class DynamicBatcher:
                     if not self._fits(seqs, tokens, work):
                         full = True
                         break
-                    seqs += work.payload.num_sequences
-                    tokens += work.payload.num_tokens
+                    seqs += work.sequences
+                    tokens += work.tokens
                 remaining = flush_at - time.monotonic()
                 if full or seqs >= self.max_batch_size or remaining <= 0:
                     break
@@ -294,14 +237,14 @@ class DynamicBatcher:
             now = time.monotonic()
             while self._queue and self._fits(seqs, tokens, self._queue[0]):
                 work = self._queue.popleft()
-                self._queued_sequences -= work.payload.num_sequences
-                self._queued_tokens -= work.payload.num_tokens
+                self._queued_sequences -= work.sequences
+                self._queued_tokens -= work.tokens
                 if now > work.deadline:
                     self._expire(work)
                     continue
                 work.started_at = now
-                seqs += work.payload.num_sequences
-                tokens += work.payload.num_tokens
+                seqs += work.sequences
+                tokens += work.tokens
                 batch.append(work)
             self._report_depth()
             return batch
@@ -330,7 +273,7 @@ class DynamicBatcher:
             self.observer.batch_started(works)
         started = time.perf_counter()
         try:
-            results = forward_works(self.model, works)
+            results = run_batch(self.model, works)
         except Exception:
             log.exception("forward failed for a batch of %d requests", len(works))
             self._report_batch(works, time.perf_counter() - started, ok=False)
@@ -354,7 +297,7 @@ class DynamicBatcher:
         since this batch's first arrival), so event-loop and copy overheads count too."""
         now = time.monotonic()
         since = max(self._last_done, min(w.enqueued_at for w in works))
-        rate = sum(w.payload.num_tokens for w in works) / max(now - since, 1e-6)
+        rate = sum(w.tokens for w in works) / max(now - since, 1e-6)
         old = self._tokens_per_s
         self._tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
         self._last_done = now

@@ -14,23 +14,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from service.datatypes import DATATYPES, FLOAT_TYPES, UNSUPPORTED, bf16_from_floats, bf16_to_float32
 from service.errors import BadInput
-
-# OIP datatype -> numpy dtype used to hold it. BF16 has no numpy dtype: its raw bits are kept
-# as uint16 and reinterpreted as torch.bfloat16 on the way into the engine.
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    "FP32": np.dtype("<f4"),
-    "FP16": np.dtype("<f2"),
-    "BF16": np.dtype("<u2"),
-    "FP64": np.dtype("<f8"),
-    "BOOL": np.dtype("?"),
-    "INT8": np.dtype("<i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "UINT8": np.dtype("<u1"),
-}
-KNOWN_DATATYPES = {*NUMPY_DTYPES, "UINT16", "UINT32", "UINT64", "BYTES"}
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 MAX_RANK = 8
@@ -56,18 +41,6 @@ class InferRequest:
     # Requested output name -> whether it goes back as binary. Empty: all outputs, default mode.
     outputs: dict[str, bool] = field(default_factory=dict)
     binary_output_default: bool = False
-
-
-def _bf16_from_floats(values: np.ndarray) -> np.ndarray:
-    """Round float32 values to bfloat16 bits (round to nearest even), as uint16."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
-    return (rounded >> 16).astype(np.uint16)
-
-
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Widen bfloat16 bits (uint16) to float32 values; exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _check_parameters(value: Any, where: str) -> dict[str, Any]:
@@ -109,9 +82,9 @@ def _float_data(data: list, datatype: str, name: str, suspect: bool) -> np.ndarr
         )
     flat = raw.reshape(-1)
     if datatype == "BF16":
-        return _bf16_from_floats(flat)
+        return bf16_from_floats(flat)
     with np.errstate(over="ignore"):  # out-of-range values become Inf: refused as non-finite
-        return flat.astype(NUMPY_DTYPES[datatype])
+        return flat.astype(DATATYPES[datatype].numpy)
 
 
 def _json_array(
@@ -126,10 +99,10 @@ def _json_array(
             if not all(isinstance(v, bool) for v in flat):
                 raise BadInput(f"input '{name}': BOOL data must be true/false values")
             array = flat.astype(np.bool_)
-        elif datatype in ("FP32", "FP16", "BF16"):
+        elif datatype in FLOAT_TYPES:
             array = _float_data(data, datatype, name, suspect)
         else:
-            array = np.array(data, dtype=NUMPY_DTYPES[datatype]).reshape(-1)
+            array = np.array(data, dtype=DATATYPES[datatype].numpy).reshape(-1)
     except BadInput:
         raise
     except (ValueError, TypeError, OverflowError):
@@ -214,9 +187,11 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
         if name in inputs:
             raise BadInput(f"input '{name}' appears twice")
         datatype = raw.get("datatype")
-        if not isinstance(datatype, str) or datatype not in KNOWN_DATATYPES:
+        if not isinstance(datatype, str) or (
+            datatype not in DATATYPES and datatype not in UNSUPPORTED
+        ):
             raise BadInput(f"input '{name}': unknown datatype {datatype!r}")
-        if datatype not in NUMPY_DTYPES:
+        if datatype not in DATATYPES:
             raise BadInput(f"input '{name}': datatype {datatype} is not supported here")
         shape, count = _check_shape(raw.get("shape"), name, len(body))
         input_params = _check_parameters(raw.get("parameters"), f"input '{name}'")
@@ -229,7 +204,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
                 )
             if isinstance(binary_size, bool) or not isinstance(binary_size, int):
                 raise BadInput(f"input '{name}': binary_data_size must be an integer")
-            dtype = NUMPY_DTYPES[datatype]
+            dtype = DATATYPES[datatype].numpy
             expected = count * dtype.itemsize
             if binary_size != expected:
                 raise BadInput(

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from service.errors import ModelNotFound
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.state import ServiceState
 
 INDEX = "index.html"
 MEDIA_TYPES = {

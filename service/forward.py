@@ -9,55 +9,41 @@ import numpy as np
 import torch
 
 from mha_engine import ServedModel
+from service.datatypes import to_numpy, to_torch
 from service.errors import NonFiniteOutput, ServiceError
 
 if TYPE_CHECKING:
-    from service.batcher import Runner, Work
     from service.inputs import Payload
-
-TORCH_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
-
-
-def to_torch(array: np.ndarray, datatype: str, device: torch.device, dtype: torch.dtype):
-    """A wire array as a tensor on the model's device and dtype (BF16 arrives as uint16 bits)."""
-    tensor = torch.from_numpy(array)
-    if datatype == "BF16":
-        tensor = tensor.view(torch.bfloat16)
-    return tensor.to(device=device, dtype=dtype, non_blocking=True)
+    from service.work import Runner, Work
 
 
-def to_numpy(tensor: torch.Tensor, datatype: str) -> np.ndarray:
-    """A tensor in the wire's `datatype` on the CPU (BF16 as uint16 bits)."""
-    tensor = tensor.to(dtype=TORCH_DTYPES[datatype]).cpu().contiguous()
-    if datatype == "BF16":
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
-
-
-def forward_works(model: ServedModel, works: list[Work]) -> list[list[np.ndarray] | ServiceError]:
-    """Forward every sequence of `works`; each request's outputs (or its own error), in order.
-
-    Self- and cross-attention requests go in separate engine calls, so a sequence's numbers
-    never depend on which kind of request it was batched with; works with a runner (e.g. token
-    ids for /v1/embeddings) go to their runner in one call per runner.
-    """
-    results: dict[int, Any] = {}
-    for group in (
-        [w for w in works if w.runner is None and w.payload.key is None],
-        [w for w in works if w.runner is None and w.payload.key is not None],
-    ):
-        if group:
-            for work, out in zip(group, _forward_tensors(model, group), strict=True):
-                results[id(work)] = out
+def run_batch(model: ServedModel, works: list[Work]) -> list[Any]:
+    """Run one batch: the works sharing a runner go to it in one call; each work's result (or
+    its own ServiceError), in order."""
     by_runner: dict[Runner, list[Work]] = {}
     for work in works:
-        if work.runner is not None:
-            by_runner.setdefault(work.runner, []).append(work)
+        by_runner.setdefault(work.runner, []).append(work)
+    results: dict[int, Any] = {}
     for runner, group in by_runner.items():
         outputs = runner(model, [w.payload for w in group])
         for work, out in zip(group, outputs, strict=True):
             results[id(work)] = out
     return [results[id(w)] for w in works]
+
+
+def hidden_states(model: ServedModel, payloads: list[Payload]) -> list[Any]:
+    """Runner for hidden-state requests (/infer). Self- and cross-attention payloads go in
+    separate engine calls, so a sequence's numbers never depend on which kind of request it was
+    batched with."""
+    results: dict[int, Any] = {}
+    for group in (
+        [p for p in payloads if p.key is None],
+        [p for p in payloads if p.key is not None],
+    ):
+        if group:
+            for payload, out in zip(group, _forward_tensors(model, group), strict=True):
+                results[id(payload)] = out
+    return [results[id(p)] for p in payloads]
 
 
 def _packed(arrays: list[np.ndarray], datatype: str, device, dtype) -> torch.Tensor:
@@ -66,11 +52,10 @@ def _packed(arrays: list[np.ndarray], datatype: str, device, dtype) -> torch.Ten
 
 
 def _forward_tensors(
-    model: ServedModel, works: list[Work]
+    model: ServedModel, payloads: list[Payload]
 ) -> list[list[np.ndarray] | ServiceError]:
-    """Hidden-state works through model.forward_packed: one packed call for all sequences."""
+    """Hidden-state payloads through model.forward_packed: one packed call for all sequences."""
     device, dtype = model.device, model.dtype
-    payloads = [w.payload for w in works]
     cross = payloads[0].key is not None
     q_lens = [q.shape[0] for p in payloads for q in p.query]
     query = torch.cat([_packed(p.query, p.datatype, device, dtype) for p in payloads])  # (N, E)

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.codecs import InferRequest
+from service.datatypes import FLOAT_TYPES
 from service.errors import BadInput
 
 if TYPE_CHECKING:
     from mha_engine import EngineConfig
 
-FLOAT_TYPES = ("FP32", "FP16", "BF16")
 OUTPUT_NAME = "output"
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-DATATYPES = ["FP32", "FP16", "BF16", "BOOL"]
+from service.datatypes import FLOAT_TYPES
+
+DATATYPES = [*FLOAT_TYPES, "BOOL"]  # what /infer accepts
 
 ERROR = {
     "type": "object",

@@ -18,8 +18,8 @@ import orjson
 import torch
 
 from service.attention_weights import WEIGHTS_NAME, WeightsOptions, parse_options
+from service.datatypes import to_numpy
 from service.errors import BadInput
-from service.forward import to_numpy
 from service.inputs import OUTPUT_NAME
 from service.text import Labelled, TextTokenizer
 

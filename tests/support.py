@@ -7,12 +7,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import jsonschema
 import yaml
 
-from service.bench.client import binary_infer_body
-from service.bench.server import ROOT, Proc, free_port, running
+from benchmarks import scrape
+from benchmarks.client import binary_infer_body
+from benchmarks.server import ROOT, Proc, free_port, running
 
 __all__ = ["ROOT", "Server", "free_port", "run_server"]
 OIP_SPEC = ROOT.parent / "shared" / "oip" / "open_inference_rest.yaml"
@@ -22,23 +22,11 @@ class Server(Proc):
     """A running `python -m service` process, with its /metrics readable by name."""
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+        return scrape.scrape(self.url)
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        total, found = 0.0, False
-        for line in self.metrics().splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            series, value = line.rsplit(" ", 1)
-            if series.split("{", 1)[0] != name:
-                continue
-            if all(f'{k}="{v}"' in series for k, v in labels.items()):
-                total += float(value)
-                found = True
-        if not found:
-            raise KeyError(f"no sample {name}{labels}")
-        return total
+        """Sum of the samples of `name` whose labels include `labels` (KeyError if none)."""
+        return scrape.value(self.metrics(), name, **labels)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Helpers shared by the routers: state and model lookup, awaiting queued work, request metrics."""
+"""Helpers shared by the routers: awaiting queued work (deadline, disconnect), request metrics."""
 
 from __future__ import annotations
 
@@ -10,49 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from service.errors import (
-    ClientDisconnected,
-    DeadlineExceeded,
-    ModelNotFound,
-    NotReady,
-    ServiceError,
-)
+from service.errors import ClientDisconnected, DeadlineExceeded, ServiceError
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
-
-MODEL_VERSION = "1"
-
-
-def get_state(request: Request) -> ServiceState:
-    """The lifespan-created state; 503 while the model is still loading."""
-    state = getattr(request.app.state, "service", None)
-    if state is None:
-        raise NotReady("model is still loading")
-    return state
-
-
-def check_model(state: ServiceState, model_name: str, model_version: str | None) -> None:
-    """404 unless the path names the served model (and, if given, its version)."""
-    if model_name != state.model_name:
-        raise ModelNotFound(
-            f"unknown model '{model_name}'; this server serves '{state.model_name}'"
-        )
-    if model_version not in (None, "", MODEL_VERSION):
-        raise ModelNotFound(
-            f"model '{model_name}' has no version '{model_version}' (versions: {MODEL_VERSION})"
-        )
-
-
-def ensure_serving(state: ServiceState) -> None:
-    """503 while warming up or draining: work is accepted only by a ready server."""
-    if state.draining or not state.ready:
-        raise NotReady(
-            "server is draining; retry on another replica"
-            if state.draining
-            else "model is warming up",
-            headers={"Retry-After": "1"},
-        )
+    from service.state import ServiceState
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -41,6 +41,7 @@ from service.codecs import (
     decode_request,
     encode_response,
 )
+from service.deps import ensure_serving, get_state
 from service.errors import (
     BadInput,
     Forbidden,
@@ -49,12 +50,12 @@ from service.errors import (
 )
 from service.inputs import OUTPUT_NAME, prepare
 from service.middleware import bearer_credential
-from service.routes.common import await_queued, check_model, ensure_serving, get_state, observed
+from service.routes.common import await_queued, observed
 from service.routes.infer import read_body
 from service.settings import Settings
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.state import ServiceState
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["debug"])
@@ -183,7 +184,7 @@ async def _on_engine(
 async def _attention(
     state: ServiceState, request: Request, model_name: str, version: str | None
 ) -> Response:
-    check_model(state, model_name, version)
+    state.find(model_name, version)
     ensure_serving(state)
     png = wants_png(request)
     settings, model = state.settings, state.model
@@ -250,7 +251,7 @@ async def _text_attention(
     state: ServiceState, request: Request, header: dict, png: bool, version: str | None
 ) -> Response:
     """A sentence in: its tokens (as /v1/embeddings makes them) with the weights, or a PNG."""
-    tokenizer = getattr(request.app.state, "tokenizer", None)
+    tokenizer = state.tokenizer
     model = state.model
     if tokenizer is None:
         raise BadInput(
@@ -311,7 +312,7 @@ async def _text_attention(
 async def _heads(
     state: ServiceState, request: Request, model_name: str, version: str | None
 ) -> Response:
-    check_model(state, model_name, version)
+    state.find(model_name, version)
     png = wants_png(request)
     report = request.app.state.debug_heads
     if report is None:  # computed once from the weights, on the engine thread
@@ -362,7 +363,7 @@ async def page_asset(request: Request, name: str) -> Response:
 @router.get("/debug/info", summary="What the debug page needs to know about the model (debug)")
 async def info(request: Request) -> JSONResponse:
     async def handler(state: ServiceState) -> JSONResponse:
-        tokenizer = getattr(request.app.state, "tokenizer", None)
+        tokenizer = state.tokenizer
         max_len, flag = _max_len(state.settings)
         return JSONResponse(debug_page.model_info(state, tokenizer, max_len, flag))
 

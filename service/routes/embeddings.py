@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.batcher import Runner, Work
+from service.deps import State, ensure_serving
 from service.errors import (
     BadInput,
     ClientDisconnected,
@@ -33,13 +33,7 @@ from service.errors import (
 )
 from service.inputs import Payload
 from service.openapi import OPENAI_ERROR_RESPONSES
-from service.routes.common import (
-    await_queued,
-    ensure_serving,
-    get_state,
-    observed,
-    wait_disconnect,
-)
+from service.routes.common import await_queued, observed, wait_disconnect
 from service.routes.infer import read_body
 from service.text import (
     CharLimits,
@@ -50,9 +44,10 @@ from service.text import (
     model_kind,
     token_payload,
 )
+from service.work import Runner, Work
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.state import ServiceState
 
 router = APIRouter(tags=["embeddings"])
 
@@ -348,7 +343,7 @@ async def run_parts(
         for part in chunk(encoded, settings.max_batch_size, settings.max_batch_tokens):
             items = [encoded[i] for i in part]
             payload = payload_of(items) if payload_of else token_payload([e.ids for e in items])
-            work = Work(payload, deadline=deadline, loop=loop, runner=runner)
+            work = Work(payload=payload, runner=runner, deadline=deadline, loop=loop)
             work.future.add_done_callback(_retrieve)
             state.batcher.submit(work)  # 429 when the queue is full
             works.append(work)
@@ -388,7 +383,7 @@ def _response(
 
 
 async def _embeddings(state: ServiceState, request: Request) -> Response:
-    tokenizer = getattr(request.app.state, "tokenizer", None)
+    tokenizer = state.tokenizer
     ensure_serving(state)
     if tokenizer is None:
         raise BadInput(
@@ -403,7 +398,7 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
             param="model",
         )
     body = await read_body(request, state.settings.max_body_bytes)
-    matryoshka = getattr(request.app.state, "matryoshka", False)
+    matryoshka = state.matryoshka
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
     if len(body) > TOKENIZE_CHUNK_CHARS:
@@ -416,7 +411,7 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
     if isinstance(texts[0], np.ndarray):  # token ids, already bounded by parse_request
         encoded = [Encoded(ids, truncated=False) for ids in texts]
     else:
-        check_chars(texts, request.app.state.char_limits)
+        check_chars(texts, state.char_limits)
         with state.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
             encoded = await tokenize(state, request, tokenizer, texts, deadline)
     state.metrics.decode.labels(state.model_name, "json").observe(time.perf_counter() - started)
@@ -451,7 +446,6 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
     responses=RESPONSES,
     response_class=Response,
 )
-async def embeddings(request: Request) -> Response:
-    state = get_state(request)
+async def embeddings(request: Request, state: State) -> Response:
     with observed(state, "embeddings"):
         return await _embeddings(state, request)

@@ -8,8 +8,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service import __version__
+from service.datatypes import of_torch
+from service.deps import PathModel, State, loaded_state
 from service.openapi import ERROR_RESPONSES
-from service.routes.common import MODEL_VERSION, check_model, get_state
 from service.text import text_properties
 
 router = APIRouter(tags=["health and metadata"])
@@ -27,8 +28,8 @@ async def live() -> dict[str, bool]:
     responses={503: {"description": "Loading, warming up or draining"}},
 )
 async def ready(request: Request) -> JSONResponse:
-    state = getattr(request.app.state, "service", None)
-    is_ready = bool(state and state.ready and not state.draining)
+    state = loaded_state(request)
+    is_ready = bool(state and state.serving)
     return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
@@ -47,27 +48,21 @@ def _tensor(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
     summary="Model metadata",
     responses=MODEL_ERRORS,
 )
-async def model_metadata(
-    request: Request, model_name: str, model_version: str | None = None
-) -> dict[str, Any]:
-    state = get_state(request)
-    check_model(state, model_name, model_version)
-    model = state.model
-    datatype = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}[
-        str(model.dtype).removeprefix("torch.")
-    ]
+async def model_metadata(entry: PathModel) -> dict[str, Any]:
+    model = entry.model
+    datatype = of_torch(model.dtype)
     inputs = [_tensor("input", datatype, [-1, -1, model.embed_dim])]
     if model.is_cross_attention_capable:
         inputs.append(_tensor("key", datatype, [-1, -1, model.kdim]))
         inputs.append(_tensor("value", datatype, [-1, -1, model.vdim]))
     inputs.append(_tensor("key_padding_mask", "BOOL", [-1, -1]))
     return {
-        "name": state.model_name,
-        "versions": [MODEL_VERSION],
+        "name": entry.name,
+        "versions": [entry.version],
         "platform": "mha_engine",
         "inputs": inputs,
         "outputs": [_tensor("output", datatype, [-1, -1, model.embed_dim])],
-        "properties": {**{k: str(v) for k, v in state.info.items()}, **text_properties(model)},
+        "properties": {**{k: str(v) for k, v in entry.info.items()}, **text_properties(model)},
     }
 
 
@@ -77,12 +72,8 @@ async def model_metadata(
     summary="Model ready",
     responses=MODEL_ERRORS,
 )
-async def model_ready(
-    request: Request, model_name: str, model_version: str | None = None
-) -> JSONResponse:
-    state = get_state(request)
-    check_model(state, model_name, model_version)
-    is_ready = state.ready and not state.draining
+async def model_ready(state: State, entry: PathModel) -> JSONResponse:
+    is_ready = state.serving
     return JSONResponse(
-        {"name": state.model_name, "ready": is_ready}, status_code=200 if is_ready else 503
+        {"name": entry.name, "ready": is_ready}, status_code=200 if is_ready else 503
     )

@@ -13,7 +13,6 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from service.batcher import Work
 from service.codecs import (
     BINARY_HEADER,
     OutputTensor,
@@ -21,17 +20,20 @@ from service.codecs import (
     encode_response,
     json_length,
 )
+from service.deps import State, ensure_serving, response_budget
 from service.errors import (
     BadInput,
     ClientDisconnected,
     PayloadTooLarge,
 )
+from service.forward import hidden_states
 from service.inputs import OUTPUT_NAME, Payload, prepare
 from service.openapi import INFER_OPENAPI, INFER_RESPONSES
-from service.routes.common import await_queued, check_model, ensure_serving, get_state, observed
+from service.routes.common import await_queued, observed
+from service.work import Work
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.state import ModelEntry, ServiceState
 
 router = APIRouter(tags=["inference"])
 
@@ -85,16 +87,19 @@ def _deadline_s(state: ServiceState, parameters: dict[str, Any]) -> float:
     return timeout
 
 
-async def run_work(state: ServiceState, request: Request, payload: Payload, timeout: float) -> Any:
+async def run_work(
+    state: ServiceState, entry: ModelEntry, request: Request, payload: Payload, timeout: float
+) -> Any:
     """Queue `payload` and wait for its outputs, honouring the deadline and client disconnects."""
     loop = asyncio.get_running_loop()
-    work = Work(payload, deadline=time.monotonic() + timeout, loop=loop)
-    state.batcher.submit(work)
+    deadline = time.monotonic() + timeout
+    work = Work(payload=payload, runner=hidden_states, deadline=deadline, loop=loop)
+    entry.batcher.submit(work)
     return await await_queued(state, request, work.future, [work], timeout)
 
 
 async def _infer(state: ServiceState, request: Request, model_name: str, version: str | None):
-    check_model(state, model_name, version)
+    entry = state.find(model_name, version)
     ensure_serving(state)
     body = await read_body(request, state.settings.max_body_bytes)
     header_length = request.headers.get(BINARY_HEADER)
@@ -104,32 +109,33 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
     json_bytes = json_length(header_length, len(body))
     if json_bytes > OFFLOAD_BYTES or len(body) > OFFLOAD_BINARY_BYTES:
         decoded = await run_in_threadpool(decode_request, body, header_length)
-        payload = await run_in_threadpool(prepare, decoded, state.limits)
+        payload = await run_in_threadpool(prepare, decoded, entry.limits)
     else:
         decoded = decode_request(body, header_length)
-        payload = prepare(decoded, state.limits)
-    state.metrics.decode.labels(state.model_name, protocol).observe(time.perf_counter() - started)
+        payload = prepare(decoded, entry.limits)
+    state.metrics.decode.labels(entry.name, protocol).observe(time.perf_counter() - started)
     state.metrics.sequences_received([q.shape[0] for q in payload.query])
 
-    outputs = await run_work(state, request, payload, _deadline_s(state, decoded.parameters))
+    timeout = _deadline_s(state, decoded.parameters)
+    outputs = await run_work(state, entry, request, payload, timeout)
 
     started = time.perf_counter()
     array = np.stack(outputs) if payload.batched else outputs[0]  # (B, T, E) or (T, E)
     binary = {OUTPUT_NAME: decoded.outputs.get(OUTPUT_NAME, decoded.binary_output_default)}
     args = (
-        state.model_name,
+        entry.name,
         version,
         decoded.id or request.state.request_id,  # OIP id, else the X-Request-ID
         [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
         binary,
     )
     # Refuse before encoding what could not be sent now (JSON: ~11 bytes a value, counted at 8).
-    request.app.state.response_budget.check(array.nbytes if binary[OUTPUT_NAME] else 8 * array.size)
+    response_budget(request).check(array.nbytes if binary[OUTPUT_NAME] else 8 * array.size)
     if not binary[OUTPUT_NAME] and array.nbytes > OFFLOAD_BYTES:
         content, header_bytes = await run_in_threadpool(encode_response, *args)
     else:
         content, header_bytes = encode_response(*args)
-    state.metrics.encode.labels(state.model_name, protocol).observe(time.perf_counter() - started)
+    state.metrics.encode.labels(entry.name, protocol).observe(time.perf_counter() - started)
     if header_bytes is None:
         return Response(content, media_type="application/json")
     return Response(
@@ -153,7 +159,8 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
     responses=INFER_RESPONSES,
     response_class=Response,
 )
-async def infer(request: Request, model_name: str, model_version: str | None = None) -> Response:
-    state = get_state(request)
+async def infer(
+    request: Request, state: State, model_name: str, model_version: str | None = None
+) -> Response:
     with observed(state, "infer"):
         return await _infer(state, request, model_name, model_version or None)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
+from service.deps import State
 from service.openapi import ERROR_RESPONSES
-from service.routes.common import get_state
 
 router = APIRouter(tags=["monitoring"])
 
@@ -20,6 +20,6 @@ router = APIRouter(tags=["monitoring"])
         503: ERROR_RESPONSES[503],
     },
 )
-async def metrics(request: Request) -> Response:
-    body, content_type = get_state(request).metrics.exposition()
+async def metrics(state: State) -> Response:
+    body, content_type = state.metrics.exposition()
     return Response(body, media_type=content_type)

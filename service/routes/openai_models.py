@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel
 
+from service.deps import State
 from service.errors import ModelNotFound
 from service.openapi import OPENAI_ERROR_RESPONSES
-from service.routes.common import get_state
 
 router = APIRouter(tags=["embeddings"], responses=OPENAI_ERROR_RESPONSES)
 
@@ -30,22 +30,21 @@ class ModelList(BaseModel):
     data: list[ModelObject]
 
 
-def _served(request: Request) -> ModelObject:
-    state = get_state(request)
-    return ModelObject(id=state.model_name, created=int(state.started_at))
+def _served(state: State) -> list[ModelObject]:
+    return [ModelObject(id=name, created=int(state.started_at)) for name in state.models]
 
 
 @router.get("/v1/models", summary="Models served (OpenAI-compatible)")
-async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_served(request)])
+async def list_models(state: State) -> ModelList:
+    return ModelList(data=_served(state))
 
 
 @router.get("/v1/models/{model_id:path}", summary="One served model (OpenAI-compatible)")
-async def get_model(model_id: str, request: Request) -> ModelObject:
-    served = _served(request)
-    if model_id != served.id:
-        raise ModelNotFound(
-            f"The model '{model_id}' does not exist; this server serves '{served.id}'",
-            param="model",
-        )
-    return served
+async def get_model(model_id: str, state: State) -> ModelObject:
+    for served in _served(state):
+        if served.id == model_id:
+            return served
+    names = ", ".join(f"'{name}'" for name in state.models)
+    raise ModelNotFound(
+        f"The model '{model_id}' does not exist; this server serves {names}", param="model"
+    )

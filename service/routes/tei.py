@@ -19,9 +19,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.deps import ensure_serving, get_state
 from service.errors import BadInput
 from service.openapi import TEI_ERROR_RESPONSES
-from service.routes.common import ensure_serving, get_state, observed
+from service.routes.common import observed
 from service.routes.embeddings import check_chars, run_parts, tokenize
 from service.routes.infer import read_body
 from service.routes.tei_common import (
@@ -105,7 +106,8 @@ def _texts(inputs: str | list[str]) -> list[str]:
 def with_prompt(request: Request, texts: list[str], prompt_name: str | None) -> list[str]:
     """Texts with the named sentence-transformers prompt prepended (None: the model's default
     prompt, if it declares one); 400 naming the available prompts for an unknown name."""
-    prompts, default = request.app.state.prompts
+    entry = get_state(request).default
+    prompts, default = entry.prompts, entry.default_prompt
     name = prompt_name if prompt_name is not None else default
     if name is None:
         return texts
@@ -273,7 +275,7 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[S
     with observed(state, "tokenize"):
         tokenizer = text_tokenizer(request)
         texts = with_prompt(request, _texts(body.inputs), body.prompt_name)
-        check_chars(texts, request.app.state.char_limits)
+        check_chars(texts, get_state(request).char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
         with state.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
             return await tokenize(
@@ -317,6 +319,6 @@ async def info(request: Request) -> Info:
         max_batch_requests=state.settings.max_batch_size,
         max_client_batch_size=MAX_CLIENT_BATCH,
         max_concurrent_requests=state.settings.max_queue,
-        prompts=request.app.state.prompts[0],
+        prompts=state.default.prompts,
         version=__version__,
     )

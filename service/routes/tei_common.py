@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Literal
 
 from fastapi import Request
 
+from service.deps import get_state
 from service.errors import BadInput, DeadlineExceeded, PayloadTooLarge, WrongModelKind
-from service.routes.common import get_state
 from service.routes.embeddings import check_chars, tokenize
 from service.text import Encoded, Text, TextTokenizer, model_kind
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.state import ServiceState
 
 MAX_CLIENT_BATCH = 32  # TEI's default --max-client-batch-size
 Direction = Literal["Right", "Left"]  # TEI's truncation_direction values
@@ -27,9 +27,9 @@ ROUTES_OF = {  # which routes each kind of model offers
 
 def text_tokenizer(request: Request) -> TextTokenizer:
     """The served model's tokenizer; 400 when the model is not a text model with one."""
-    tokenizer = getattr(request.app.state, "tokenizer", None)
+    state = get_state(request)
+    tokenizer = state.tokenizer
     if tokenizer is None:
-        state = get_state(request)
         raise BadInput(
             f"model '{state.model_name}' has no tokenizer.json: the text routes need a text "
             "model directory; use /v2 for tensors"
@@ -74,7 +74,7 @@ async def encode_texts(
             raise BadInput(f"{field}[{i}] is an empty string; empty inputs have no result")
         if not isinstance(text, str) and not all(text):
             raise BadInput(f"{field}[{i}] holds an empty string; empty inputs have no result")
-    check_chars(texts, request.app.state.char_limits)
+    check_chars(texts, get_state(request).char_limits)
     with state.batcher.reserve(len(texts)):
         encode = (lambda part: tokenizer.encode(part, direction)) if direction != "Right" else None
         encoded = await tokenize(state, request, tokenizer, texts, deadline, encode)

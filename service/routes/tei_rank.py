@@ -17,9 +17,10 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.deps import ensure_serving, get_state
 from service.errors import BadInput
 from service.openapi import TEI_ERROR_RESPONSES
-from service.routes.common import ensure_serving, get_state, observed
+from service.routes.common import observed
 from service.routes.embeddings import run_parts
 from service.routes.tei_common import (
     Direction,
@@ -31,7 +32,7 @@ from service.routes.tei_common import (
 from service.text import Text, classify_runner, scores, typed_payload
 
 if TYPE_CHECKING:
-    from service.app import ServiceState
+    from service.state import ServiceState
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
 

@@ -10,13 +10,20 @@ import pytest
 import torch
 
 import mha_engine
-from service.batcher import DynamicBatcher, Work
+from service.batcher import DynamicBatcher
 from service.errors import InferenceError
+from service.forward import hidden_states
 from service.inputs import Payload
+from service.work import Work
 
 
 def payload(x: np.ndarray) -> Payload:
     return Payload(list(x), None, None, None, False, "FP32", True)
+
+
+def make_work(x: np.ndarray, loop: asyncio.AbstractEventLoop) -> Work:
+    deadline = time.monotonic() + 30
+    return Work(payload=payload(x), runner=hidden_states, deadline=deadline, loop=loop)
 
 
 def test_raising_forward_fails_only_its_request_and_the_batcher_keeps_serving(caplog) -> None:
@@ -33,11 +40,11 @@ def test_raising_forward_fails_only_its_request_and_the_batcher_keeps_serving(ca
 
     async def run() -> list[object]:
         loop = asyncio.get_running_loop()
-        works = [Work(payload(x), time.monotonic() + 30, loop) for x in (good[0], bad, *good[1:])]
+        works = [make_work(x, loop) for x in (good[0], bad, *good[1:])]
         for work in works:
             batcher.submit(work)  # all queued within the 200 ms window: one batch
         results = await asyncio.gather(*(w.future for w in works), return_exceptions=True)
-        after = Work(payload(good[0]), time.monotonic() + 30, loop)
+        after = make_work(good[0], loop)
         batcher.submit(after)
         return [*results, await after.future]
 

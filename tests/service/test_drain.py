@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from service.bench import reliability
+from benchmarks import reliability
 from tests.support import run_server
 
 GRACE_S = 1.0

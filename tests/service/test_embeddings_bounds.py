@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from benchmarks import scrape
 from tests.inprocess import asgi_client
 from tests.service.test_embeddings import NAME, minilm_dir
 
@@ -27,11 +28,7 @@ def body(inputs: list[str]) -> bytes:
 
 
 def metric(exposition: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in exposition.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return scrape.value(exposition, name, default=0.0, **labels)
 
 
 def run(test, **settings: object) -> None:

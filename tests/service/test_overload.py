@@ -1,4 +1,4 @@
-"""Overload, soak and drain, CI-sized (service.bench.reliability runs the long versions)."""
+"""Overload, soak and drain, CI-sized (benchmarks.reliability runs the long versions)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import signal
 import httpx
 import pytest
 
-from service.bench import reliability
-from service.bench.reliability import QUIET
-from service.bench.server import running
+from benchmarks import reliability
+from benchmarks.reliability import QUIET
+from benchmarks.server import running
 
 MAX_QUEUE = 48
 TIMEOUT_S = 3.0

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 HOST = "127.0.0.1"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -91,7 +91,7 @@ def running(
     """
     port = free_port()
     if naive:
-        cmd = [sys.executable, "-m", "service.bench.naive_server", "--port", str(port)]
+        cmd = [sys.executable, "-m", "benchmarks.naive_server", "--port", str(port)]
     else:
         cmd = [sys.executable, "-m", "service", "--host", HOST, "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -1,7 +1,7 @@
 """The baseline the service is measured against: the FastAPI server people write first.
 
 A pydantic `list[list[list[float]]]` body, one PyTorch forward per request, JSON floats back.
-Run: `python -m service.bench.naive_server --port 8001` (serves the demo module's weights).
+Run: `python -m benchmarks.naive_server --port 8001` (serves the demo module's weights).
 """
 
 from __future__ import annotations

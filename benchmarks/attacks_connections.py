@@ -7,7 +7,7 @@
 - stalled: 12 clients send 33 MB binary requests asking for JSON output and never read — the
   server's RSS before, at its peak and at the end, and health latency meanwhile.
 
-`python -m service.bench.attacks_connections [--only idle,cap,stalled]` prints one JSON object per
+`python -m benchmarks.attacks_connections [--only idle,cap,stalled]` prints one JSON object per
 scenario. It uses only flags every version has, so it also measures an older checkout (copy this
 file into it and run it from there).
 """
@@ -29,7 +29,8 @@ import httpx
 import numpy as np
 import orjson
 
-from service.bench.server import HOST, Proc, running
+from benchmarks import scrape
+from benchmarks.server import HOST, Proc, running
 
 PATH = "/v2/models/mha/infer"
 QUIET = ("--log-level", "warning")
@@ -59,10 +60,8 @@ def _still_open(sock: socket.socket) -> bool:
 
 
 def _metric(url: str, name: str) -> float | None:
-    with contextlib.suppress(httpx.HTTPError):
-        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-            if line.startswith(name) and line[len(name)] in "{ ":
-                return float(line.rsplit(" ", 1)[1])
+    with contextlib.suppress(httpx.HTTPError, KeyError):
+        return scrape.value(scrape.scrape(url, timeout=5), name)
     return None
 
 

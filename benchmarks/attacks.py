@@ -1,6 +1,6 @@
 """Hostile-client attacks on the request path, with figures, against a real server on loopback.
 
-`python -m service.bench.attacks all` runs each attack on a fresh server and prints JSON: the
+`python -m benchmarks.attacks all` runs each attack on a fresh server and prints JSON: the
 statuses the attacker got, the server's CPU seconds and RSS, what the next request on the same
 connection got, log lines, exit time. `--root DIR` runs the server from another checkout (e.g.
 `git archive 75093a7 | tar -x -C /tmp/old`), so the same attacks measure the code before a fix.
@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.bench import reliability
-from service.bench.server import HOST, ROOT, Proc, running
+from benchmarks import reliability, scrape
+from benchmarks.server import HOST, ROOT, Proc, running
 
 INFER = "/v2/models/mha/infer"
 HUGE = [4294967296, 4294967296]  # 2**64 elements: 0 in int64
@@ -131,17 +131,13 @@ def disconnects(root: Path, count: int = 20) -> dict[str, Any]:
                 sock.sendall(head + bytes(1000))
                 time.sleep(0.05)
         time.sleep(1.0)
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = scrape.scrape(server.url)
         log = server.log()
-    statuses = {
-        line.split('status="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("mha_requests_total{") and 'endpoint="infer"' in line
-    }
+    statuses = scrape.by_label(metrics, "mha_requests_total", "status", endpoint="infer")
     reasons = {
-        line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("mha_request_failures_total{") and float(line.rsplit(" ", 1)[1]) > 0
+        reason: n
+        for reason, n in scrape.by_label(metrics, "mha_request_failures_total", "reason").items()
+        if n > 0
     }
     return {
         "clients": count,

@@ -1,10 +1,10 @@
 """Service benchmark: HTTP throughput and CPU efficiency against the raw engine and a naive server.
 
-`python -m service.bench [--seconds 8] [--clients 32]` starts each server configuration as a
-subprocess on loopback, drives it with `clients` closed-loop connections, and prints one
-markdown table plus the target ratios, all from the same run. The server's CPU-seconds per
-request (from /proc) are compared with the raw engine's CPU-seconds per sequence, since the
-load generator shares the machine's cores.
+`python -m benchmarks.http_service [--seconds 8] [--clients 32]` starts each server
+configuration as a subprocess on loopback, drives it with `clients` closed-loop connections,
+and prints one markdown table plus the target ratios, all from the same run. The server's
+CPU-seconds per request (from /proc) are compared with the raw engine's CPU-seconds per
+sequence, since the load generator shares the machine's cores.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 import mha_engine
-from service.bench.client import LoadResult, binary_infer_body, run_load
-from service.bench.server import HOST, running
+from benchmarks.client import LoadResult, binary_infer_body, run_load
+from benchmarks.server import HOST, running
 
 EMBED_DIM = 512  # the demo model's d_model
 

@@ -1,6 +1,6 @@
 """Reliability scenarios with figures: overload, soak and drain, against a real server.
 
-`python -m service.bench.reliability all --seconds 60` runs each scenario on a fresh server
+`python -m benchmarks.reliability all --seconds 60` runs each scenario on a fresh server
 on loopback and prints a RELIABILITY.md table row per scenario. The tests run the same
 functions with short durations.
 """
@@ -21,8 +21,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.bench.client import binary_infer_body, build_request, run_load, run_open_loop
-from service.bench.server import HOST, ROOT, Proc, running
+from benchmarks import scrape
+from benchmarks.client import binary_infer_body, build_request, run_load, run_open_loop
+from benchmarks.server import HOST, ROOT, Proc, running
 
 PATH = "/v2/models/mha/infer"
 QUIET = ("--log-level", "warning")  # no access-log line per request during measurements
@@ -35,12 +36,8 @@ def binary_body(batch: int, seq_len: int, embed_dim: int = 512) -> tuple[bytes, 
 
 
 def metric(url: str, name: str) -> float:
-    """Sum of a metric's samples from /metrics."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and line[len(name)] in "{ ":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """Sum of a metric's samples from /metrics (0 when it has none)."""
+    return scrape.value(scrape.scrape(url), name, default=0.0)
 
 
 @dataclass

