@@ -113,3 +113,24 @@ def test_pooling_from_sentence_transformers_files(tmp_path, pooling):
     want = torch.nn.functional.normalize(pooled, dim=-1)
     torch.testing.assert_close(model.embed_varlen([i for i, _ in encoded]), want, **FP32)
     torch.testing.assert_close(model.embed(ids, mask), want, **FP32)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_low_precision_classifier_close_and_batch_invariant(tmp_path, dtype):
+    """The head is quantized / cast with the encoder. Measured on these tiny models (|logits| <
+    1): max |error| against fp32 0.0036 (int8, bert) and 0.0013 (bf16); each input's logits
+    are bit-identical alone and in the batch."""
+    from mha_engine.quantize import int8_unsupported_reason
+
+    if dtype == "int8" and int8_unsupported_reason("cpu") is not None:
+        pytest.skip(str(int8_unsupported_reason("cpu")))
+    _, path = tm.classifier("bert", tmp_path)
+    encoded = tm.tokenize(path, TEXTS + [" ".join(p) for p in PAIRS])
+    ids, types = [i for i, _ in encoded], [t for _, t in encoded]
+    want = load_model(path, device="cpu").classify_varlen(ids, types)
+    model = load_model(path, device="cpu", dtype=dtype)
+    got = model.classify_varlen(ids, types)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() <= 0.01
+    for i in range(len(ids)):
+        assert torch.equal(model.classify_varlen([ids[i]], [types[i]])[0], got[i])
