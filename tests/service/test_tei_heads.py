@@ -323,3 +323,21 @@ def test_openapi_documents_the_text_routes(models):
         )
 
     serve(reranker, test)
+
+
+def test_deadline_is_504_for_rerank_and_predict(models):
+    """A request whose deadline (--request-timeout-s) passes before its work runs is never
+    computed: 504 in TEI's shape."""
+    _, reranker = models["bert-reranker"]
+
+    async def test(client: httpx.AsyncClient) -> None:
+        for path, body in (
+            ("/rerank", {"query": "a", "texts": ["b", "c"]}),
+            ("/predict", {"inputs": ["a", "b"]}),
+        ):
+            response = await client.post(path, json=body)
+            assert response.status_code == 504, response.text
+            assert "deadline" in response.json()["error"]
+            assert response.json()["error_type"] == "Backend"
+
+    serve(reranker, test, request_timeout_s=1e-6)
