@@ -23,7 +23,6 @@ from service.deps import ensure_serving, get_state
 from service.errors import BadInput
 from service.openapi import TEI_ERROR_RESPONSES
 from service.routes.common import observed
-from service.routes.embeddings import check_chars, run_parts, tokenize
 from service.routes.infer import read_body
 from service.routes.tei_common import (
     MAX_CLIENT_BATCH,
@@ -34,6 +33,7 @@ from service.routes.tei_common import (
     text_tokenizer,
 )
 from service.routes.tei_rank import HubPredictRequest, hub_predict
+from service.routes.text_work import check_chars, run_parts, tokenize
 from service.text import model_kind, raw_embed_runner, tei_model_type, token_runner
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from service.deps import get_state
 from service.errors import BadInput, DeadlineExceeded, PayloadTooLarge, WrongModelKind
-from service.routes.embeddings import check_chars, tokenize
+from service.routes.text_work import check_chars, tokenize
 from service.text import Encoded, Text, TextTokenizer, model_kind
 
 if TYPE_CHECKING:

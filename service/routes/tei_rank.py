@@ -21,7 +21,6 @@ from service.deps import ensure_serving, get_state
 from service.errors import BadInput
 from service.openapi import TEI_ERROR_RESPONSES
 from service.routes.common import observed
-from service.routes.embeddings import run_parts
 from service.routes.tei_common import (
     Direction,
     check_batch,
@@ -29,6 +28,7 @@ from service.routes.tei_common import (
     require_kind,
     text_tokenizer,
 )
+from service.routes.text_work import run_parts
 from service.text import Text, classify_runner, scores, typed_payload
 
 if TYPE_CHECKING:
