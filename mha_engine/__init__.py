@@ -3,7 +3,8 @@
 Pure PyTorch inference engine used by the mha-serve service: nn.Modules with typed, frozen
 configs (config.py), load_model/save_model for model directories, fast SDPA path,
 attention-weights path for debugging, and packed varlen batches.
-Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out).
+Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out),
+or TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out).
 """
 
 from .attention import FusedAttention
@@ -17,8 +18,9 @@ from .config import (
     config_from_dict,
 )
 from .demo import build_demo_model, demo_module
+from .heads import ClassifierInfo, TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
-from .protocol import ServedModel, ServedTextModel
+from .protocol import ServedClassifierModel, ServedModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .save import save_model
 from .text import TextEmbeddings
@@ -26,6 +28,7 @@ from .text_model import TextEncoderModel
 
 __all__ = [
     "CheckpointError",
+    "ClassifierInfo",
     "EncoderLayer",
     "EncoderStack",
     "EngineConfig",
@@ -35,8 +38,10 @@ __all__ = [
     "Int8Unsupported",
     "MultiheadAttentionConfig",
     "MultiheadAttentionModel",
+    "ServedClassifierModel",
     "ServedModel",
     "ServedTextModel",
+    "TextClassifierModel",
     "TextEmbeddings",
     "TextEncoderConfig",
     "TextEncoderModel",

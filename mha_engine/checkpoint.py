@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import hf_bert, layouts
+from . import heads, hf_bert, layouts
 from .config import (
     EngineConfig,
     MultiheadAttentionConfig,
@@ -27,6 +27,7 @@ from .config import (
     config_from_dict,
 )
 from .errors import CheckpointError, check_state
+from .heads import TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .quantize import Int8Unsupported, int8_unsupported_reason, quantize_int8
 from .text_model import TextEncoderModel, read_text_settings
@@ -237,7 +238,8 @@ def text_model_from_directory(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
 ) -> TextEncoderModel:
-    """A Hugging Face BERT-family directory as a TextEncoderModel (encoder + embeddings)."""
+    """A Hugging Face BERT-family directory as a TextEncoderModel (encoder + embeddings), or a
+    TextClassifierModel when config.architectures names a `...ForSequenceClassification`."""
     config = hf_bert.engine_config(hf_config)  # fail on config errors before reading weights
     settings = read_text_settings(directory)
     config = replace(
@@ -246,13 +248,21 @@ def text_model_from_directory(
         normalize=settings.normalize,
         max_seq_len=settings.max_seq_len or 0,
     )
-    encoder_state, embedding_state = hf_bert.engine_state(_read_weights(directory), config)
+    info = heads.classifier_info(hf_config) if heads.is_sequence_classifier(hf_config) else None
+    weights = _read_weights(directory)
+    encoder_state, embedding_state = hf_bert.engine_state(weights, config)
     validate_state_dict(encoder_state, config)
+    if info is not None:  # the head's weights, checked before anything is built
+        base = hf_bert.base_prefix(weights)
+        head = heads.head_state(weights, config.model_type, base, config.d_model, info.num_labels)
+    del weights
     device = resolve_device(device)
     dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
-        model = TextEncoderModel(config)
+        model = TextEncoderModel(config) if info is None else TextClassifierModel(config, info)
     _assign(model.encoder, encoder_state, device, dtype)
+    if info is not None:
+        _assign(model.head, head, device, dtype)
     _assign(model.embeddings, embedding_state, device, torch.float32)  # see TextEmbeddings
     model = model.requires_grad_(False).eval()
     return quantize_int8(model) if int8 else model

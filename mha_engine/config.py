@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from .errors import CheckpointError
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-POOLING_MODES = ("mean", "cls")
+POOLING_MODES = ("mean", "cls", "last_token")
 # Model types whose position ids count only non-pad tokens, from pad_token_id + 1.
 POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta")
 
@@ -185,7 +185,7 @@ class TextEncoderConfig(TransformerEncoderConfig):
     type_vocab_size: int = 0  # 0: no token-type table (DistilBERT)
     pad_token_id: int | None = None
     position_offset: int = 0  # RoBERTa: pad_token_id + 1
-    pooling: str = "mean"  # mean | cls
+    pooling: str = "mean"  # mean | cls | last_token
     normalize: bool = False
     max_seq_len: int = 0  # 0: as many tokens as the position table holds
 

@@ -3,7 +3,8 @@
 `engine_config` turns the HF config.json into a post-norm transformer_encoder config plus the
 text fields (vocabulary, positions); `engine_state` checks every tensor under its HF name, then
 fuses query/key/value into in_proj and renames the rest onto EncoderStack and TextEmbeddings.
-Heads outside the base model (pooler, MLM/classification heads) are ignored.
+Heads outside the base model (pooler, MLM/classification heads) are ignored here; heads.py
+loads sequence-classification heads.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def engine_config(config: dict) -> TextEncoderConfig:
     return TextEncoderConfig(**c)
 
 
-def _base_prefix(state: dict) -> str:
+def base_prefix(state: dict) -> str:
     """'' for a base model's keys, 'bert.' (etc.) for a model with a task head."""
     name = "embeddings.word_embeddings.weight"
     if name in state:
@@ -194,7 +195,7 @@ def engine_state(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(encoder state in nn.TransformerEncoder names, TextEmbeddings state) from HF weights."""
     family = FAMILIES[config.model_type]
-    prefix = _base_prefix(state)
+    prefix = base_prefix(state)
     section = family.layers.split(".", 1)[0] + "."  # 'encoder.' or 'transformer.'
     base = {
         _legacy_names(k[len(prefix) :]): v

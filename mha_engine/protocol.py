@@ -1,7 +1,8 @@
 """What the service needs of a loaded model: the ServedModel and ServedTextModel protocols.
 
 The service depends on these, not on the engine's classes, so any object with this surface
-(MultiheadAttentionModel, TransformerEncoderModel, TextEncoderModel, a quantized variant) serves.
+(MultiheadAttentionModel, TransformerEncoderModel, TextEncoderModel, TextClassifierModel, a
+quantized variant) serves.
 """
 
 from __future__ import annotations
@@ -99,4 +100,30 @@ class ServedTextModel(ServedModel, Protocol):
         self, input_ids: list[Tensor], pooling: str | None = None, normalize: bool | None = None
     ) -> Tensor:
         """Sentence vectors (B, D) float32 of unpadded id sequences (T_i,)."""
+        ...
+
+    def encode_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        bucket_padding: float = 0.0,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Token states (N, D) of packed id sequences (N,) split at cu_seqlens (/embed_all)."""
+        ...
+
+
+@runtime_checkable
+class ServedClassifierModel(ServedTextModel, Protocol):
+    """A text encoder with a sequence-classification head (/predict, /rerank)."""
+
+    info: Any  # heads.ClassifierInfo: id2label, label2id, problem_type, kind
+
+    def classify_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Logits (B, num_labels) float32 of packed id sequences (pairs: token types 1)."""
         ...

@@ -81,22 +81,26 @@ class TextEmbeddings(nn.Module):
         x = x + self.position_embeddings(position_ids)
         return self.LayerNorm(x)
 
-    def forward_packed(self, input_ids: Tensor, lengths: list[int]) -> Tensor:
-        """Packed ids (N,) of unpadded sequences -> (N, D); positions restart per sequence."""
+    def forward_packed(
+        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """Packed ids (N,) of unpadded sequences -> (N, D); positions restart per sequence;
+        token types (N,) for sentence pairs (None: all 0)."""
         positions = packed_positions(lengths, input_ids.device) + self.position_offset  # (N,)
-        return self.forward(input_ids, positions)
+        return self.forward(input_ids, positions, token_type_ids)
 
 
 def pool_packed(hidden: Tensor, lengths: list[int], mode: str) -> Tensor:
     """Sentence vectors (B, D) in float32 from packed token states (N, D).
 
     mean: average over each sequence's tokens (every packed token is real, nothing to mask);
-    cls: each sequence's first token.
+    cls: each sequence's first token; last_token: each sequence's last token.
     """
-    if mode == "cls":
+    if mode in ("cls", "last_token"):
         lens = torch.tensor(lengths, dtype=torch.long, device=hidden.device)
-        starts = torch.cumsum(lens, 0) - lens  # (B,)
-        return hidden.index_select(0, starts).float()  # (B, D)
+        ends = torch.cumsum(lens, 0)  # (B,)
+        rows = ends - lens if mode == "cls" else ends - 1
+        return hidden.index_select(0, rows).float()  # (B, D)
     if mode != "mean":
         raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
     seg = segment_ids(lengths, hidden.device)  # (N,)
@@ -110,6 +114,11 @@ def pool_padded(hidden: Tensor, attention_mask: Tensor, mode: str) -> Tensor:
     """Sentence vectors (B, D) in float32 from a padded batch (B, T, D); mask 1 = real token."""
     if mode == "cls":
         return hidden[:, 0].float()
+    if mode == "last_token":  # the last real token of each row, wherever the padding is
+        T = attention_mask.shape[1]
+        positions = torch.arange(T, device=hidden.device).expand_as(attention_mask)  # (B, T)
+        last = (positions * attention_mask.ne(0)).amax(dim=1)  # (B,)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
     if mode != "mean":
         raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
     mask = attention_mask.to(torch.float32).unsqueeze(-1)  # (B, T, 1)

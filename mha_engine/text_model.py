@@ -24,6 +24,8 @@ from .varlen import cumulative, lengths, make_plan
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
 ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# 1_Pooling/config.json's pooling_mode_<name> -> the engine's pooling mode
+ST_POOLING_MODES = {"mean_tokens": "mean", "cls_token": "cls", "lasttoken": "last_token"}
 
 
 @dataclass(frozen=True)
@@ -74,13 +76,12 @@ def read_text_settings(directory: Path) -> TextSettings:
             for k, v in (config.items() if isinstance(config, dict) else [])
             if k.startswith("pooling_mode_") and v is True
         ]
-        names = {"mean_tokens": "mean", "cls_token": "cls"}
-        if len(modes) != 1 or modes[0] not in names:
+        if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
             raise CheckpointError(
                 f"{pooling_dir / 'config.json'} asks for pooling {modes}; supported: "
-                "exactly one of mean_tokens, cls_token"
+                f"exactly one of {list(ST_POOLING_MODES)}"
             )
-        pooling = names[modes[0]]
+        pooling = ST_POOLING_MODES[modes[0]]
     st_config = directory / "sentence_bert_config.json"
     if st_config.is_file():
         value = _json(st_config)
@@ -103,6 +104,7 @@ def write_text_settings(directory: Path, config: TextEncoderConfig) -> None:
         "word_embedding_dimension": config.d_model,
         "pooling_mode_cls_token": config.pooling == "cls",
         "pooling_mode_mean_tokens": config.pooling == "mean",
+        "pooling_mode_lasttoken": config.pooling == "last_token",
         "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False,
     }
@@ -134,6 +136,14 @@ class TextEncoderModel(TransformerEncoderModel):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"{what} holds ids outside [0, {self.vocab_size})")
         return ids.to(device=self.device, dtype=torch.long)
+
+    def _check_types(self, types: Tensor, ids: Tensor) -> Tensor:
+        table = self.config.type_vocab_size
+        if types.shape != ids.shape:
+            raise ValueError(f"token_type_ids {tuple(types.shape)} != ids {tuple(ids.shape)}")
+        if table and types.numel() and (int(types.min()) < 0 or int(types.max()) >= table):
+            raise ValueError(f"token_type_ids hold types outside [0, {table})")
+        return types.to(device=self.device, dtype=torch.long)
 
     @torch.inference_mode()
     def encode(
@@ -167,9 +177,14 @@ class TextEncoderModel(TransformerEncoderModel):
 
     @torch.inference_mode()
     def encode_packed(
-        self, input_ids: Tensor, cu_seqlens: Tensor | Sequence[int], bucket_padding: float = 0.0
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        bucket_padding: float = 0.0,
+        token_type_ids: Tensor | None = None,
     ) -> Tensor:
-        """Token states (N, D) of packed unpadded id sequences (N,) split at cu_seqlens (B+1,)."""
+        """Token states (N, D) of packed unpadded id sequences (N,) split at cu_seqlens (B+1,);
+        token_type_ids (N,) mark a pair's second segment (None: all 0)."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be packed (tokens,), got {tuple(input_ids.shape)}")
         lens = lengths(cu_seqlens, input_ids.shape[0])
@@ -178,7 +193,8 @@ class TextEncoderModel(TransformerEncoderModel):
         if max(lens) > self.max_seq_len:
             raise ValueError(f"sequence length {max(lens)} > max_seq_len {self.max_seq_len}")
         ids = self._check_ids(input_ids, "input_ids")  # (N,)
-        x = self.embeddings.forward_packed(ids, lens).to(self.dtype)  # (N, D)
+        types = None if token_type_ids is None else self._check_types(token_type_ids, ids)
+        x = self.embeddings.forward_packed(ids, lens, types).to(self.dtype)  # (N, D)
         plan = make_plan(lens, lens, False, None, ids.device, bucket_padding)
         return self.encoder(x, plan=plan)[0]  # (N, D)
 

@@ -32,6 +32,7 @@ from service.routes import (
     openai_models,
     repository,
     tei,
+    tei_rank,
 )
 from service.settings import Settings
 from service.state import ServiceState
@@ -125,6 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     docs.install(app)
     app.include_router(openai_models.router)
     app.include_router(tei.router)
+    app.include_router(tei_rank.router)
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)

@@ -35,6 +35,13 @@ class PayloadTooLarge(BadInput):
     status = 413
 
 
+class WrongModelKind(BadInput):
+    """A text route the served model's head does not offer (TEI answers these 424)."""
+
+    status = 424
+    reason = "wrong_model_kind"
+
+
 class ModelNotFound(ServiceError):
     status = 404
     reason = "not_found"
@@ -116,8 +123,8 @@ TEI_ROUTES = frozenset({"/", "/embed", "/embed_all", "/tokenize", "/decode", "/i
 
 def _tei_type(status: int) -> str:
     """text-embeddings-inference's error_type for a status."""
-    return {429: "Overloaded", 503: "Unhealthy"}.get(status, "Backend" if status >= 500 else
-                                                     "Validation")  # fmt: skip
+    named = {424: "Backend", 429: "Overloaded", 503: "Unhealthy"}
+    return named.get(status, "Backend" if status >= 500 else "Validation")
 
 
 def error_body(

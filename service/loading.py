@@ -20,7 +20,7 @@ from service.repository import ModelSource, model_settings
 from service.settings import Settings
 from service.state import ModelEntry
 from service.stats import ModelStats, Observers
-from service.text import CharLimits, load_tokenizer, matryoshka
+from service.text import CharLimits, load_tokenizer, matryoshka, read_prompts
 from service.work import Work
 
 
@@ -100,6 +100,7 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     entry.metrics = model_metrics
     entry.version = source.version
     entry.matryoshka = matryoshka(source.path)
+    entry.prompts, entry.default_prompt = read_prompts(source.path)
     if tokenizer is not None:
         entry.char_limits = CharLimits.resolve(
             settings.max_input_chars, settings.max_request_chars, tokenizer.max_length

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from service.datatypes import of_torch
+from service.text import text_properties
 
 if TYPE_CHECKING:
     from service.settings import Settings
@@ -50,7 +51,10 @@ def model_metadata(entry: ModelEntry) -> dict[str, Any]:
             tensor(name, dt, [-1, -1] if dim is None else [-1, -1, dim]) for name, dt, dim in inputs
         ],
         "outputs": [tensor("output", datatype, [-1, -1, width])],
-        "properties": {k: str(v) for k, v in entry.info.items()},
+        "properties": {
+            **{k: str(v) for k, v in entry.info.items()},
+            **text_properties(entry.model),
+        },
     }
 
 

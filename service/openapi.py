@@ -139,15 +139,20 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
 }
 
 
-def error_responses(schema: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
+def error_responses(
+    schema: dict[str, Any], extra: dict[int, str] | None = None
+) -> dict[int | str, dict[str, Any]]:
     """Every error status a route may answer, each with the protocol's error body schema."""
     content = {"application/json": {"schema": schema}}
-    return {code: {"description": d, "content": content} for code, d in ERROR_DESCRIPTIONS.items()}
+    codes = {**ERROR_DESCRIPTIONS, **(extra or {})}
+    return {code: {"description": d, "content": content} for code, d in sorted(codes.items())}
 
 
 ERROR_RESPONSES = error_responses(ERROR)
 OPENAI_ERROR_RESPONSES = error_responses(OPENAI_ERROR)
-TEI_ERROR_RESPONSES = error_responses(TEI_ERROR)
+TEI_ERROR_RESPONSES = error_responses(
+    TEI_ERROR, {424: "The model's head does not offer this route (embedding vs classifier)"}
+)
 
 INFER_OPENAPI: dict[str, Any] = {
     "requestBody": {

@@ -36,6 +36,8 @@ class ModelEntry:
     tokenizer: TextTokenizer | None = None  # None: the text routes answer 400
     char_limits: CharLimits | None = None  # set with the tokenizer
     matryoshka: bool = False  # vectors may be cut short (`dimensions`)
+    prompts: dict[str, str] = field(default_factory=dict)  # sentence-transformers' prompts
+    default_prompt: str | None = None  # the prompt applied when a request names none
     version: str = MODEL_VERSION
     metrics: Metrics | None = None  # its label's view of the shared metrics (None: the default)
 

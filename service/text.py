@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mha_engine import ServedModel, ServedTextModel
+from mha_engine import ServedClassifierModel, ServedModel, ServedTextModel
 from service.inputs import Payload
 
 log = logging.getLogger(__name__)
@@ -50,29 +50,41 @@ class CharLimits:
 
 @dataclass
 class Encoded:
-    """One input's token ids (CLS ... SEP included) and whether it was cut to max_length."""
+    """One input's token ids (CLS ... SEP included) and whether it was cut to max_length;
+    `types` are the token type ids (1 on a pair's second text for BERT)."""
 
     ids: np.ndarray  # (T,) int64
     truncated: bool
+    types: np.ndarray | None = None  # (T,) int64
+
+
+Text = str | tuple[str, str]  # one text, or a (query, passage) pair for a cross-encoder
+DIRECTIONS = ("Right", "Left")  # TEI's spelling of the truncation side
 
 
 class TextTokenizer:
-    """tokenizer.json with padding off and truncation at `max_length` tokens."""
+    """tokenizer.json with padding off and truncation at `max_length` tokens, from the right
+    (the end is cut) or the left (the start is cut): one tokenizer each, so threads that
+    tokenize at once never share a setting."""
 
     def __init__(self, path: Path, max_length: int) -> None:
         from tokenizers import Tokenizer
 
         self.path = path
         self.max_length = max_length
-        self._tokenizer = Tokenizer.from_file(str(path))
-        # Files often ship fixed padding/truncation for training (MiniLM's: pad to 128):
-        # replace both, so every input keeps its own length up to the model's limit.
-        self._tokenizer.no_padding()
-        self._tokenizer.enable_truncation(max_length=max_length)
+        self._by_side = {}
+        for side in DIRECTIONS:
+            tokenizer = Tokenizer.from_file(str(path))
+            # Files often ship fixed padding/truncation for training (MiniLM's: pad to 128):
+            # replace both, so every input keeps its own length up to the model's limit.
+            tokenizer.no_padding()
+            tokenizer.enable_truncation(max_length=max_length, direction=side.lower())
+            self._by_side[side] = tokenizer
+        self._tokenizer = self._by_side["Right"]
 
-    def encode(self, texts: list[str]) -> list[Encoded]:
-        """Token ids of every text, special tokens added."""
-        return [_encoded(enc) for enc in self._tokenizer.encode_batch(texts)]
+    def encode(self, texts: list[Text], direction: str = "Right") -> list[Encoded]:
+        """Token ids (and types) of every text or pair, special tokens added."""
+        return [_encoded(enc) for enc in self._by_side[direction].encode_batch(texts)]
 
     def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Texts of token-id sequences."""
@@ -107,7 +119,8 @@ class Labelled:
 
 
 def _encoded(enc: Any) -> Encoded:
-    return Encoded(np.asarray(enc.ids, dtype=np.int64), truncated=bool(enc.overflowing))
+    ids, types = np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.type_ids, dtype=np.int64)
+    return Encoded(ids, truncated=bool(enc.overflowing), types=types)
 
 
 def load_tokenizer(
@@ -177,9 +190,108 @@ def raw_embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[li
     return out
 
 
+def token_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
+    """Batcher runner for /embed_all: every sequence's token states (T, D) float32, no pooling."""
+    seqs = [seq for p in payloads for seq in p.query]
+    lens = [len(s) for s in seqs]
+    ids = torch.from_numpy(np.concatenate(seqs))
+    states = model.encode_packed(ids, np.cumsum([0, *lens]).tolist()).float().cpu().numpy()
+    per_seq = np.split(states, np.cumsum(lens)[:-1])  # (T_i, D) views
+    out, start = [], 0
+    for p in payloads:
+        out.append(per_seq[start : start + p.num_sequences])
+        start += p.num_sequences
+    return out
+
+
+def classify_runner(
+    model: ServedClassifierModel, payloads: list[Payload]
+) -> list[list[np.ndarray]]:
+    """Batcher runner for /predict and /rerank: (T, 2) [ids, token types] sequences -> logits
+    (num_labels,) float32 per sequence, one engine call for the whole batch."""
+    seqs = [seq for p in payloads for seq in p.query]
+    packed = torch.from_numpy(np.concatenate(seqs))  # (N, 2)
+    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
+    types = packed[:, 1] if model.config.type_vocab_size > 1 else None  # RoBERTa: one type
+    logits = model.classify_packed(packed[:, 0].contiguous(), cu_seqlens, types).cpu().numpy()
+    out, start = [], 0
+    for p in payloads:
+        out.append(list(logits[start : start + p.num_sequences]))
+        start += p.num_sequences
+    return out
+
+
 def token_payload(ids: list[np.ndarray]) -> Payload:
     """A batcher payload of token-id sequences (counted against --max-batch-tokens as is)."""
     return Payload(ids, None, None, None, False, "INT64", True)
+
+
+def typed_payload(encoded: list[Encoded]) -> Payload:
+    """A payload of (T, 2) [ids, token types] sequences for classify_runner (T tokens each)."""
+    return token_payload([np.stack([e.ids, e.types], axis=1) for e in encoded])
+
+
+def model_kind(model: ServedModel) -> str:
+    """embedding | classifier | reranker (one label): which text routes the model answers."""
+    if isinstance(model, ServedClassifierModel):
+        return model.info.kind
+    return "embedding"
+
+
+def tei_model_type(model: ServedTextModel) -> dict:
+    """TEI's /info model_type: {"embedding": {"pooling"}} or {"classifier" | "reranker":
+    {"id2label", "label2id", "problem_type"}} (label keys as strings, as in config.json)."""
+    kind = model_kind(model)
+    if kind == "embedding":
+        return {"embedding": {"pooling": model.pooling}}
+    info = model.info
+    return {
+        kind: {
+            "id2label": {str(i): name for i, name in info.id2label.items()},
+            "label2id": info.label2id,
+            "problem_type": info.problem_type,
+        }
+    }
+
+
+def text_properties(model: ServedModel) -> dict[str, str]:
+    """The text model's kind, pooling or labels for the v2 model metadata's properties."""
+    if not isinstance(model, ServedTextModel):
+        return {}
+    details = next(iter(tei_model_type(model).values()))
+    return {"task": model_kind(model), **{k: json.dumps(v) for k, v in details.items()}}
+
+
+def scores(logits: np.ndarray, problem_type: str | None, raw: bool) -> np.ndarray:
+    """Scores (L,) from one input's logits (L,) as transformers' text-classification pipeline
+    gives them: raw logits when asked or for regression, sigmoid for one label or multi-label,
+    softmax otherwise."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if raw or problem_type == "regression":
+        return logits
+    if len(logits) == 1 or problem_type == "multi_label_classification":
+        return 1.0 / (1.0 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max())
+    return shifted / shifted.sum()
+
+
+def read_prompts(model_dir: Path | None) -> tuple[dict[str, str], str | None]:
+    """sentence-transformers' prompts ({name: text prepended to inputs}) and default prompt
+    name from config_sentence_transformers.json; ({}, None) when it has none."""
+    path = None if model_dir is None else Path(model_dir) / "config_sentence_transformers.json"
+    if path is None or not path.is_file():
+        return {}, None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        log.warning("%s is not JSON; ignoring its prompts", path)
+        return {}, None
+    prompts = config.get("prompts") if isinstance(config, dict) else None
+    if not isinstance(prompts, dict):
+        return {}, None
+    prompts = {str(k): v for k, v in prompts.items() if isinstance(v, str)}
+    default = config.get("default_prompt_name")
+    return prompts, default if default in prompts else None
 
 
 def minilm_path() -> Path | None:

@@ -11,7 +11,6 @@ as `data[i].embedding` plus `usage`.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from typing import TYPE_CHECKING, Any
@@ -25,16 +24,17 @@ from starlette.concurrency import run_in_threadpool
 from service.deps import State, ensure_serving
 from service.errors import (
     BadInput,
-    ClientDisconnected,
     DeadlineExceeded,
     ModelNotFound,
-    PayloadTooLarge,
 )
 from service.openapi import OPENAI_ERROR_RESPONSES
-from service.routes.common import await_queued, observed, wait_disconnect
+from service.routes.common import observed
 from service.routes.infer import read_body
-from service.text import CharLimits, Encoded, TextTokenizer, embed_runner, token_payload
-from service.work import Runner, Work
+from service.routes.text_work import TOKENIZE_CHUNK_CHARS, check_chars, run_parts, tokenize
+from service.text import (
+    Encoded,
+    model_kind,
+)
 
 if TYPE_CHECKING:
     from service.state import ServiceState
@@ -43,7 +43,6 @@ router = APIRouter(tags=["embeddings"])
 
 MAX_INPUTS = 2048  # OpenAI's limit per request; --max-queue may lower it
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
-TOKENIZE_CHUNK_CHARS = 64 * 1024  # ~40 ms of tokenizing; deadline and client checked between
 
 EMBEDDINGS_REQUEST = {
     "type": "object",
@@ -223,116 +222,10 @@ def _token_ids(i: int, ids: Any, state: ServiceState) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def check_chars(texts: list[str], limits: CharLimits) -> None:
-    """413 naming the limit and its flag, before a single character is tokenized."""
-    total = 0
-    for i, text in enumerate(texts):
-        if len(text) > limits.per_input:
-            raise PayloadTooLarge(
-                f"input[{i}] has {len(text)} characters, over the limit of {limits.per_input} "
-                "per input (--max-input-chars); inputs are truncated to the model's max length "
-                "anyway, so send less text"
-            )
-        total += len(text)
-    if total > limits.per_request:
-        raise PayloadTooLarge(
-            f"'input' has {total} characters in all, over the limit of {limits.per_request} "
-            "per request (--max-request-chars); split it into several requests"
-        )
-
-
-def tokenize_chunks(texts: list[str]) -> list[list[str]]:
-    """Consecutive inputs cut into chunks of about TOKENIZE_CHUNK_CHARS characters."""
-    chunks: list[list[str]] = [[]]
-    chars = 0
-    for text in texts:
-        if chunks[-1] and chars + len(text) > TOKENIZE_CHUNK_CHARS:
-            chunks.append([])
-            chars = 0
-        chunks[-1].append(text)
-        chars += len(text)
-    return chunks
-
-
-async def tokenize(
-    state: ServiceState,
-    request: Request,
-    tokenizer: TextTokenizer,
-    texts: list[str],
-    deadline: float,
-) -> list[Encoded]:
-    """Tokenize on worker threads, chunk by chunk; between chunks, 499 if the client has gone,
-    504 past the deadline, 503 once the drain grace has ended (the rest is never tokenized)."""
-    gone = asyncio.ensure_future(wait_disconnect(request))
-    encoded: list[Encoded] = []
-    try:
-        for part in tokenize_chunks(texts):
-            if gone.done():
-                raise ClientDisconnected("client disconnected while its inputs were tokenized")
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(
-                    f"tokenizing did not finish within the request's deadline "
-                    f"({state.settings.request_timeout_s} s, --request-timeout-s)"
-                )
-            state.batcher.check_open()
-            encoded += await run_in_threadpool(tokenizer.encode, part)
-    finally:
-        gone.cancel()
-    return encoded
-
-
 def _kind(value: Any) -> str:
     """JSON's name for a parsed value, for error messages."""
     names = {dict: "an object", list: "a list", type(None): "null", bool: "a boolean"}
     return names.get(type(value), {int: "an integer", float: "a number"}.get(type(value), "?"))
-
-
-def chunk(encoded: list[Encoded], max_sequences: int, max_tokens: int) -> list[list[int]]:
-    """Input indices in order, cut so each part fits one batch (sequences and tokens)."""
-    parts: list[list[int]] = [[]]
-    tokens = 0
-    for i, enc in enumerate(encoded):
-        n = len(enc.ids)
-        if parts[-1] and (len(parts[-1]) >= max_sequences or tokens + n > max_tokens):
-            parts.append([])
-            tokens = 0
-        parts[-1].append(i)
-        tokens += n
-    return parts
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    """Mark a part's error as seen: after a failed sibling, nobody awaits the others."""
-    if not future.cancelled():
-        future.exception()
-
-
-async def run_parts(
-    state: ServiceState,
-    request: Request,
-    encoded: list[Encoded],
-    timeout: float,
-    runner: Runner = embed_runner,
-) -> list[np.ndarray]:
-    """Queue every part, await all; on timeout or disconnect drop the parts not yet started."""
-    loop = asyncio.get_running_loop()
-    deadline = time.monotonic() + timeout
-    settings = state.settings
-    works: list[Work] = []
-    try:
-        for part in chunk(encoded, settings.max_batch_size, settings.max_batch_tokens):
-            payload = token_payload([encoded[i].ids for i in part])
-            work = Work(payload=payload, runner=runner, deadline=deadline, loop=loop)
-            work.future.add_done_callback(_retrieve)
-            state.batcher.submit(work)  # 429 when the queue is full
-            works.append(work)
-        gathered = asyncio.gather(*(w.future for w in works))
-        results = await await_queued(state, request, gathered, works, timeout)
-    except BaseException:
-        for work in works:
-            state.batcher.cancel(work)
-        raise
-    return [vector for part in results for vector in part]
 
 
 def shorten(vector: np.ndarray, dims: int) -> np.ndarray:
@@ -368,6 +261,13 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
         raise BadInput(
             f"model '{state.model_name}' has no tokenizer: /v1/embeddings needs a text model "
             "directory with tokenizer.json (and the tokenizers package); use /v2 for tensors"
+        )
+    kind = model_kind(state.model)
+    if kind != "embedding":
+        raise BadInput(
+            f"model '{state.model_name}' is a {kind} (a sequence-classification head), not an "
+            "embedding model: use /rerank or /predict",
+            param="model",
         )
     body = await read_body(request, state.settings.max_body_bytes)
     matryoshka = state.matryoshka

@@ -1,30 +1,42 @@
-"""text-embeddings-inference's routes for embedding models: /embed (and TEI's POST / alias,
-which huggingface_hub's InferenceClient calls), /tokenize, /decode, /info.
+"""text-embeddings-inference's routes for embedding models and the model-neutral ones:
+/embed, /embed_all, /similarity, /tokenize, /decode, /info, and TEI's POST / (which
+huggingface_hub's InferenceClient calls: /embed for an embedding model, /predict otherwise).
+/rerank and /predict are in tei_rank.py.
 
 Same shapes as TEI (`inputs` a string or a list of strings; `/embed` answers a list of vectors);
-errors are TEI's `{"error": ..., "error_type": ...}`. Texts are bounded in characters before
-tokenizing, tokenized off the loop and run through the same batcher as /v1/embeddings.
+errors are TEI's `{"error": ..., "error_type": ...}`, 424 for a route the model's head does
+not offer. Texts are bounded in characters before tokenizing, tokenized off the loop and run
+through the same batcher as /v1/embeddings.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.deps import ensure_serving, get_state
-from service.errors import BadInput, DeadlineExceeded, PayloadTooLarge
+from service.errors import BadInput
 from service.openapi import TEI_ERROR_RESPONSES
 from service.routes.common import observed
-from service.routes.embeddings import check_chars, run_parts, tokenize
-from service.text import TextTokenizer, raw_embed_runner
+from service.routes.infer import read_body
+from service.routes.tei_common import (
+    MAX_CLIENT_BATCH,
+    Direction,
+    check_batch,
+    encode_texts,
+    require_kind,
+    text_tokenizer,
+)
+from service.routes.tei_rank import HubPredictRequest, hub_predict
+from service.routes.text_work import check_chars, run_parts, tokenize
+from service.text import model_kind, raw_embed_runner, tei_model_type, token_runner
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
-
-MAX_CLIENT_BATCH = 32  # TEI's default --max-client-batch-size
 
 
 class EmbedRequest(BaseModel):
@@ -32,13 +44,26 @@ class EmbedRequest(BaseModel):
     inputs: str | list[str]
     normalize: bool = True
     truncate: bool = False
-    truncation_direction: Literal["Right", "Left"] = "Right"
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = Field(
+        None, description="A key of config_sentence_transformers.json's prompts: its text is "
+        "prepended to every input"
+    )  # fmt: skip
+
+
+class EmbedAllRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: str | list[str]
+    truncate: bool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inputs: str | list[str]
     add_special_tokens: bool = True
+    prompt_name: str | None = None
 
 
 class DecodeRequest(BaseModel):
@@ -58,59 +83,53 @@ class SimpleToken(BaseModel):
 class Info(BaseModel):
     model_id: str
     model_dtype: str
-    model_type: dict = Field(description='{"embedding": {"pooling": "mean"}}')
+    model_type: dict = Field(
+        description='{"embedding": {"pooling": "mean" | "cls" | "last_token"}}, or '
+        '{"classifier" | "reranker": {"id2label", "label2id", "problem_type"}}'
+    )
     max_input_length: int
     max_batch_tokens: int
     max_batch_requests: int
     max_client_batch_size: int
+    max_concurrent_requests: int
+    auto_truncate: bool = False
+    prompts: dict[str, str] = Field(default_factory=dict)
     version: str
-
-
-def _tokenizer(request: Request) -> TextTokenizer:
-    state = get_state(request)
-    tokenizer = state.tokenizer
-    if tokenizer is None:
-        raise BadInput(
-            f"model '{state.model_name}' has no tokenizer.json: the text routes need a text "
-            "model directory; use /v2 for tensors"
-        )
-    return tokenizer
 
 
 def _texts(inputs: str | list[str]) -> list[str]:
     texts = [inputs] if isinstance(inputs, str) else inputs
-    if not texts:
-        raise BadInput("'inputs' is an empty list; send at least one string")
-    if len(texts) > MAX_CLIENT_BATCH:
-        raise BadInput(f"'inputs' has {len(texts)} items; at most {MAX_CLIENT_BATCH}")
-    for i, text in enumerate(texts):
-        if not text:
-            raise BadInput(f"inputs[{i}] is an empty string; empty inputs have no embedding")
+    check_batch(len(texts))
     return texts
 
 
-async def _vectors(
-    request: Request, texts: list[str], truncate: bool, normalize: bool
+def with_prompt(request: Request, texts: list[str], prompt_name: str | None) -> list[str]:
+    """Texts with the named sentence-transformers prompt prepended (None: the model's default
+    prompt, if it declares one); 400 naming the available prompts for an unknown name."""
+    entry = get_state(request).default
+    prompts, default = entry.prompts, entry.default_prompt
+    name = prompt_name if prompt_name is not None else default
+    if name is None:
+        return texts
+    if name not in prompts:
+        available = sorted(prompts) or "none (no prompts in config_sentence_transformers.json)"
+        raise BadInput(f"unknown prompt_name {name!r}; this model's prompts: {available}")
+    return [prompts[name] + text for text in texts]
+
+
+async def _run(
+    request: Request, texts: list[str], truncate: bool, direction: Direction, runner
 ) -> list[np.ndarray]:
-    """Texts -> sentence vectors through the batcher; 413 for over-long texts unless truncate."""
-    state, tokenizer = get_state(request), _tokenizer(request)
-    check_chars(texts, get_state(request).char_limits)
+    """Texts -> one result per text through the batcher (413 for over-long texts unless
+    truncate)."""
+    state = get_state(request)
     deadline = time.monotonic() + state.settings.request_timeout_s
-    with state.batcher.reserve(len(texts)):
-        encoded = await tokenize(state, request, tokenizer, texts, deadline)
-    cut = [i for i, e in enumerate(encoded) if e.truncated]
-    if cut and not truncate:
-        raise PayloadTooLarge(
-            f"Input validation error: inputs[{cut[0]}] is longer than the model's "
-            f"{tokenizer.max_length} tokens; send less text or set 'truncate': true"
-        )
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise DeadlineExceeded("tokenizing used up the request's deadline")
-    vectors = await run_parts(state, request, encoded, remaining, raw_embed_runner)
-    if normalize:
-        vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
-    return vectors
+    encoded = await encode_texts(request, state, texts, truncate, direction, deadline)
+    return await run_parts(state, request, encoded, deadline - time.monotonic(), runner)
+
+
+def _normalized(vectors: list[np.ndarray]) -> list[np.ndarray]:
+    return [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
 
 
 class SimilarityInputs(BaseModel):
@@ -129,44 +148,153 @@ class SimilarityRequest(BaseModel):
 async def similarity(body: SimilarityRequest, request: Request) -> list[float]:
     state = get_state(request)
     with observed(state, "similarity"):
-        _tokenizer(request)
+        text_tokenizer(request)
+        require_kind(state, "/similarity", "embedding")
         ensure_serving(state)
-        texts = _texts([body.inputs.source_sentence, *body.inputs.sentences])
-        if len(texts) < 2:
+        if not body.inputs.sentences:
             raise BadInput("'inputs.sentences' is empty; send at least one sentence")
-        source, *others = await _vectors(request, texts, body.truncate, normalize=True)
+        texts = _texts([body.inputs.source_sentence, *body.inputs.sentences])
+        vectors = await _run(request, texts, body.truncate, "Right", raw_embed_runner)
+        source, *others = _normalized(vectors)
         return [float(np.dot(source, v)) for v in others]
 
 
-@router.post("/", summary="Hugging Face-compatible route: /embed for an embedding model (TEI)")
-@router.post("/embed", summary="Sentence embeddings (TEI)")
-async def embed(body: EmbedRequest, request: Request) -> list[list[float]]:
+async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
     state = get_state(request)
     with observed(state, "embed"):
-        _tokenizer(request)
+        text_tokenizer(request)
+        require_kind(state, "/embed", "embedding")
         ensure_serving(state)
-        if body.truncation_direction == "Left":
-            raise BadInput("'truncation_direction' Left is not supported yet; use Right")
-        vectors = await _vectors(request, _texts(body.inputs), body.truncate, body.normalize)
+        texts = with_prompt(request, _texts(body.inputs), body.prompt_name)
+        vectors = await _run(
+            request, texts, body.truncate, body.truncation_direction, raw_embed_runner
+        )
+        if body.normalize:
+            vectors = _normalized(vectors)
         return [np.asarray(v, dtype=np.float32).tolist() for v in vectors]
+
+
+@router.post("/embed", summary="Sentence embeddings (TEI)")
+async def embed(body: EmbedRequest, request: Request) -> list[list[float]]:
+    return await _embed(body, request)
+
+
+def _inlined(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its $defs substituted in place (the route's OpenAPI document
+    has no $defs section for them to point into)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+ROOT_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"anyOf": [_inlined(EmbedRequest), _inlined(HubPredictRequest)]}
+            }
+        },
+    }
+}
+EMBED_ALL_RESPONSES = {
+    200: {
+        "description": "Per input, every token's hidden state (T_i, D), special tokens included",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "array",
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "array", "items": {"type": "number"}},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/embed_all",
+    summary="Every token's embedding, without pooling (TEI)",
+    response_class=Response,
+    responses=EMBED_ALL_RESPONSES,
+)
+async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
+    state = get_state(request)
+    with observed(state, "embed_all"):
+        text_tokenizer(request)
+        require_kind(state, "/embed_all", "embedding")
+        ensure_serving(state)
+        texts = with_prompt(request, _texts(body.inputs), body.prompt_name)
+        states = await _run(request, texts, body.truncate, body.truncation_direction, token_runner)
+        content = orjson.dumps(states, option=orjson.OPT_SERIALIZE_NUMPY)
+        return Response(content, media_type="application/json")
+
+
+@router.post(
+    "/",
+    summary="Hugging Face-compatible route: /embed for an embedding model, a text "
+    "classification (one list of labels per input) for a classifier or reranker (TEI)",
+    openapi_extra=ROOT_OPENAPI,
+)
+async def root(request: Request):
+    state = get_state(request)
+    text_tokenizer(request)
+    raw = await read_body(request, state.settings.max_body_bytes)
+    try:
+        data = orjson.loads(bytes(raw))
+    except orjson.JSONDecodeError as exc:
+        raise BadInput(f"body is not valid JSON: {exc}") from None
+    embedding = model_kind(state.model) == "embedding"
+    try:
+        parsed = (EmbedRequest if embedding else HubPredictRequest).model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise BadInput(f"invalid request: {problems}") from None
+    if isinstance(parsed, EmbedRequest):
+        return await _embed(parsed, request)
+    return await hub_predict(parsed, request)
 
 
 @router.post("/tokenize", summary="Tokens of texts (TEI)")
 async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[SimpleToken]]:
     state = get_state(request)
     with observed(state, "tokenize"):
-        tokenizer = _tokenizer(request)
-        texts = _texts(body.inputs)
+        tokenizer = text_tokenizer(request)
+        texts = with_prompt(request, _texts(body.inputs), body.prompt_name)
         check_chars(texts, get_state(request).char_limits)
-        return tokenizer.tokens(texts, body.add_special_tokens)
+        deadline = time.monotonic() + state.settings.request_timeout_s
+        with state.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
+            return await tokenize(
+                state,
+                request,
+                tokenizer,
+                texts,
+                deadline,
+                lambda part: tokenizer.tokens(part, body.add_special_tokens),
+            )
 
 
 @router.post("/decode", summary="Texts of token ids (TEI)")
 async def decode(body: DecodeRequest, request: Request) -> list[str]:
     state = get_state(request)
     with observed(state, "decode"):
-        tokenizer = _tokenizer(request)
+        tokenizer = text_tokenizer(request)
         ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+        check_batch(len(ids), "ids")
         vocab = state.model.vocab_size
         for i, seq in enumerate(ids):
             if len(seq) > tokenizer.max_length or any(not 0 <= t < vocab for t in seq):
@@ -179,16 +307,18 @@ async def decode(body: DecodeRequest, request: Request) -> list[str]:
 @router.get("/info", summary="Model facts (TEI)")
 async def info(request: Request) -> Info:
     state = get_state(request)
-    tokenizer = _tokenizer(request)
+    tokenizer = text_tokenizer(request)
     from service import __version__
 
     return Info(
         model_id=state.model_name,
         model_dtype=str(state.model.dtype).removeprefix("torch."),
-        model_type={"embedding": {"pooling": state.model.pooling}},
+        model_type=tei_model_type(state.model),
         max_input_length=tokenizer.max_length,
         max_batch_tokens=state.settings.max_batch_tokens,
         max_batch_requests=state.settings.max_batch_size,
         max_client_batch_size=MAX_CLIENT_BATCH,
+        max_concurrent_requests=state.settings.max_queue,
+        prompts=state.default.prompts,
         version=__version__,
     )

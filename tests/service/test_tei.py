@@ -42,7 +42,7 @@ def test_embed_equals_v1_embeddings_and_normalize(server):
 
 
 def test_too_long_is_413_unless_truncate(server):
-    long = " ".join(["tokenization"] * 400)
+    long = " ".join(["tokenization"] * 400) + " the end"
     refused = post(server, "/embed", {"inputs": [TEXTS[0], long]})
     assert refused.status_code == 413
     body = refused.json()
@@ -51,6 +51,19 @@ def test_too_long_is_413_unless_truncate(server):
     assert "'truncate': true" in body["error"]
     cut = post(server, "/embed", {"inputs": [TEXTS[0], long], "truncate": True})
     assert cut.status_code == 200 and len(cut.json()) == 2
+    # Left truncation keeps the end: the vector of [CLS] + the last 254 tokens + [SEP].
+    left = {"inputs": long, "truncate": True, "truncation_direction": "Left"}
+    (got,) = post(server, "/embed", left).json()
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    plain.no_truncation()
+    ids = [101, *plain.encode(long, add_special_tokens=False).ids[-254:], 102]
+    want = post(server, "/v1/embeddings", {"model": NAME, "input": [ids]}).json()
+    np.testing.assert_allclose(got, want["data"][0]["embedding"], atol=1e-6)
+    assert np.dot(got, cut.json()[1]) < 0.9999  # not the right-truncated vector
+    states = post(server, "/embed_all", left).json()
+    assert np.array(states).shape == (1, 256, 384)
 
 
 BAD = [
@@ -58,7 +71,13 @@ BAD = [
     ("/embed", {"inputs": [""]}, 400, "inputs[0] is an empty string"),
     ("/embed", {"inputs": "a", "truncation_direction": "Up"}, 400, "truncation_direction"),
     ("/embed", {"inputs": "a", "temperature": 1}, 400, "temperature"),
-    ("/embed", {"inputs": "a", "truncation_direction": "Left"}, 400, "Left is not supported"),
+    ("/embed", {"inputs": "a", "truncation_direction": "left"}, 400, "'Right' or 'Left'"),
+    ("/embed", {"inputs": ["a"] * 33}, 413, "'inputs' has 33 items; at most 32"),
+    ("/embed", {"inputs": "a", "prompt_name": "query"}, 400, "unknown prompt_name 'query'"),
+    ("/embed_all", {"inputs": [""]}, 400, "inputs[0] is an empty string"),
+    ("/rerank", {"query": "a", "texts": ["b"]}, 424, "'all-MiniLM-L6-v2' is an embedding model"),
+    ("/predict", {"inputs": "a"}, 424, "/predict needs a classifier or a reranker model"),
+    ("/tokenize", {"inputs": []}, 400, "empty list"),
     ("/decode", {"ids": [101, 40000]}, 400, "ids[0] must hold at most 256 ids in [0, 30522)"),
 ]
 
@@ -69,7 +88,7 @@ def test_bad_input_in_tei_error_shape(server, case):
     response = post(server, path, body)
     assert response.status_code == status, response.text
     assert words in response.json()["error"]
-    assert response.json()["error_type"] == "Validation"
+    assert response.json()["error_type"] == ("Backend" if status == 424 else "Validation")
 
 
 def test_tokenize_decode_info(server):

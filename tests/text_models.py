@@ -1,0 +1,146 @@
+"""Tiny random BERT-family text models built offline: transformers models saved with
+save_pretrained(safe_serialization=True) plus a WordPiece tokenizer.json over a small vocabulary,
+so engine and service tests compare with transformers without downloading anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never the hub
+
+WORDS = """the a an is are was of to in on for with and or what how who where deep learning
+machine model models text texts query passage search rank paris france capital city cat cats
+dog dogs sat mat good bad great terrible movie film food weather rain sun this that it be not
+very hello world sentence sentences example each converted : ? . ,""".split()  # noqa: SIM905
+SPECIALS = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] = 1: RoBERTa's offset shows
+VOCAB = [*SPECIALS, *string.ascii_lowercase, *(f"##{c}" for c in string.ascii_lowercase), *WORDS]
+PAD, CLS, SEP = 1, 2, 3
+D, HEADS, LAYERS, FFN, POSITIONS = 32, 4, 2, 48, 40
+LABELS3 = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def write_tokenizer(directory: Path, pair_type: int = 1) -> None:
+    """A BERT-style WordPiece tokenizer.json: lower-cased, [CLS] A [SEP] (B [SEP] of type
+    `pair_type`: 1 for BERT, 0 as RoBERTa's tokenizers give)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = {token: i for i, token in enumerate(VOCAB)}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair=f"[CLS] $A [SEP] $B:{pair_type} [SEP]:{pair_type}",
+        special_tokens=[("[CLS]", CLS), ("[SEP]", SEP)],
+    )
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def hf_config(model_type: str, **overrides):
+    import transformers
+
+    if model_type == "distilbert":
+        kwargs = dict(dim=D, n_heads=HEADS, n_layers=LAYERS, hidden_dim=FFN)
+    else:
+        kwargs = dict(
+            hidden_size=D,
+            num_attention_heads=HEADS,
+            num_hidden_layers=LAYERS,
+            intermediate_size=FFN,
+            type_vocab_size=1 if model_type in ("roberta", "xlm-roberta") else 2,
+            layer_norm_eps=1e-12,
+        )
+    kwargs.update(vocab_size=len(VOCAB), max_position_embeddings=POSITIONS, pad_token_id=PAD)
+    kwargs.update(overrides)
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def build(model_type: str, head: str = "", seed: int = 0, **overrides):
+    """A seeded eval-mode transformers model, every parameter perturbed (zero biases and unit
+    LayerNorms would hide mapping mistakes). head: "" or "ForSequenceClassification"."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(model_type, **overrides)
+    cls = getattr(transformers, f"AutoModel{head}")
+    model = cls.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def save(model, directory: Path) -> Path:
+    """save_pretrained with safetensors, plus the tokenizer: a directory mha-serve loads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory, 1 if model.config.model_type == "bert" else 0)
+    return directory
+
+
+def classifier(model_type: str, directory: Path, labels: dict[int, str] | None = None, **kw):
+    """A `...ForSequenceClassification` directory; one label makes a reranker."""
+    labels = labels or LABELS3
+    model = build(
+        model_type,
+        "ForSequenceClassification",
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+        **kw,
+    )
+    return model, save(model, directory)
+
+
+def sentence_transformer(
+    directory: Path,
+    pooling: str = "mean",
+    normalize: bool = True,
+    prompts: dict[str, str] | None = None,
+    model_type: str = "bert",
+):
+    """A base model with sentence-transformers' files: 1_Pooling (mean_tokens, cls_token or
+    lasttoken), optional Normalize, and prompts in config_sentence_transformers.json."""
+    model = build(model_type)
+    save(model, directory)
+    parts = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    if normalize:
+        parts.append(("2_Normalize", "Normalize"))
+    modules = [
+        {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{kind}"}
+        for i, (p, kind) in enumerate(parts)
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    mode = {"mean": "mean_tokens", "cls": "cls_token", "last_token": "lasttoken"}[pooling]
+    flags = {f"pooling_mode_{m}": m == mode for m in ("mean_tokens", "cls_token", "lasttoken")}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(flags))
+    if prompts is not None:
+        config = {"prompts": prompts, "default_prompt_name": None}
+        (directory / "config_sentence_transformers.json").write_text(json.dumps(config))
+    return model, directory
+
+
+def tokenize(directory: Path, texts: list, pairs: bool = False):
+    """(ids, token types) per text (or per (a, b) pair) with the directory's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    encs = tokenizer.encode_batch([tuple(t) for t in texts] if pairs else texts)
+    return [(torch.tensor(e.ids), torch.tensor(e.type_ids)) for e in encs]
+
+
+def padded(encoded):
+    """Right-padded (ids, attention_mask, token_type_ids) of tokenize()'s output."""
+    T = max(len(ids) for ids, _ in encoded)
+    ids = torch.full((len(encoded), T), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    types = torch.zeros_like(ids)
+    for i, (row, t) in enumerate(encoded):
+        ids[i, : len(row)], mask[i, : len(row)], types[i, : len(row)] = row, 1, t
+    return ids, mask, types
