@@ -66,12 +66,13 @@ async def _warm_up(state: ServiceState) -> None:
     try:
         limits = state.limits
         for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
-            query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
-            key = value = None
+            rows = sequences * length
+            query = rng.standard_normal((rows, limits.embed_dim), np.float32)  # (N, E)
+            payload = Payload(query, [length] * sequences)
             if limits.needs_key_value:
-                key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
-                value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
-            payload = Payload(list(query), key, value, None, False, "FP32", True)
+                payload.key = rng.standard_normal((rows, limits.kdim), np.float32)
+                payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
+                payload.key_lengths = payload.lengths
             work = Work(
                 payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
             )
@@ -106,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_batch_delay_s=settings.max_batch_delay_ms / 1000,
             max_queue=settings.max_queue,
             observer=metrics,
+            threads=settings.threads,
         )
         limits = ModelLimits.from_config(
             model.config,
@@ -162,7 +164,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     app.state.response_budget = ResponseBudget(settings.max_pending_response_bytes)
     app.add_middleware(ResponseBackpressure, budget=app.state.response_budget)
-    app.add_middleware(RequestContext)  # outermost: even a 401 gets an id and a log line
+    # outermost: even a 401 gets an id and a log line
+    app.add_middleware(RequestContext, sample_rate=settings.access_log_sample_rate)
     app.include_router(health.router)
     app.include_router(infer.router)
     app.include_router(metrics_route.router)

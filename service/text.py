@@ -151,35 +151,31 @@ def matryoshka(model_dir: Path | None) -> bool:
     return "matryoshka" in front
 
 
-def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
-    """Batcher runner: every payload's token-id sequences -> sentence vectors, one engine call."""
-    seqs = [seq for p in payloads for seq in p.query]
-    ids = torch.from_numpy(np.concatenate(seqs))  # (tokens,) packed
-    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
-    vectors = model.embed_packed(ids, cu_seqlens).cpu().numpy()  # (N, D) float32
-    out, start = [], 0
-    for p in payloads:
-        out.append(list(vectors[start : start + p.num_sequences]))
-        start += p.num_sequences
-    return out
+def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[np.ndarray]:
+    """Batcher runner: every payload's token-id sequences -> sentence vectors (B_i, D), one
+    engine call for the batch."""
+    return _embed(model, payloads, normalize=None)  # the model's own (sentence-transformers')
 
 
-def raw_embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
+def raw_embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[np.ndarray]:
     """As embed_runner, without normalising: /embed normalises per request (TEI's `normalize`)."""
-    seqs = [seq for p in payloads for seq in p.query]
-    ids = torch.from_numpy(np.concatenate(seqs))
-    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
-    vectors = model.embed_packed(ids, cu_seqlens, normalize=False).cpu().numpy()
+    return _embed(model, payloads, normalize=False)
+
+
+def _embed(model: ServedTextModel, payloads: list[Payload], normalize: bool | None):
+    ids = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (tokens,) packed
+    cu_seqlens = np.cumsum([0, *(n for p in payloads for n in p.lengths)]).tolist()
+    vectors = model.embed_packed(ids, cu_seqlens, normalize=normalize).cpu().numpy()  # (N, D)
     out, start = [], 0
     for p in payloads:
-        out.append(list(vectors[start : start + p.num_sequences]))
+        out.append(vectors[start : start + p.num_sequences])  # (B_i, D), a view
         start += p.num_sequences
     return out
 
 
 def token_payload(ids: list[np.ndarray]) -> Payload:
-    """A batcher payload of token-id sequences (counted against --max-batch-tokens as is)."""
-    return Payload(ids, None, None, None, False, "INT64", True)
+    """A batcher payload of token-id sequences, packed (counted against --max-batch-tokens)."""
+    return Payload(np.concatenate(ids), [len(i) for i in ids], datatype="INT64")
 
 
 def minilm_path() -> Path | None:
