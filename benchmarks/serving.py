@@ -163,9 +163,10 @@ def http_case(args, root: Path, server_args: list[str], path: str, bodies: list[
     with running(*server_args, root=root, env=dict(args.env)) as server:
         asyncio.run(_many(server.port, path, bodies, headers, args.clients, args.warmup))
         before_text = scrape.scrape(server.url)
-        cpu_before = server.cpu_seconds()
+        cpu_before, loop_before = server.cpu_seconds(), server.main_thread_cpu_seconds()
         result = asyncio.run(_many(server.port, path, bodies, headers, args.clients, args.seconds))
         cpu = server.cpu_seconds() - cpu_before
+        loop_cpu = server.main_thread_cpu_seconds() - loop_before
         after_text = scrape.scrape(server.url)
     before = dict(scrape.histogram(before_text, "mha_batch_size_sequences"))
     buckets = [
@@ -175,11 +176,13 @@ def http_case(args, root: Path, server_args: list[str], path: str, bodies: list[
     bad = {s: n for s, n in result.statuses.items() if s != 200}
     if bad:
         print(f"  warning: non-200 answers {bad}", file=sys.stderr)
+    result.loop_cpu_per_request = loop_cpu / max(result.completed, 1)
     return result, cpu / max(result.completed, 1), buckets
 
 
 def _row(name, result: LoadResult, cpu_req: float, eng_cpu: float, eng_rate: float, buckets):
     return {
+        "loop_cpu_ms_per_req": result.loop_cpu_per_request * 1e3,
         "case": name,
         "req_s": result.rps,
         "p50_ms": result.percentile(50) * 1e3,
@@ -257,6 +260,7 @@ def frontend(args, roots: list[Path], workdir: Path) -> list[dict]:
             "p50_ms": result.percentile(50) * 1e3,
             "p99_ms": result.percentile(99) * 1e3,
             "server_cpu_ms_per_req": cpu_req * 1e3,
+            "loop_cpu_ms_per_req": result.loop_cpu_per_request * 1e3,
             "req_s_per_server_cpu_s": 1 / cpu_req if cpu_req else float("nan"),
             "batches": {str(b): n for b, n in buckets if n},
         })  # fmt: skip
@@ -270,6 +274,7 @@ def print_table(rows: list[dict]) -> None:
         ("p50 ms", "p50_ms", "{:.1f}"),
         ("p99 ms", "p99_ms", "{:.1f}"),
         ("server CPU ms/req", "server_cpu_ms_per_req", "{:.2f}"),
+        ("of which event loop", "loop_cpu_ms_per_req", "{:.2f}"),
         ("engine CPU ms/seq", "engine_cpu_ms_per_seq", "{:.2f}"),
         ("overhead ms", "overhead_ms", "{:.2f}"),
         ("efficiency", "efficiency", "{:.0%}"),
