@@ -50,6 +50,13 @@ class Proc:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def main_thread_cpu_seconds(self) -> float:
+        """utime + stime of the main thread alone (the event loop of `python -m service`)."""
+        pid = self.process.pid
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def status(self, key: str) -> int:
         """A numeric field of /proc/<pid>/status, e.g. VmRSS (kB) or Threads."""
         with open(f"/proc/{self.process.pid}/status") as f:

@@ -7,9 +7,11 @@ it with `clients` closed-loop keep-alive connections from a lean client, and rea
 CPU from /proc/<pid>/stat (the client's CPU is not counted). The batch sizes the server formed
 come from the `mha_batch_size_sequences` histogram (scraped before and after the measured
 window); the raw engine (`forward_packed` / `embed_packed`, no HTTP) is timed at those sizes in
-this process. overhead = server CPU per request - engine CPU per sequence; efficiency = engine
-CPU per sequence / server CPU per request. `--root` runs the servers from another checkout (the
-code before a change); `--frontend` measures one event loop's ceiling with a tiny model instead.
+a child process with the server's OpenMP wait policy (PASSIVE) and --threads, best of three
+short runs. overhead = server CPU per request - engine CPU per sequence; efficiency = engine CPU
+per sequence / server CPU per request. `--root` runs the servers from another checkout (the
+code before a change; repeat it to compare trees case by case in one run); `--frontend`
+measures one event loop's ceiling with a tiny model instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -102,6 +105,39 @@ def _cpu_per_item(step, items: int, repeats: int = 3, min_s: float = 0.25) -> tu
     return best_cpu, best_rate
 
 
+RAW_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # as the server runs: no spinning on a shared machine
+
+
+def raw_engine(kind: str, model_dir: Path, seq_len: int, sizes: dict[int, float], threads):
+    """engine_cpu in a fresh process with the server's OpenMP policy and thread count."""
+    spec = json.dumps({"kind": kind, "model_dir": str(model_dir), "seq_len": seq_len,
+                       "sizes": sizes, "threads": threads})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.serving", "--raw-engine", spec],
+        env={**os.environ, **RAW_ENV}, cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return tuple(json.loads(out.stdout.splitlines()[-1]))
+
+
+def raw_engine_main(spec: str) -> None:
+    """The child side of raw_engine: print [CPU s per sequence, sequences/s]."""
+    spec = json.loads(spec)
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    sizes = {int(k): v for k, v in spec["sizes"].items()}
+    model = mha_engine.load_model(spec["model_dir"], device="cpu")
+    if spec["kind"] == "text":
+        from benchmarks.embeddings import SENTENCES
+        from service.text import TextTokenizer
+
+        path = Path(spec["model_dir"])
+        ids = [e.ids for e in TextTokenizer(path / "tokenizer.json", 256).encode(SENTENCES)]
+        make = text_batch(ids)
+    else:
+        make = mha_batch(spec["seq_len"], model.embed_dim)
+    print(json.dumps(engine_cpu(model, sizes, make)))
+
+
 def engine_cpu(model, sizes: dict[int, float], make_batch) -> tuple[float, float]:
     """Engine CPU per sequence and sequences/s, weighted by the sequences in each batch size."""
     total_seqs = sum(size * n for size, n in sizes.items())
@@ -163,9 +199,10 @@ def http_case(args, root: Path, server_args: list[str], path: str, bodies: list[
     with running(*server_args, root=root, env=dict(args.env)) as server:
         asyncio.run(_many(server.port, path, bodies, headers, args.clients, args.warmup))
         before_text = scrape.scrape(server.url)
-        cpu_before = server.cpu_seconds()
+        cpu_before, loop_before = server.cpu_seconds(), server.main_thread_cpu_seconds()
         result = asyncio.run(_many(server.port, path, bodies, headers, args.clients, args.seconds))
         cpu = server.cpu_seconds() - cpu_before
+        loop_cpu = server.main_thread_cpu_seconds() - loop_before
         after_text = scrape.scrape(server.url)
     before = dict(scrape.histogram(before_text, "mha_batch_size_sequences"))
     buckets = [
@@ -175,11 +212,13 @@ def http_case(args, root: Path, server_args: list[str], path: str, bodies: list[
     bad = {s: n for s, n in result.statuses.items() if s != 200}
     if bad:
         print(f"  warning: non-200 answers {bad}", file=sys.stderr)
+    result.loop_cpu_per_request = loop_cpu / max(result.completed, 1)
     return result, cpu / max(result.completed, 1), buckets
 
 
 def _row(name, result: LoadResult, cpu_req: float, eng_cpu: float, eng_rate: float, buckets):
     return {
+        "loop_cpu_ms_per_req": result.loop_cpu_per_request * 1e3,
         "case": name,
         "req_s": result.rps,
         "p50_ms": result.percentile(50) * 1e3,
@@ -198,7 +237,7 @@ def run_cases(args, roots: list[Path], workdir: Path) -> list[dict]:
     """Every case, once per source tree in turn (so before/after ratios come from one run)."""
     rows = []
     mha_dir = save_mha(workdir)
-    mha = mha_engine.load_model(mha_dir, device="cpu")
+    threads = _threads(args.server_args)
     for case in CASES:
         if args.only and not any(o in case.name for o in args.only):
             continue
@@ -212,7 +251,7 @@ def run_cases(args, roots: list[Path], workdir: Path) -> list[dict]:
                     args, root, server_args, MHA_PATH, [body], headers
                 )
                 sizes = representative(buckets, 1 if "--max-batch-size" in case.args else 32)
-                eng_cpu, eng_rate = engine_cpu(mha, sizes, mha_batch(case.seq_len, 512))
+                eng_cpu, eng_rate = raw_engine("mha", mha_dir, case.seq_len, sizes, threads)
                 row = _row(case.name, result, cpu_req, eng_cpu, eng_rate, buckets)
             if row:
                 row["code"] = root.name
@@ -223,7 +262,7 @@ def run_cases(args, roots: list[Path], workdir: Path) -> list[dict]:
 
 def embeddings_case(args, root: Path) -> dict | None:
     from benchmarks.embeddings import NAME, SENTENCES
-    from service.text import TextTokenizer, minilm_path
+    from service.text import minilm_path
 
     path = minilm_path()
     if path is None:
@@ -233,10 +272,8 @@ def embeddings_case(args, root: Path) -> dict | None:
     headers = {"Content-Type": "application/json"}
     server_args = ["--model-dir", str(path), "--model-name", NAME, *args.server_args]
     result, cpu_req, buckets = http_case(args, root, server_args, "/v1/embeddings", bodies, headers)
-    ids = [e.ids for e in TextTokenizer(path / "tokenizer.json", 256).encode(SENTENCES)]
-    model = mha_engine.load_model(path, device="cpu")
     sizes = representative(buckets, 32)
-    eng_cpu, eng_rate = engine_cpu(model, sizes, text_batch(ids))
+    eng_cpu, eng_rate = raw_engine("text", path, 0, sizes, _threads(args.server_args))
     row = _row("/v1/embeddings MiniLM, 1 sentence", result, cpu_req, eng_cpu, eng_rate, buckets)
     row["rate_vs_engine"] = result.rps / eng_rate
     return row
@@ -257,6 +294,7 @@ def frontend(args, roots: list[Path], workdir: Path) -> list[dict]:
             "p50_ms": result.percentile(50) * 1e3,
             "p99_ms": result.percentile(99) * 1e3,
             "server_cpu_ms_per_req": cpu_req * 1e3,
+            "loop_cpu_ms_per_req": result.loop_cpu_per_request * 1e3,
             "req_s_per_server_cpu_s": 1 / cpu_req if cpu_req else float("nan"),
             "batches": {str(b): n for b, n in buckets if n},
         })  # fmt: skip
@@ -270,6 +308,7 @@ def print_table(rows: list[dict]) -> None:
         ("p50 ms", "p50_ms", "{:.1f}"),
         ("p99 ms", "p99_ms", "{:.1f}"),
         ("server CPU ms/req", "server_cpu_ms_per_req", "{:.2f}"),
+        ("of which event loop", "loop_cpu_ms_per_req", "{:.2f}"),
         ("engine CPU ms/seq", "engine_cpu_ms_per_seq", "{:.2f}"),
         ("overhead ms", "overhead_ms", "{:.2f}"),
         ("efficiency", "efficiency", "{:.0%}"),
@@ -284,7 +323,17 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['case']} | {r['code']} | " + " | ".join(cells) + f" | {batches} |")
 
 
+def _threads(server_args: list[str]) -> int | None:
+    """The server's --threads, for the raw engine to use as many."""
+    if "--threads" in server_args:
+        return int(server_args[server_args.index("--threads") + 1])
+    return None
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--raw-engine":
+        raw_engine_main(sys.argv[2])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per case")
     parser.add_argument("--warmup", type=float, default=1.0, help="load seconds before measuring")

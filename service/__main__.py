@@ -1,8 +1,14 @@
-"""`mha-serve` / `python -m service`: parse flags and env vars, then run uvicorn."""
+"""`mha-serve` / `python -m service`: parse flags and env vars, then run uvicorn.
+
+Nothing here imports torch at module level: `main` sets the CPU threading defaults first
+(`cpu_defaults`), since OpenMP and the tokenizers read them once, when they start.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import signal
 import sys
@@ -14,13 +20,24 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp, CliSettingsSource
 
 from service import __version__
-from service.app import create_app
 from service.connections import connection_cap, protocol_class
 from service.logs import configure_logging
 from service.repository import RepositoryError, model_sources
 from service.settings import Settings
 
 PROG = "mha-serve"
+
+# Set unless the environment already sets them. PASSIVE: the engine's OpenMP threads sleep
+# between batches instead of spinning for the next one (measured in BENCHMARKS.md, "Serving
+# overhead"); TOKENIZERS_PARALLELISM=false: the tokenizer does not start a thread per core
+# beside the engine's threads (requests are tokenized on the event loop or a worker thread).
+CPU_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def cpu_defaults() -> None:
+    """Put CPU_DEFAULTS in the environment where it does not set them; call before torch loads."""
+    for key, value in CPU_DEFAULTS.items():
+        os.environ.setdefault(key, value)
 
 
 class DrainingServer(uvicorn.Server):
@@ -39,12 +56,19 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings) -> None:
     """Run the server until SIGTERM; accepted requests are answered before exit."""
+    import torch
+
+    from service.app import create_app
+
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
     try:
         model_sources(settings)  # a bad repository or name clash stops here, in one line
     except RepositoryError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    # The engine makes no inter-op parallel calls: no second pool competing for the cores.
+    with contextlib.suppress(RuntimeError):  # already started (serve twice in one process)
+        torch.set_num_interop_threads(1)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -120,6 +144,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    cpu_defaults()
     serve(parse_settings(argv))
 
 

@@ -60,22 +60,26 @@ def parse_options(parameters: dict[str, Any], architecture: str, num_layers: int
 
 def first_sequence(payload: Payload) -> Payload:
     """The request's first sequence only, as a batch of one (what the heatmap shows)."""
+    t, s = payload.lengths[0], payload.kv_lengths[0]
 
-    def head(items: list[np.ndarray] | None) -> list[np.ndarray] | None:
-        return None if items is None else items[:1]
+    def head(packed: np.ndarray | None) -> np.ndarray | None:
+        return None if packed is None else packed[:s]
 
     return replace(
         payload,
-        query=payload.query[:1],
+        query=payload.query[:t],
+        lengths=[t],
         key=head(payload.key),
         value=head(payload.value),
+        key_lengths=None if payload.key_lengths is None else [s],
         key_padding_mask=head(payload.key_padding_mask),
         batched=True,
     )
 
 
-def _stacked(arrays: list[np.ndarray], datatype: str, model: Any) -> torch.Tensor:
-    return to_torch(np.stack(arrays), datatype, model.device, model.dtype)  # (B, T, E)
+def _dense(payload: Payload, packed: np.ndarray, lengths: list[int], model: Any) -> torch.Tensor:
+    dense = payload.dense(packed, lengths)  # (B, T, width): a request's sequences share T
+    return to_torch(dense, payload.datatype, model.device, model.dtype)
 
 
 def compute(
@@ -86,15 +90,16 @@ def compute(
     Fully masked query rows (possible with causal + left padding) come back as zeros.
     """
     datatype = datatype or payload.datatype
-    query = _stacked(payload.query, payload.datatype, model)  # (B, T, E)
+    query = _dense(payload, payload.query, payload.lengths, model)  # (B, T, E)
     mask = None
     if payload.key_padding_mask is not None:
-        mask = torch.from_numpy(np.stack(payload.key_padding_mask)).to(model.device)  # (B, S)
+        mask = payload.dense(payload.key_padding_mask, payload.kv_lengths)  # (B, S)
+        mask = torch.from_numpy(np.ascontiguousarray(mask)).to(model.device)
     if model.architecture == "multihead_attention":
         key = value = None
         if payload.key is not None:
-            key = _stacked(payload.key, payload.datatype, model)  # (B, S, kdim)
-            value = _stacked(payload.value, payload.datatype, model)  # (B, S, vdim)
+            key = _dense(payload, payload.key, payload.kv_lengths, model)  # (B, S, kdim)
+            value = _dense(payload, payload.value, payload.kv_lengths, model)  # (B, S, vdim)
         output, weights = model.attention_weights(
             query,
             key,

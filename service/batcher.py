@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import torch
+
 from mha_engine import ServedModel
 from service.errors import (
     DeadlineExceeded,
@@ -54,6 +56,7 @@ class DynamicBatcher:
         max_batch_delay_s: float,
         max_queue: int,
         observer: BatchObserver | None = None,
+        threads: int | None = None,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_queue < 1:
             raise ValueError(
@@ -68,6 +71,7 @@ class DynamicBatcher:
         self.max_batch_delay_s = max_batch_delay_s
         self.max_queue = max_queue
         self.observer = observer
+        self.threads = threads  # intra-op threads of the engine thread; None: torch's default
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._queued_sequences = 0
         self._queued_tokens = 0
@@ -188,6 +192,8 @@ class DynamicBatcher:
             self.observer.queue_depth(self._queued_sequences + self._reserved)
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread starts the engine's parallel work
         while True:
             batch = self._next_batch()
             if batch is None:

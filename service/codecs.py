@@ -178,7 +178,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
 
     view = memoryview(body)
     offset = json_end
-    suspect = _data_may_hold_booleans(body, json_end, header)
+    suspect: bool | None = None  # computed when the first JSON `data` needs it
     inputs: dict[str, InferTensor] = {}
     for raw in raw_inputs:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
@@ -221,6 +221,8 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
         else:
             if "data" not in raw:
                 raise BadInput(f"input '{name}' has neither 'data' nor binary_data_size")
+            if suspect is None:
+                suspect = _data_may_hold_booleans(body, json_end, header)
             array = _json_array(raw["data"], datatype, shape, count, name, suspect)
         inputs[name] = InferTensor(name, datatype, shape, array)
     if offset != len(body):
@@ -259,16 +261,17 @@ def _json_data(tensor: OutputTensor) -> np.ndarray:
     return bf16_to_float32(flat) if tensor.datatype == "BF16" else flat
 
 
-def encode_response(
+def encode_parts(
     model_name: str,
     model_version: str | None,
     request_id: str | None,
     outputs: list[OutputTensor],
     binary: dict[str, bool],
-) -> tuple[bytes, int | None]:
-    """Serialise a response; returns (body, JSON header length or None when all JSON)."""
+) -> tuple[list[bytes | memoryview], int | None]:
+    """Serialise a response as its parts: the JSON header, then each binary tensor's bytes as a
+    view of its array (no copy); returns (parts, JSON header length or None when all JSON)."""
     meta: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
+    chunks: list[memoryview] = []
     for tensor in outputs:
         entry: dict[str, Any] = {
             "name": tensor.name,
@@ -276,8 +279,8 @@ def encode_response(
             "shape": list(tensor.array.shape),
         }
         if binary.get(tensor.name, False):
-            raw = np.ascontiguousarray(tensor.array).tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
+            raw = memoryview(np.ascontiguousarray(tensor.array).reshape(-1)).cast("B")
+            entry["parameters"] = {"binary_data_size": raw.nbytes}
             chunks.append(raw)
         else:
             entry["data"] = _json_data(tensor)
@@ -288,6 +291,16 @@ def encode_response(
     if request_id is not None:
         response["id"] = request_id
     header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not chunks:
-        return header, None
-    return b"".join([header, *chunks]), len(header)
+    return [header, *chunks], (len(header) if chunks else None)
+
+
+def encode_response(
+    model_name: str,
+    model_version: str | None,
+    request_id: str | None,
+    outputs: list[OutputTensor],
+    binary: dict[str, bool],
+) -> tuple[bytes, int | None]:
+    """Serialise a response as one body; returns (body, JSON header length or None)."""
+    parts, header_length = encode_parts(model_name, model_version, request_id, outputs, binary)
+    return b"".join(parts), header_length

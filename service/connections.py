@@ -12,14 +12,20 @@ while the socket's send buffer is over its high-water mark. This protocol adds, 
   connections when it runs out; if every connection is busy the newcomer gets 503. So health
   probes still get through while slow or idle clients hold sockets.
 
-The body-rate timeout lives in `service.limits.BodyRate` (pure ASGI: it wraps `receive`).
+It also tells the app, without a watcher task per request, when a client goes away before its
+response is complete: each request's scope carries a `Disconnect` under
+`scope["extensions"]["mha.disconnect"]` that the connection fires when it is lost.
+
+The body-rate timeout lives in `service.flow.BodyRate` (pure ASGI: it wraps `receive`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -42,6 +48,42 @@ TIMED_OUT = _raw_response(
     "408 Request Timeout", "request headers not received in time (--header-timeout-s)"
 )
 FULL = _raw_response("503 Service Unavailable", "too many open connections (--max-connections)")
+
+
+DISCONNECT = "mha.disconnect"
+
+
+class Disconnect:
+    """Fired once by the connection when the client goes away before the response is complete;
+    callbacks added before (or after) that run then (or at once)."""
+
+    __slots__ = ("_callbacks", "happened")
+
+    def __init__(self) -> None:
+        self.happened = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add(self, callback: Callable[[], None]) -> None:
+        if self.happened:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def discard(self, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
+    def fire(self) -> None:
+        self.happened = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+def disconnect_signal(scope: MutableMapping[str, Any]) -> Disconnect | None:
+    """The request's Disconnect, or None when the server is not ours (e.g. in-process tests)."""
+    extensions = scope.get("extensions")
+    return None if extensions is None else extensions.get(DISCONNECT)
 
 
 def connection_cap(wanted: int) -> int:
@@ -95,6 +137,11 @@ def protocol_class(
                 return
             self._cancel_timers()
             super().connection_lost(exc)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                signal = disconnect_signal(cycle.scope)
+                if signal is not None:
+                    signal.fire()
 
         # -- header timeout -----------------------------------------------------------------
         def _arm_header_timer(self) -> None:
@@ -118,6 +165,8 @@ def protocol_class(
                 self._header_timer.cancel()
                 self._header_timer = None
             self.busy = True
+            # Before the app's task first runs (it starts on the loop's next turn).
+            self.scope.setdefault("extensions", {})[DISCONNECT] = Disconnect()
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:

@@ -54,8 +54,9 @@ def of_torch(dtype: torch.dtype) -> str:
 
 
 def to_torch(array: np.ndarray, datatype: str, device: torch.device, dtype: torch.dtype):
-    """A wire array as a tensor on `device` in `dtype` (no copy when both already match)."""
-    tensor = torch.from_numpy(array)
+    """A wire array as a tensor on `device` in `dtype` (no copy when both already match and the
+    array is writable; a read-only view of a request body is copied first)."""
+    tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
     if datatype == "BF16":
         tensor = tensor.view(torch.bfloat16)
     return tensor.to(device=device, dtype=dtype, non_blocking=True)

@@ -1,16 +1,24 @@
-"""Where queued requests meet the engine: numpy wire arrays to torch and back, and one batch of
-works run as packed engine calls (on the engine thread)."""
+"""Where queued requests meet the engine (on the engine thread): a batch's payloads packed into
+one tensor per input, one engine call, and each request's output a slice of the batch output.
+
+Per batch: one copy of the wire arrays into a staging tensor (64-byte aligned like every torch
+allocation, pinned on CUDA), one host->device copy, one device->host copy of the output. NaN/Inf
+are found by one vectorised float64 sum over each staged input and over the output, per batch:
+no pass per request and none on the event loop. Nothing is copied per request.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mha_engine import ServedModel
-from service.datatypes import to_numpy, to_torch
-from service.errors import NonFiniteOutput, ServiceError
+from service.datatypes import DATATYPES
+from service.errors import BadInput, NonFiniteOutput, ServiceError
+from service.inputs import nonfinite_input
 
 if TYPE_CHECKING:
     from service.inputs import Payload
@@ -31,66 +39,121 @@ def run_batch(model: ServedModel, works: list[Work]) -> list[Any]:
     return [results[id(w)] for w in works]
 
 
-def hidden_states(model: ServedModel, payloads: list[Payload]) -> list[Any]:
-    """Runner for hidden-state requests (/infer). Self- and cross-attention payloads go in
-    separate engine calls, so a sequence's numbers never depend on which kind of request it was
-    batched with."""
+def hidden_states(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | ServiceError]:
+    """Runner for hidden-state requests (/infer): per payload its packed (tokens, embed_dim)
+    output in the payload's datatype (a view of the batch output), or its own error.
+
+    Self- and cross-attention payloads go in separate engine calls, so a sequence's numbers
+    never depend on which kind of request it was batched with.
+    """
     results: dict[int, Any] = {}
     for group in (
         [p for p in payloads if p.key is None],
         [p for p in payloads if p.key is not None],
     ):
         if group:
-            for payload, out in zip(group, _forward_tensors(model, group), strict=True):
+            for payload, out in zip(group, _forward(model, group), strict=True):
                 results[id(payload)] = out
     return [results[id(p)] for p in payloads]
 
 
-def _packed(arrays: list[np.ndarray], datatype: str, device, dtype) -> torch.Tensor:
-    """One request's per-sequence arrays as one packed (tokens, width) tensor."""
-    return to_torch(np.concatenate(arrays), datatype, device, dtype)
+def stage(arrays: list[np.ndarray], datatypes: list[str], device: torch.device, dtype):
+    """Wire arrays (each (n_i, width)) as one (sum n_i, width) tensor on `device` in `dtype`:
+    one host copy into a staging tensor (pinned when the device is CUDA: unverified on a GPU),
+    one transfer. Returns (host staging tensor in the wire type, tensor on the device)."""
+    if len(set(datatypes)) > 1:  # a batch mixing wire types (rare): stage each type alone
+        parts = [stage([a], [t], device, dtype) for a, t in zip(arrays, datatypes, strict=True)]
+        return None, torch.cat([on_device for _, on_device in parts])
+    wire = DATATYPES[datatypes[0]]
+    rows = sum(a.shape[0] for a in arrays)
+    pin = device.type == "cuda"
+    holder = torch.uint16 if wire.torch == torch.bfloat16 else wire.torch  # BF16 travels as bits
+    staging = torch.empty((rows, *arrays[0].shape[1:]), dtype=holder, pin_memory=pin)
+    np.concatenate(arrays, out=staging.numpy())
+    if holder != wire.torch:
+        staging = staging.view(wire.torch)
+    return staging, staging.to(device=device, dtype=dtype, non_blocking=pin)
 
 
-def _forward_tensors(
-    model: ServedModel, payloads: list[Payload]
-) -> list[list[np.ndarray] | ServiceError]:
-    """Hidden-state payloads through model.forward_packed: one packed call for all sequences."""
+def _cumulative(lengths: list[int]) -> list[int]:
+    out, total = [0], 0
+    for n in lengths:
+        total += n
+        out.append(total)
+    return out
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """No NaN/Inf in `tensor`: one vectorised float64 sum (finite values cannot overflow it)."""
+    return math.isfinite(tensor.sum(dtype=torch.float64).item())
+
+
+def _bad_inputs(payloads: list[Payload], staged: dict[str, torch.Tensor | None]) -> dict[int, str]:
+    """Payload index -> name of its first input holding NaN/Inf. One check of each staged batch
+    tensor; only when one fails are the payloads' own rows looked at."""
+    bad: dict[int, str] = {}
+    for name, tensor in staged.items():
+        if tensor is None:
+            if name == "input":  # mixed wire types: each payload checks its own arrays
+                return {i: n for i, p in enumerate(payloads) if (n := nonfinite_input(p))}
+            continue
+        if _finite(tensor):
+            continue
+        lengths = [p.num_tokens if name == "input" else sum(p.kv_lengths) for p in payloads]
+        for i, rows in enumerate(tensor.split(lengths)):
+            if i not in bad and not _finite(rows):
+                bad[i] = name
+    return bad
+
+
+def _forward(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | ServiceError]:
+    """Payloads of one kind (all self- or all cross-attention) through one forward_packed.
+
+    NaN/Inf inputs are found on the staged batch and answered 400; they are computed with the
+    rest (a sequence's numbers never reach another's), and their outputs dropped."""
     device, dtype = model.device, model.dtype
-    cross = payloads[0].key is not None
-    q_lens = [q.shape[0] for p in payloads for q in p.query]
-    query = torch.cat([_packed(p.query, p.datatype, device, dtype) for p in payloads])  # (N, E)
+    types = [p.datatype for p in payloads]
+    q_lens = [n for p in payloads for n in p.lengths]
+    staged_q, query = stage([p.query for p in payloads], types, device, dtype)  # (N, E)
+    staged = {"input": staged_q}
     key = value = cu_k = None
     kv_lens = q_lens
-    if cross:
-        kv_lens = [k.shape[0] for p in payloads for k in p.key]
-        key = torch.cat([_packed(p.key, p.datatype, device, dtype) for p in payloads])
-        value = torch.cat([_packed(p.value, p.datatype, device, dtype) for p in payloads])
-        cu_k = np.cumsum([0, *kv_lens]).tolist()
+    if payloads[0].key is not None:
+        kv_lens = [n for p in payloads for n in p.kv_lengths]
+        staged["key"], key = stage([p.key for p in payloads], types, device, dtype)  # (M, kdim)
+        staged["value"], value = stage([p.value for p in payloads], types, device, dtype)
+        cu_k = _cumulative(kv_lens)
+    bad = _bad_inputs(payloads, staged)
     masks = None
     if any(p.key_padding_mask is not None for p in payloads):
         parts = [
-            np.concatenate(p.key_padding_mask)
+            p.key_padding_mask
             if p.key_padding_mask is not None
-            else np.zeros(sum(_kv_lens(p)), dtype=bool)  # all-False: same as no mask
+            else np.zeros(sum(p.kv_lengths), dtype=bool)  # all-False: same as no mask
             for p in payloads
         ]
-        masks = torch.from_numpy(np.concatenate(parts)).to(device)  # (M,)
-    causal = [p.is_causal for p in payloads for _ in p.query]
+        _, masks = stage(parts, ["BOOL"] * len(parts), device, torch.bool)  # (M,)
+    causal = [p.is_causal for p in payloads for _ in p.lengths]
     out = model.forward_packed(
         query,
-        np.cumsum([0, *q_lens]).tolist(),
+        _cumulative(q_lens),
         key=key,
         value=value,
         cu_seqlens_k=cu_k,
         key_padding_mask=masks,
         is_causal=causal,
-    )  # (N, E)
-    results: list[list[np.ndarray] | ServiceError] = []
-    for p, mine in zip(payloads, out.split([p.num_tokens for p in payloads]), strict=True):
-        # NaN/Inf survive a float64 sum; a request whose values overflowed fails alone.
-        if torch.isfinite(mine.sum(dtype=torch.float64)):
-            arrays = to_numpy(mine, p.datatype)  # (tokens, E)
-            results.append(np.split(arrays, np.cumsum([q.shape[0] for q in p.query])[:-1]))
+    )  # (N, E) on the device
+    finite = _finite(out)
+    host = _to_host(out, types)  # (N, E) per wire type, one device->host copy each
+    results: list[np.ndarray | ServiceError] = []
+    start = 0
+    for i, p in enumerate(payloads):
+        mine = host[p.datatype][start : start + p.num_tokens]  # (tokens, E), a view
+        start += p.num_tokens
+        if i in bad:
+            results.append(BadInput(f"input '{bad[i]}' holds NaN or Inf values"))
+        elif finite or _finite(torch.from_numpy(mine).view(DATATYPES[p.datatype].torch)):
+            results.append(mine)
         else:
             results.append(
                 NonFiniteOutput(
@@ -101,6 +164,11 @@ def _forward_tensors(
     return results
 
 
-def _kv_lens(payload: Payload) -> list[int]:
-    """Key lengths of a payload's sequences (its query lengths for self-attention)."""
-    return [t.shape[0] for t in (payload.key if payload.key is not None else payload.query)]
+def _to_host(out: torch.Tensor, types: list[str]) -> dict[str, np.ndarray]:
+    """The output in each wire datatype the batch asked for, as numpy on the host (BF16 as its
+    bits): one device->host copy per wire type."""
+    host = {}
+    for name in set(types):
+        tensor = out.to(dtype=DATATYPES[name].torch).cpu()
+        host[name] = tensor.view(torch.uint16).numpy() if name == "BF16" else tensor.numpy()
+    return host

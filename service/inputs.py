@@ -54,23 +54,59 @@ class ModelLimits:
 
 @dataclass
 class Payload:
-    """A request's sequences, ready for the batcher: arrays are per sequence, row-major."""
+    """A request's sequences, packed: each input is one contiguous (tokens, width) array (a view
+    of the request body where possible) split by per-sequence lengths."""
 
-    query: list[np.ndarray]  # each (T, embed_dim)
-    key: list[np.ndarray] | None  # each (S, kdim)
-    value: list[np.ndarray] | None  # each (S, vdim)
-    key_padding_mask: list[np.ndarray] | None  # each (S,) bool, True = ignore
-    is_causal: bool
-    datatype: str  # the input's datatype; the output comes back in it
-    batched: bool  # input was [B, T, E] (else [T, E])
+    query: np.ndarray  # (N, embed_dim) hidden states, or (N,) token ids; N = sum(lengths)
+    lengths: list[int]  # tokens per sequence (B entries)
+    key: np.ndarray | None = None  # (M, kdim); M = sum(key_lengths)
+    value: np.ndarray | None = None  # (M, vdim)
+    key_lengths: list[int] | None = None  # None: the query's (self-attention)
+    key_padding_mask: np.ndarray | None = None  # (M,) bool, True = ignore
+    is_causal: bool = False
+    datatype: str = "FP32"  # the input's wire datatype; the output comes back in it
+    batched: bool = True  # input was [B, T, E] (else [T, E])
 
     @property
     def num_sequences(self) -> int:
-        return len(self.query)
+        return len(self.lengths)
 
     @property
     def num_tokens(self) -> int:
-        return sum(q.shape[0] for q in self.query)
+        return self.query.shape[0]
+
+    @property
+    def kv_lengths(self) -> list[int]:
+        """Keys per sequence (the query lengths for self-attention)."""
+        return self.lengths if self.key_lengths is None else self.key_lengths
+
+    def dense(self, packed: np.ndarray, lengths: list[int]) -> np.ndarray:
+        """A packed input of equal-length sequences as (B, T, ...) (a view)."""
+        return packed.reshape(len(lengths), lengths[0], *packed.shape[1:])
+
+
+def nonfinite_input(payload: Payload) -> str | None:
+    """The name of the first float input holding NaN or Inf, else None. The batch path checks
+    its staged tensors instead (service.forward); this is for payloads checked on their own."""
+    for name, array in (("input", payload.query), ("key", payload.key), ("value", payload.value)):
+        if array is not None and not _finite(payload.datatype, array):
+            return name
+    return None
+
+
+def _finite(datatype: str, array: np.ndarray) -> bool:
+    if datatype == "BF16":  # raw bits: an all-ones exponent is Inf or NaN
+        return not ((array & 0x7F80) == 0x7F80).any()
+    # one pass, no temporary: NaN/Inf survive a float64 sum, finite values can't overflow it
+    with np.errstate(invalid="ignore", over="ignore"):
+        return math.isfinite(array.sum(dtype=np.float64))
+
+
+def check_finite(payload: Payload) -> None:
+    """400 naming the input that holds NaN or Inf (for paths that check before computing)."""
+    name = nonfinite_input(payload)
+    if name is not None:
+        raise BadInput(f"input '{name}' holds NaN or Inf values")
 
 
 def _bool_param(parameters: dict[str, Any], name: str) -> bool:
@@ -78,16 +114,6 @@ def _bool_param(parameters: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise BadInput(f"parameter '{name}' must be true or false, got {value!r}")
     return value
-
-
-def _check_finite(name: str, datatype: str, array: np.ndarray) -> None:
-    if datatype == "BF16":  # raw bits: an all-ones exponent is Inf or NaN
-        finite = not ((array & 0x7F80) == 0x7F80).any()
-    else:  # one pass, no temporary: NaN/Inf survive a float64 sum, finite values can't overflow it
-        with np.errstate(invalid="ignore", over="ignore"):
-            finite = math.isfinite(array.sum(dtype=np.float64))
-    if not finite:
-        raise BadInput(f"input '{name}' holds NaN or Inf values")
 
 
 def _float_tensor(request: InferRequest, name: str, width: int, label: str) -> np.ndarray:
@@ -105,7 +131,6 @@ def _float_tensor(request: InferRequest, name: str, width: int, label: str) -> n
         raise BadInput(
             f"input '{name}' has last dimension {tensor.shape[-1]}; the model's {label} is {width}"
         )
-    _check_finite(name, tensor.datatype, tensor.array)
     return tensor.array if len(tensor.shape) == 3 else tensor.array[None]
 
 
@@ -201,11 +226,17 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
         )
 
     datatype = request.inputs["input"].datatype
+    if key is not None and request.inputs["key"].datatype != datatype:
+        raise BadInput("inputs 'key' and 'value' must have the datatype of 'input'")
+    if value is not None and request.inputs["value"].datatype != datatype:
+        raise BadInput("inputs 'key' and 'value' must have the datatype of 'input'")
     return Payload(
-        query=list(query),
-        key=None if key is None else list(key),
-        value=None if value is None else list(value),
-        key_padding_mask=None if mask is None else list(mask),
+        query=query.reshape(batch * tgt_len, -1),  # (N, E), a view
+        lengths=[tgt_len] * batch,
+        key=None if key is None else key.reshape(batch * src_len, -1),  # (M, kdim)
+        value=None if value is None else value.reshape(batch * src_len, -1),  # (M, vdim)
+        key_lengths=None if key is None else [src_len] * batch,
+        key_padding_mask=None if mask is None else mask.reshape(-1),  # (M,)
         is_causal=is_causal,
         datatype=datatype,
         batched=batched,

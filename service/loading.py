@@ -54,12 +54,13 @@ async def warm_up_model(entry: ModelEntry) -> None:
     batch = min(limits.max_sequences, 8)
     loop = asyncio.get_running_loop()
     for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
-        query = rng.standard_normal((sequences, length, limits.embed_dim), np.float32)
-        key = value = None
+        rows = sequences * length
+        query = rng.standard_normal((rows, limits.embed_dim), np.float32)  # (N, E)
+        payload = Payload(query, [length] * sequences)
         if limits.needs_key_value:
-            key = list(rng.standard_normal((sequences, length, limits.kdim), np.float32))
-            value = list(rng.standard_normal((sequences, length, limits.vdim), np.float32))
-        payload = Payload(list(query), key, value, None, False, "FP32", True)
+            payload.key = rng.standard_normal((rows, limits.kdim), np.float32)
+            payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
+            payload.key_lengths = payload.lengths
         work = Work(
             payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
         )
@@ -89,6 +90,7 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
         max_batch_delay_s=settings.max_batch_delay_ms / 1000,
         max_queue=settings.max_queue,
         observer=Observers(model_metrics, stats),
+        threads=settings.threads,
     )
     limits = ModelLimits.from_config(
         model.config,

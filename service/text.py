@@ -164,37 +164,32 @@ def matryoshka(model_dir: Path | None) -> bool:
     return "matryoshka" in front
 
 
-def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
-    """Batcher runner: every payload's token-id sequences -> sentence vectors, one engine call."""
-    seqs = [seq for p in payloads for seq in p.query]
-    ids = torch.from_numpy(np.concatenate(seqs))  # (tokens,) packed
-    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
-    vectors = model.embed_packed(ids, cu_seqlens).cpu().numpy()  # (N, D) float32
-    out, start = [], 0
-    for p in payloads:
-        out.append(list(vectors[start : start + p.num_sequences]))
-        start += p.num_sequences
-    return out
+def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[np.ndarray]:
+    """Batcher runner: every payload's token-id sequences -> sentence vectors (B_i, D), one
+    engine call for the batch."""
+    return _embed(model, payloads, normalize=None)  # the model's own (sentence-transformers')
 
 
-def raw_embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
+def raw_embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[np.ndarray]:
     """As embed_runner, without normalising: /embed normalises per request (TEI's `normalize`)."""
-    seqs = [seq for p in payloads for seq in p.query]
-    ids = torch.from_numpy(np.concatenate(seqs))
-    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
-    vectors = model.embed_packed(ids, cu_seqlens, normalize=False).cpu().numpy()
+    return _embed(model, payloads, normalize=False)
+
+
+def _embed(model: ServedTextModel, payloads: list[Payload], normalize: bool | None):
+    ids = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (tokens,) packed
+    cu_seqlens = np.cumsum([0, *(n for p in payloads for n in p.lengths)]).tolist()
+    vectors = model.embed_packed(ids, cu_seqlens, normalize=normalize).cpu().numpy()  # (N, D)
     out, start = [], 0
     for p in payloads:
-        out.append(list(vectors[start : start + p.num_sequences]))
+        out.append(vectors[start : start + p.num_sequences])  # (B_i, D), a view
         start += p.num_sequences
     return out
 
 
 def token_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
     """Batcher runner for /embed_all: every sequence's token states (T, D) float32, no pooling."""
-    seqs = [seq for p in payloads for seq in p.query]
-    lens = [len(s) for s in seqs]
-    ids = torch.from_numpy(np.concatenate(seqs))
+    lens = [n for p in payloads for n in p.lengths]
+    ids = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (tokens,) packed
     states = model.encode_packed(ids, np.cumsum([0, *lens]).tolist()).float().cpu().numpy()
     per_seq = np.split(states, np.cumsum(lens)[:-1])  # (T_i, D) views
     out, start = [], 0
@@ -209,9 +204,8 @@ def classify_runner(
 ) -> list[list[np.ndarray]]:
     """Batcher runner for /predict and /rerank: (T, 2) [ids, token types] sequences -> logits
     (num_labels,) float32 per sequence, one engine call for the whole batch."""
-    seqs = [seq for p in payloads for seq in p.query]
-    packed = torch.from_numpy(np.concatenate(seqs))  # (N, 2)
-    cu_seqlens = np.cumsum([0, *(len(s) for s in seqs)]).tolist()
+    packed = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (N, 2)
+    cu_seqlens = np.cumsum([0, *(n for p in payloads for n in p.lengths)]).tolist()
     types = packed[:, 1] if model.config.type_vocab_size > 1 else None  # RoBERTa: one type
     logits = model.classify_packed(packed[:, 0].contiguous(), cu_seqlens, types).cpu().numpy()
     out, start = [], 0
@@ -222,8 +216,8 @@ def classify_runner(
 
 
 def token_payload(ids: list[np.ndarray]) -> Payload:
-    """A batcher payload of token-id sequences (counted against --max-batch-tokens as is)."""
-    return Payload(ids, None, None, None, False, "INT64", True)
+    """A batcher payload of token-id sequences, packed (counted against --max-batch-tokens)."""
+    return Payload(np.concatenate(ids), [len(i) for i in ids], datatype="INT64")
 
 
 def typed_payload(encoded: list[Encoded]) -> Payload:

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 from google.protobuf import json_format
 
 from service import __version__
@@ -210,9 +209,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             decoded = decode_infer_request(request)
             payload = prepare(decoded, entry.limits)
         seconds = time.perf_counter() - started
-        metrics.decode.labels(entry.name, "grpc").observe(seconds)
+        metrics.codec(metrics.decode, entry.name, "grpc", seconds)
         entry.stats.add("compute_input", seconds)
-        state.metrics_for(entry.name).sequences_received([q.shape[0] for q in payload.query])
+        state.metrics_for(entry.name).sequences_received(payload.lengths)
 
         timeout = deadline_s(state, decoded.parameters)
         remaining = context.time_remaining()  # the call's gRPC deadline, if it has one
@@ -222,10 +221,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         loop = asyncio.get_running_loop()
         work = Work(payload=payload, runner=hidden_states, deadline=deadline, loop=loop)
         entry.batcher.submit(work)
-        outputs = await wait_work(entry, work, timeout)
+        output = await wait_work(entry, work, timeout)  # (N, E), a slice of the batch output
 
         started = time.perf_counter()
-        array = np.stack(outputs) if payload.batched else outputs[0]  # (B, T, E) or (T, E)
+        array = payload.dense(output, payload.lengths) if payload.batched else output  # (B, T, E)
         response = encode_infer_response(
             entry.name,
             request.model_version or entry.version,
@@ -234,7 +233,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raw=raw,
         )
         seconds = time.perf_counter() - started
-        metrics.encode.labels(entry.name, "grpc").observe(seconds)
+        metrics.codec(metrics.encode, entry.name, "grpc", seconds)
         entry.stats.add("compute_output", seconds)
         return response
 

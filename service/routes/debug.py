@@ -48,7 +48,7 @@ from service.errors import (
     Overloaded,
     Unauthorized,
 )
-from service.inputs import OUTPUT_NAME, prepare
+from service.inputs import OUTPUT_NAME, check_finite, prepare
 from service.middleware import bearer_credential
 from service.routes.common import await_queued, observed
 from service.routes.infer import read_body
@@ -178,7 +178,7 @@ async def _on_engine(
     504 if it never got its turn, and it leaves the queue if the client goes away."""
     timeout = state.settings.request_timeout_s
     item = state.batcher.run_exclusive(fn, sequences=sequences, deadline=time.monotonic() + timeout)
-    return await await_queued(state, request, item.future, [item], timeout)
+    return await await_queued(state.batcher, request, item.future, [item], timeout)
 
 
 async def _attention(
@@ -207,6 +207,7 @@ async def _attention(
         max_sequences=settings.debug_max_batch_size,
     )
     payload = await run_in_threadpool(prepare, replace(decoded, outputs={}), limits)
+    await run_in_threadpool(check_finite, payload)  # weights of NaN inputs would be NaN
     options = parse_options(decoded.parameters, model.architecture, model.num_layers)
 
     if png:
@@ -214,7 +215,7 @@ async def _attention(
         result = await _on_engine(state, request, lambda: compute(model, first, options, "FP32"), 1)
         weights = panels(result, options)  # (L, H, T, S)
         layer_ids = list(range(weights.shape[0])) if result.has_layer_axis else [options.layer or 0]
-        mask = None if first.key_padding_mask is None else first.key_padding_mask[0]
+        mask = first.key_padding_mask  # (S,) or None
         image = await run_in_threadpool(
             heatmap.attention_png,
             weights,

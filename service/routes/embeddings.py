@@ -21,14 +21,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import State, ensure_serving
+from service.deps import ensure_serving, get_state
 from service.errors import (
     BadInput,
     DeadlineExceeded,
     ModelNotFound,
 )
 from service.openapi import OPENAI_ERROR_RESPONSES
-from service.routes.common import observed
+from service.routes.common import LeanRoute, observed
 from service.routes.infer import read_body
 from service.routes.text_work import TOKENIZE_CHUNK_CHARS, check_chars, run_parts, tokenize
 from service.text import (
@@ -39,7 +39,7 @@ from service.text import (
 if TYPE_CHECKING:
     from service.state import ServiceState
 
-router = APIRouter(tags=["embeddings"])
+router = APIRouter(tags=["embeddings"], route_class=LeanRoute)
 
 MAX_INPUTS = 2048  # OpenAI's limit per request; --max-queue may lower it
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
@@ -286,8 +286,9 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
         check_chars(texts, state.char_limits)
         with state.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
             encoded = await tokenize(state, request, tokenizer, texts, deadline)
-    state.metrics.decode.labels(state.model_name, "json").observe(time.perf_counter() - started)
-    state.metrics.sequences_received([len(e.ids) for e in encoded])
+    metrics = state.metrics
+    metrics.codec(metrics.decode, state.model_name, "json", time.perf_counter() - started)
+    metrics.sequences_received([len(e.ids) for e in encoded])
 
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -303,7 +304,7 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
         )
     else:
         content, seconds = _response(vectors, fmt, state.model_name, tokens)
-    state.metrics.encode.labels(state.model_name, "json").observe(seconds)
+    metrics.codec(metrics.encode, state.model_name, "json", seconds)
     headers = {}
     truncated = [str(i) for i, e in enumerate(encoded) if e.truncated]
     if truncated:
@@ -318,6 +319,7 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
     responses=RESPONSES,
     response_class=Response,
 )
-async def embeddings(request: Request, state: State) -> Response:
+async def embeddings(request: Request) -> Response:
+    state = get_state(request)
     with observed(state, "embeddings"):
         return await _embeddings(state, request)

@@ -7,20 +7,18 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect
 
 from service.codecs import (
     BINARY_HEADER,
     OutputTensor,
     decode_request,
-    encode_response,
+    encode_parts,
     json_length,
 )
-from service.deps import State, ensure_serving, response_budget
+from service.deps import ensure_serving, get_state, response_budget
 from service.errors import (
     BadInput,
     ClientDisconnected,
@@ -29,36 +27,48 @@ from service.errors import (
 from service.forward import hidden_states
 from service.inputs import OUTPUT_NAME, Payload, prepare
 from service.openapi import INFER_OPENAPI, INFER_RESPONSES
-from service.routes.common import await_queued, observed
+from service.routes.common import LeanRoute, PartsResponse, await_queued, observed
 from service.work import Work
 
 if TYPE_CHECKING:
     from service.state import ModelEntry, ServiceState
 
-router = APIRouter(tags=["inference"])
+router = APIRouter(tags=["inference"], route_class=LeanRoute)
 
-# JSON parts larger than this are parsed/serialised off the event loop; so are binary bodies
-# over OFFLOAD_BINARY_BYTES (their finiteness check is a pass over every value).
+# JSON parts larger than this are parsed/serialised off the event loop (binary bodies are
+# decoded as views of the body, with no pass over their values, so they stay on the loop).
 OFFLOAD_BYTES = 64 * 1024
-OFFLOAD_BINARY_BYTES = 1024 * 1024
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The (decompressed) request body, refusing anything over `limit` bytes with 413."""
+async def read_body(request: Request, limit: int) -> bytes | bytearray:
+    """The (decompressed) request body, refusing anything over `limit` bytes with 413. A body
+    that arrives in one piece is used as it is (no copy)."""
     too_large = PayloadTooLarge(
         f"request body is over the limit of {limit} bytes (--max-body-bytes)"
     )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-    except ClientDisconnect:  # the client went away mid-body: 499, not a server error
-        raise ClientDisconnected("client disconnected while sending the body") from None
+    body: bytes | bytearray = b""
+    parts: bytearray | None = None
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":  # gone mid-body: 499, not a server error
+            raise ClientDisconnected("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        if parts is None and not more:
+            body = chunk
+            break
+        parts = bytearray() if parts is None else parts
+        parts += chunk
+        if len(parts) > limit:
+            raise too_large
+        if not more:
+            body = parts
+            break
+    if len(body) > limit:
+        raise too_large
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding in ("gzip", "deflate"):
         inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
@@ -95,7 +105,7 @@ async def run_work(
     deadline = time.monotonic() + timeout
     work = Work(payload=payload, runner=hidden_states, deadline=deadline, loop=loop)
     entry.batcher.submit(work)
-    return await await_queued(state, request, work.future, [work], timeout)
+    return await await_queued(entry.batcher, request, work.future, [work], timeout)
 
 
 async def _infer(state: ServiceState, request: Request, model_name: str, version: str | None):
@@ -113,23 +123,23 @@ async def _infer_model(
     protocol = "json" if header_length is None else "binary"
 
     started = time.perf_counter()
-    json_bytes = json_length(header_length, len(body))
-    if json_bytes > OFFLOAD_BYTES or len(body) > OFFLOAD_BINARY_BYTES:
+    if json_length(header_length, len(body)) > OFFLOAD_BYTES:
         decoded = await run_in_threadpool(decode_request, body, header_length)
         payload = await run_in_threadpool(prepare, decoded, entry.limits)
     else:
         decoded = decode_request(body, header_length)
         payload = prepare(decoded, entry.limits)
     seconds = time.perf_counter() - started
-    state.metrics.decode.labels(entry.name, protocol).observe(seconds)
+    metrics = state.metrics
+    metrics.codec(metrics.decode, entry.name, protocol, seconds)
     entry.stats.add("compute_input", seconds)
-    state.metrics_for(entry.name).sequences_received([q.shape[0] for q in payload.query])
+    state.metrics_for(entry.name).sequences_received(payload.lengths)
 
     timeout = deadline_s(state, decoded.parameters)
-    outputs = await run_work(state, entry, request, payload, timeout)
+    output = await run_work(state, entry, request, payload, timeout)  # (N, E), batch's slice
 
     started = time.perf_counter()
-    array = np.stack(outputs) if payload.batched else outputs[0]  # (B, T, E) or (T, E)
+    array = payload.dense(output, payload.lengths) if payload.batched else output  # (B, T, E)
     binary = {OUTPUT_NAME: decoded.outputs.get(OUTPUT_NAME, decoded.binary_output_default)}
     args = (
         entry.name,
@@ -141,19 +151,15 @@ async def _infer_model(
     # Refuse before encoding what could not be sent now (JSON: ~11 bytes a value, counted at 8).
     response_budget(request).check(array.nbytes if binary[OUTPUT_NAME] else 8 * array.size)
     if not binary[OUTPUT_NAME] and array.nbytes > OFFLOAD_BYTES:
-        content, header_bytes = await run_in_threadpool(encode_response, *args)
+        parts, header_bytes = await run_in_threadpool(encode_parts, *args)
     else:
-        content, header_bytes = encode_response(*args)
+        parts, header_bytes = encode_parts(*args)
     seconds = time.perf_counter() - started
-    state.metrics.encode.labels(entry.name, protocol).observe(seconds)
+    metrics.codec(metrics.encode, entry.name, protocol, seconds)
     entry.stats.add("compute_output", seconds)
     if header_bytes is None:
-        return Response(content, media_type="application/json")
-    return Response(
-        content,
-        media_type="application/octet-stream",
-        headers={BINARY_HEADER: str(header_bytes)},
-    )
+        return PartsResponse(parts, "application/json", {})
+    return PartsResponse(parts, "application/octet-stream", {BINARY_HEADER: str(header_bytes)})
 
 
 @router.post(
@@ -170,8 +176,7 @@ async def _infer_model(
     responses=INFER_RESPONSES,
     response_class=Response,
 )
-async def infer(
-    request: Request, state: State, model_name: str, model_version: str | None = None
-) -> Response:
+async def infer(request: Request, model_name: str, model_version: str | None = None) -> Response:
+    state = get_state(request)
     with observed(state, "infer", model=model_name):
         return await _infer(state, request, model_name, model_version or None)

@@ -31,18 +31,41 @@ def body(*inputs: dict, **extra: object) -> bytes:
 q = tensor("input", [1, 4, E])
 k = tensor("key", [1, 5, 48])
 v = tensor("value", [1, 5, 40])
-nan_array = np.full((1, 4, E), 0.5, dtype=np.float32)
-nan_array[0, 1, 7] = np.nan
-nan_header = {
-    "inputs": [
+
+
+def binary_inputs(bad: str, value: float, mask: bool = False) -> tuple[bytes, dict[str, str]]:
+    """A binary request to the cross-attention model, finite but for one `value` in `bad`;
+    with `mask`, that value sits at a key position the key_padding_mask ignores."""
+    arrays = {
+        "input": np.full((1, 4, E), 0.5, dtype=np.float32),
+        "key": np.full((1, 5, 48), 0.25, dtype=np.float32),
+        "value": np.full((1, 5, 40), -0.5, dtype=np.float32),
+    }
+    arrays[bad][0, -1, 7] = value
+    if mask:
+        arrays["key_padding_mask"] = np.array([[False, False, False, False, True]])
+    inputs = [
         {
-            "name": "input",
-            "shape": [1, 4, E],
-            "datatype": "FP32",
-            "parameters": {"binary_data_size": nan_array.nbytes},
+            "name": name,
+            "shape": list(a.shape),
+            "datatype": "BOOL" if a.dtype == bool else "FP32",
+            "parameters": {"binary_data_size": a.nbytes},
         }
+        for name, a in arrays.items()
     ]
-}
+    return binary_request({"inputs": inputs}, *(a.tobytes() for a in arrays.values()))
+
+
+# NaN/Inf inputs are found from the outputs they poison (no pass over every input value), then
+# named; a masked key or value poisons its sequence's output too.
+NONFINITE_CASES = [
+    (f"{value} in binary {name}{' (masked key)' if mask else ''}",
+     *binary_inputs(name, value, mask), 400, f"input '{name}' holds NaN or Inf")
+    for name, value, mask in (
+        ("input", np.nan, False), ("key", np.inf, False), ("value", -np.inf, False),
+        ("key", np.nan, True), ("value", np.nan, True),
+    )
+]  # fmt: skip
 header_only = {
     "inputs": [
         {
@@ -71,7 +94,7 @@ CASES = [
     ("unsupported datatype", body(tensor("input", [1, 4, E], datatype="INT32")), {}, 400, "INT32"),
     ("unknown datatype", body(tensor("input", [1, 4, E], datatype="FP99")), {}, 400, "FP99"),
     ("strings in data", body(tensor("input", [1, 1, 2], ["a", "b"])), {}, 400, "JSON numbers"),
-    ("nan in binary", *binary_request(nan_header, nan_array.tobytes()), 400, "NaN or Inf"),
+    *NONFINITE_CASES,
     (
         "infinity in json",
         body(tensor("input", [1, 1, 2], "[1e999, 0]")).replace(b'"[1e999, 0]"', b"[1e999, 0]"),

@@ -18,7 +18,8 @@ from service.work import Work
 
 
 def payload(x: np.ndarray) -> Payload:
-    return Payload(list(x), None, None, None, False, "FP32", True)
+    """(B, T, E) hidden states as a packed payload."""
+    return Payload(x.reshape(-1, x.shape[-1]), [x.shape[1]] * x.shape[0])
 
 
 def make_work(x: np.ndarray, loop: asyncio.AbstractEventLoop) -> Work:
@@ -57,7 +58,7 @@ def test_raising_forward_fails_only_its_request_and_the_batcher_keeps_serving(ca
     assert "forward failed for a batch of 4 requests" in caplog.text  # it really shared a batch
     for x, got in zip((good[0], *good[1:], good[0]), results[:1] + results[2:], strict=True):
         want = reference(torch.from_numpy(x)).detach()[0]
-        torch.testing.assert_close(torch.from_numpy(got[0]), want, atol=1e-5, rtol=1.3e-6)
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1.3e-6)  # (T, E)
 
 
 def test_constructor_arguments_are_validated() -> None:

@@ -129,23 +129,28 @@ def test_disconnected_client_frees_its_queue_slot(tmp_path: Path) -> None:
 
 
 def test_poisoned_request_fails_alone(tmp_path: Path) -> None:
-    """Finite inputs whose outputs overflow to NaN fail with 422; their batch-mates are unharmed."""
+    """Finite inputs whose outputs overflow to NaN fail with 422, inputs holding NaN with 400
+    (found on the batch, not per request); their batch-mates are unharmed."""
     rng = np.random.default_rng(9)
     good = [rng.standard_normal((1, 6, 512)).astype(np.float32) for _ in range(6)]
     poison = np.full((1, 6, 512), 3e38, dtype=np.float32)  # finite, but overflows in the GEMMs
+    nan = good[0].copy()
+    nan[0, 2, 5] = np.nan
     expected = [mha_engine.demo_module().eval()(torch.from_numpy(x)).detach() for x in good]
     with (
         run_server(tmp_path, "--max-batch-delay-ms", "50") as server,
-        ThreadPoolExecutor(7) as pool,
+        ThreadPoolExecutor(8) as pool,
     ):
         before = server.metric("mha_batches_total", outcome="ok")
-        futures = [pool.submit(post, server, x) for x in [*good[:3], poison, *good[3:]]]
+        futures = [pool.submit(post, server, x) for x in [*good[:3], poison, nan, *good[3:]]]
         responses = [f.result() for f in futures]
         batches = server.metric("mha_batches_total", outcome="ok") - before
     assert responses[3].status_code == 422
     assert "not finite" in responses[3].json()["error"]
-    for response, want in zip(responses[:3] + responses[4:], expected, strict=True):
+    assert responses[4].status_code == 400
+    assert "input 'input' holds NaN or Inf" in responses[4].json()["error"]
+    for response, want in zip(responses[:3] + responses[5:], expected, strict=True):
         torch.testing.assert_close(
             torch.from_numpy(output_of(response)), want, atol=1e-5, rtol=1.3e-6
         )
-    assert batches < 7  # the poison really shared a forward with others
+    assert batches < 8  # the poisons really shared a forward with others

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import zipfile
@@ -88,7 +89,9 @@ def test_request_ids_are_echoed_and_logged(keyed_server) -> None:
     header_len = int(given.headers["Inference-Header-Content-Length"])
     assert json.loads(given.content[:header_len])["id"] == "trace-42"  # OIP id when none sent
     generated = _post(keyed_server, auth).headers["x-request-id"]
-    assert len(generated) == 32 and generated != "trace-42"
+    following = _post(keyed_server, auth).headers["x-request-id"]
+    # a random per-process prefix and a counter (no uuid4 per request): unique, log-safe
+    assert re.fullmatch(r"[0-9a-f]{12}-[0-9a-f]{12}", generated) and following != generated
     hostile = _post(keyed_server, {**auth, "X-Request-ID": "a b\tc" + "x" * 300})
     assert hostile.headers["x-request-id"] != "a b\tc" + "x" * 300  # replaced, not echoed
     lines = [json.loads(line) for line in keyed_server.log().splitlines() if line.startswith("{")]
