@@ -31,7 +31,7 @@ from service.grpc.tensors import decode_infer_request, encode_infer_response
 from service.inputs import OUTPUT_NAME, prepare
 from service.middleware import bearer_credential, log_safe, request_id
 from service.model_config import extensions, model_config, model_metadata
-from service.routes.infer import OFFLOAD_BINARY_BYTES, deadline_s
+from service.routes.infer import OFFLOAD_BYTES, deadline_s
 from service.routes.repository import UNLOAD_PARAMETERS
 from service.work import Work
 
@@ -202,7 +202,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         metrics = state.metrics
         started = time.perf_counter()
         raw = bool(request.raw_input_contents)
-        if sum(len(r) for r in request.raw_input_contents) > OFFLOAD_BINARY_BYTES:
+        # Raw contents decode to views (no pass over the values); large typed contents are
+        # copied value by value, off the event loop.
+        if not raw and request.ByteSize() > OFFLOAD_BYTES:
             decoded = await asyncio.to_thread(decode_infer_request, request)
             payload = await asyncio.to_thread(prepare, decoded, entry.limits)
         else:
