@@ -94,7 +94,7 @@ async def _vectors(
 ) -> list[np.ndarray]:
     """Texts -> sentence vectors through the batcher; 413 for over-long texts unless truncate."""
     state, tokenizer = get_state(request), _tokenizer(request)
-    check_chars(texts, get_state(request).char_limits)
+    check_chars(texts, state.char_limits)
     deadline = time.monotonic() + state.settings.request_timeout_s
     with state.batcher.reserve(len(texts)):
         encoded = await tokenize(state, request, tokenizer, texts, deadline)
@@ -157,7 +157,7 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[S
     with observed(state, "tokenize"):
         tokenizer = _tokenizer(request)
         texts = _texts(body.inputs)
-        check_chars(texts, get_state(request).char_limits)
+        check_chars(texts, state.char_limits)
         return tokenizer.tokens(texts, body.add_special_tokens)
 
 
