@@ -120,7 +120,8 @@ class ModelControl:
         """No longer served: not ready while their accepted work finishes, then stopped."""
         for entry in entries:
             entry.unloading = True
-            self.state.publish_ready(entry)
+            if self.state.versions.get(entry.name, {}).get(entry.version) is None:
+                self.state.publish_ready(entry)  # else its reloaded copy owns the series
         for entry in entries:
             await asyncio.to_thread(entry.batcher.stop, self.state.settings.drain_grace_s)
 

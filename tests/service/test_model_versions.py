@@ -279,3 +279,6 @@ def test_explicit_load_and_unload_apply_the_policy(server) -> None:
     assert client.get_model_metadata("picked")["versions"] == SERVED["picked"]
     assert http.metric("mha_ready", model="picked", version="1") == 1
     assert http.metric("mha_ready", model="picked", version="2") == 0  # replaced: drained
+    client.load_model("every")  # a reload: the new copies own the same series
+    for version in SERVED["every"]:
+        assert http.metric("mha_ready", model="every", version=version) == 1
