@@ -24,6 +24,7 @@ from service.metrics import Metrics
 from service.repository import ModelSource, RepositoryError, select_versions
 from service.settings import Settings
 from service.state import ServiceState
+from tests.inprocess import asgi_client
 from tests.support import Server, free_port, run_server
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
@@ -282,3 +283,21 @@ def test_explicit_load_and_unload_apply_the_policy(server) -> None:
     client.load_model("every")  # a reload: the new copies own the same series
     for version in SERVED["every"]:
         assert http.metric("mha_ready", model="every", version=version) == 1
+
+
+def test_the_debug_routes_refuse_a_version_they_would_not_compute_with(tmp_path: Path) -> None:
+    for version in ("1", "2"):
+        mha_engine.save_model(MODULES[version], tmp_path / "m" / version)
+    write_policy(tmp_path, "m", {"all": {}})
+
+    async def scenario() -> list[tuple[int, str]]:
+        settings = {"model_repository": tmp_path, "debug_endpoint": True, "grpc_port": 0}
+        async with asgi_client(**settings) as client:
+            paths = ("/v2/models/m/heads", "/v2/models/m/versions/2/heads")
+            paths += ("/v2/models/m/versions/1/heads",)
+            answers = [await client.get(path) for path in paths]
+        return [(r.status_code, r.json().get("error", "")) for r in answers]
+
+    (heads, _), (versioned, _), (refused, message) = asyncio.run(scenario())
+    assert (heads, versioned, refused) == (200, 200, 400)
+    assert "serve only model 'm' version 2" in message and "not 'm' version 1" in message
