@@ -129,16 +129,16 @@ def repository_models(root: Path) -> list[ModelSource]:
         raise RepositoryError(f"--model-repository {root} is not a directory")
     sources = []
     for model in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        versions = [int(v.name) for v in model.iterdir() if v.is_dir() and v.name.isdigit()]
-        if not versions:
+        dirs = {int(v.name): v for v in model.iterdir() if v.is_dir() and v.name.isdigit()}
+        if not dirs:
             raise RepositoryError(
                 f"model '{model.name}' in {root} has no version directory "
                 f"(expected {model}/<version>/ with config.json, e.g. {model}/1/)"
             )
         overrides, policy = _read_settings_file(model)
-        for version in select_versions(policy, versions, model / SETTINGS_FILE):
-            path = model / str(version)
-            sources.append(ModelSource(model.name, path, str(version), overrides, policy))
+        for version in select_versions(policy, list(dirs), model / SETTINGS_FILE):
+            source = ModelSource(model.name, dirs[version], str(version), overrides, policy)
+            sources.append(source)  # version "7" may live in 007/, as Triton allows
     return sources
 
 

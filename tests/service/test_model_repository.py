@@ -44,14 +44,14 @@ def _run(module: nn.Module, x: np.ndarray) -> torch.Tensor:
 
 # -- which models are served ------------------------------------------------------------------
 def test_repository_serves_each_model_at_its_latest_version(tmp_path: Path) -> None:
-    for model, versions in (("b", ["1", "10", "2", "notes"]), ("a", ["3"])):
+    for model, versions in (("b", ["1", "10", "2", "notes"]), ("a", ["003"])):
         for version in versions:
             (tmp_path / model / version).mkdir(parents=True)
     (tmp_path / "README.md").write_text("not a model")
     settings = parse_settings(["--model-repository", str(tmp_path)])
     sources = model_sources(settings)
     assert [(s.name, s.version, s.path) for s in sources] == [
-        ("a", "3", tmp_path / "a" / "3"),
+        ("a", "3", tmp_path / "a" / "003"),
         ("b", "10", tmp_path / "b" / "10"),
     ]
 
