@@ -36,16 +36,17 @@ from service.routes import (
     tei_rank,
 )
 from service.settings import Settings
-from service.state import ServiceState
+from service.state import ModelEntry, ServiceState
 
 log = logging.getLogger("service")
 
 
 async def _warm_up(state: ServiceState) -> None:
-    """Warm every model up, then turn readiness on."""
+    """Warm every model version up (each is ready once warm), then turn readiness on."""
     try:
-        for entry in state.models.values():
+        for entry in state.entries():
             await warm_up_model(entry)
+            state.publish_ready(entry)
     except Exception:
         log.exception("warm-up failed; the server stays not ready")
         return
@@ -64,14 +65,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sources = model_sources(settings)
-        metrics = Metrics(sources[0].name)
-        entries = {}
+        first = [s for s in sources if s.name == sources[0].name][-1]  # state.default
+        metrics = Metrics(first.name, first.version)
+        versions: dict[str, dict[str, ModelEntry]] = {}
         for source in sources:
-            entries[source.name] = await load_entry(settings, metrics, source)
-        state = ServiceState(settings, metrics, entries)
+            entry = await load_entry(settings, metrics, source)
+            versions.setdefault(source.name, {})[source.version] = entry
+        state = ServiceState(settings, metrics, versions)
         state.loop = asyncio.get_running_loop()
         app.state.service = state
-        for entry in entries.values():
+        for entry in state.entries():
             entry.batcher.start()
         app.state.model_control = control = ModelControl(state)
         grpc_listener = GrpcListener(state, control) if settings.grpc_port else None
@@ -90,7 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if state.grace_timer is not None:
                 state.grace_timer.cancel()
             state.end_grace()  # no connection is left to answer: nothing queued is computed
-            for entry in entries.values():
+            for entry in state.entries():  # as served now (explicit loads included)
                 await asyncio.to_thread(entry.batcher.stop, settings.drain_grace_s)
 
     app = FastAPI(

@@ -33,15 +33,18 @@ async def _state(request: Request) -> ServiceState:
 State = Annotated[ServiceState, Depends(_state)]
 
 
-def ensure_serving(state: ServiceState) -> None:
-    """503 while warming up or draining: work is accepted only by a ready server."""
-    if not state.serving:
-        raise NotReady(
-            "server is draining; retry on another replica"
-            if state.draining
-            else "model is warming up",
-            headers={"Retry-After": "1"},
-        )
+def ensure_serving(state: ServiceState, entry: ModelEntry | None = None) -> None:
+    """503 while warming up or draining: work is accepted only by a ready server, or (given
+    `entry`) by a ready model version."""
+    if state.serving if entry is None else state.model_ready(entry):
+        return
+    if state.draining:
+        message = "server is draining; retry on another replica"
+    elif entry is not None and entry.unloading:
+        message = f"model '{entry.name}' version {entry.version} is being unloaded"
+    else:
+        message = "model is warming up"
+    raise NotReady(message, headers={"Retry-After": "1"})
 
 
 async def path_model(state: State, model_name: str, model_version: str | None = None) -> ModelEntry:

@@ -67,10 +67,12 @@ async def warm_up_model(entry: ModelEntry) -> None:
         entry.batcher.submit(work)
         await work.future
     entry.stats.counting = True  # statistics count client requests, not the warm-up
+    entry.warm = True
 
 
 async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) -> ModelEntry:
-    """Load one model with its own batcher, limits, statistics and metrics label (not started);
+    """Load one model version with its own batcher, limits, statistics and metrics labels (not
+    started);
     the model's settings file, if any, overrides the server's limits, dtype and device."""
     settings = model_settings(settings, source)
     name = source.name
@@ -79,9 +81,9 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
         load_tokenizer, source.path, model, settings.max_seq_len
     )  # None (/v1/embeddings then answers 400) unless the model dir has a tokenizer.json
     info = model_info(model, name)
-    model_metrics = metrics.for_model(name)
+    model_metrics = metrics.for_model(name, source.version)
     model_metrics.set_model_info(info)
-    model_metrics.queue_capacity.labels(name).set(settings.max_queue)
+    model_metrics.set_queue_capacity(settings.max_queue)
     stats = ModelStats(name, source.version)
     batcher = DynamicBatcher(
         model,
@@ -101,6 +103,7 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     entry = ModelEntry(name, model, batcher, limits, info, stats, tokenizer)
     entry.metrics = model_metrics
     entry.version = source.version
+    entry.version_policy = source.policy
     entry.matryoshka = matryoshka(source.path)
     entry.prompts, entry.default_prompt = read_prompts(source.path)
     if tokenizer is not None:

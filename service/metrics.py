@@ -1,10 +1,12 @@
 """Prometheus metrics (prefix `mha_`), one registry per app, plus the process collectors.
 
-Labels stay low-cardinality: model, endpoint, protocol, HTTP status code (or its class),
-failure reason, batch outcome. Request families carry `protocol` ("http" or "grpc"); a gRPC
-call's `status` is the HTTP status of the same outcome (service.grpc.status), so status-class
-panels and alerts cover both listeners. One uvicorn worker per device is the deployment model (one
-batcher, one copy of the weights), so a plain per-process registry is exact. If several uvicorn
+Labels stay low-cardinality: model and version (every per-model series carries both, so
+queries by `model` alone still match, summing over versions), endpoint, protocol, HTTP status
+code (or its class), failure reason, batch outcome. Request families carry `protocol` ("http"
+or "grpc"); a gRPC call's `status` is the HTTP status of the same outcome
+(service.grpc.status), so status-class panels and alerts cover both listeners. One uvicorn
+worker per device is the deployment model (one batcher per model version, one copy of its
+weights), so a plain per-process registry is exact. If several uvicorn
 workers per device are ever allowed, this must switch to prometheus-client's multiprocess mode
 (PROMETHEUS_MULTIPROC_DIR, a MultiProcessCollector registry, and explicit gauge modes), or
 each scrape would see one random worker.
@@ -57,10 +59,12 @@ PROTOCOLS = ("http", "grpc")  # the `protocol` label of the request families
 
 
 class Metrics:
-    """All of the service's metric families; `model` is bound once, the other labels per call."""
+    """All of the service's metric families; `model` and `version` are bound once per view, the
+    other labels per call."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, version: str = "1") -> None:
         self.model = model
+        self.version = version
         self.registry = CollectorRegistry()
         r = self.registry
         process_collector.ProcessCollector(registry=r)
@@ -69,109 +73,115 @@ class Metrics:
 
         self.requests = Counter(
             "mha_requests", "Requests answered, by endpoint, status code and protocol.",
-            ["model", "endpoint", "status", "protocol"], registry=r,
+            ["model", "version", "endpoint", "status", "protocol"], registry=r,
         )  # fmt: skip
         self.failures = Counter(
             "mha_request_failures", "Requests that failed, by reason.",
-            ["model", "endpoint", "reason", "protocol"], registry=r,
+            ["model", "version", "endpoint", "reason", "protocol"], registry=r,
         )  # fmt: skip
         # status_class (2xx/4xx/5xx) keeps fast rejections out of the success percentiles.
         self.request_duration = Histogram(
             "mha_request_duration_seconds",
             "End-to-end request time inside the server, by status class (2xx, 4xx, 5xx).",
-            ["model", "endpoint", "status_class", "protocol"], buckets=LATENCY_BUCKETS,
+            ["model", "version", "endpoint", "status_class", "protocol"], buckets=LATENCY_BUCKETS,
             registry=r,
         )  # fmt: skip
         self.queue_wait = Histogram(
             "mha_queue_wait_seconds", "Time a request waited in the batcher queue.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            ["model", "version"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.batch_compute = Histogram(
             "mha_batch_compute_seconds", "Time of one batched forward (incl. tensor copies).",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            ["model", "version"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.decode = Histogram(
             "mha_request_decode_seconds", "Time to parse and validate a request body.",
-            ["model", "protocol"], buckets=CODEC_BUCKETS, registry=r,
+            ["model", "version", "protocol"], buckets=CODEC_BUCKETS, registry=r,
         )  # fmt: skip
         self.encode = Histogram(
             "mha_request_encode_seconds", "Time to serialise a response body.",
-            ["model", "protocol"], buckets=CODEC_BUCKETS, registry=r,
+            ["model", "version", "protocol"], buckets=CODEC_BUCKETS, registry=r,
         )  # fmt: skip
         self.batch_sequences = Histogram(
             "mha_batch_size_sequences", "Sequences per forward.",
-            ["model"], buckets=BATCH_SEQ_BUCKETS, registry=r,
+            ["model", "version"], buckets=BATCH_SEQ_BUCKETS, registry=r,
         )  # fmt: skip
         self.batch_tokens = Histogram(
             "mha_batch_size_tokens", "Tokens per forward.",
-            ["model"], buckets=TOKEN_BUCKETS, registry=r,
+            ["model", "version"], buckets=TOKEN_BUCKETS, registry=r,
         )  # fmt: skip
         self.sequence_length = Histogram(
             "mha_request_sequence_length", "Query length (tokens) of each sequence received.",
-            ["model"], buckets=TOKEN_BUCKETS, registry=r,
+            ["model", "version"], buckets=TOKEN_BUCKETS, registry=r,
         )  # fmt: skip
         # Kept for dashboards shared with padded servers: the engine packs a batch's sequences
         # end to end and groups attention by exact length, so it computes no padding (always 0).
         self.padding_ratio = Histogram(
             "mha_batch_padding_ratio",
             "Padded tokens / computed tokens per forward (the engine packs sequences, so 0).",
-            ["model"], buckets=RATIO_BUCKETS, registry=r,
+            ["model", "version"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_depth_gauge = Gauge(
             "mha_queue_depth_sequences",
             "Sequences waiting in the batcher queue (and /v1/embeddings inputs being tokenized).",
-            ["model"], registry=r,
+            ["model", "version"], registry=r,
         )  # fmt: skip
         self.queue_capacity = Gauge(
             "mha_queue_capacity_sequences", "The queue's bound (--max-queue).",
-            ["model"], registry=r,
+            ["model", "version"], registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(
             "mha_requests_in_flight", "Inference requests being handled.",
-            ["model"], registry=r,
+            ["model", "version"], registry=r,
         )  # fmt: skip
         self.engine_busy = Gauge(
-            "mha_engine_busy", "1 while the engine thread runs a forward.", ["model"], registry=r
+            "mha_engine_busy",
+            "1 while the engine thread runs a forward.",
+            ["model", "version"],
+            registry=r,
         )
-        self.ready = Gauge("mha_ready", "1 when ready to serve.", ["model"], registry=r)
+        self.ready = Gauge("mha_ready", "1 when ready to serve.", ["model", "version"], registry=r)
         self.info = Info(
             "mha_model",
             "A served model: name, architecture, embed_dim, num_heads, dtype, device, SDPA "
             "backend.",
-            ["model"],
+            ["model", "version"],
             registry=r,
         )
         self.sequences = Counter(
-            "mha_sequences_processed", "Sequences computed.", ["model"], registry=r
+            "mha_sequences_processed", "Sequences computed.", ["model", "version"], registry=r
         )
-        self.tokens = Counter("mha_tokens_processed", "Tokens computed.", ["model"], registry=r)
+        self.tokens = Counter(
+            "mha_tokens_processed", "Tokens computed.", ["model", "version"], registry=r
+        )
         self.batches = Counter(
-            "mha_batches", "Forwards run, by outcome.", ["model", "outcome"], registry=r
+            "mha_batches", "Forwards run, by outcome.", ["model", "version", "outcome"], registry=r
         )
         self._cuda: dict[str, Gauge] = {}  # shared by every model's view (one registry)
         # label children looked up once (keys carry the model: shared by every view is fine)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._zero_series()
 
-    def for_model(self, model: str) -> Metrics:
-        """The same families and registry with `model` bound to another served model."""
+    def for_model(self, model: str, version: str = "1") -> Metrics:
+        """The same families and registry with `model` and `version` bound to another served
+        model version."""
         view = copy.copy(self)
-        view.model = model
+        view.model, view.version = model, version
         view._zero_series()
         return view
 
     def _zero_series(self) -> None:
         """Expose the model's series at 0 so rate() and dashboards have them from the start."""
-        model = self.model
+        model, version = self.model, self.version
         for reason in FAILURE_REASONS:
             for protocol in PROTOCOLS:
-                self.failures.labels(model, "infer", reason, protocol)
+                self.failures.labels(model, version, "infer", reason, protocol)
         for outcome in ("ok", "error"):
-            self.batches.labels(model, outcome)
-        self.ready.labels(model).set(0)
-        self.queue_depth_gauge.labels(model).set(0)
-        self.in_flight.labels(model).set(0)
-        self.engine_busy.labels(model).set(0)
+            self.batches.labels(model, version, outcome)
+        self.ready.labels(model, version).set(0)
+        self.queue_depth_gauge.labels(model, version).set(0)
+        self.in_flight.labels(model, version).set(0)
+        self.engine_busy.labels(model, version).set(0)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once: labels() takes a lock and builds a key on
@@ -187,28 +197,39 @@ class Metrics:
         if not self._cuda:
             self._cuda["allocated"] = Gauge(
                 "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
-                ["model", "device"], registry=self.registry,
+                ["model", "version", "device"], registry=self.registry,
             )  # fmt: skip
             self._cuda["reserved"] = Gauge(
                 "mha_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved() of the device.",
-                ["model", "device"], registry=self.registry,
+                ["model", "version", "device"], registry=self.registry,
             )  # fmt: skip
         allocated, reserved = self._cuda["allocated"], self._cuda["reserved"]
-        allocated.labels(self.model, str(device)).set_function(
+        allocated.labels(self.model, self.version, str(device)).set_function(
             lambda: torch.cuda.memory_allocated(device)
         )
-        reserved.labels(self.model, str(device)).set_function(
+        reserved.labels(self.model, self.version, str(device)).set_function(
             lambda: torch.cuda.memory_reserved(device)
         )
 
     # -- request side -----------------------------------------------------------------------
     def set_model_info(self, info: dict[str, Any]) -> None:
         """Publish mha_model_info (with a `model` label to join on); on CUDA, add memory gauges."""
-        self.info.labels(self.model).info({k: str(v) for k, v in info.items()})
+        self.info.labels(self.model, self.version).info({k: str(v) for k, v in info.items()})
         device = str(info.get("device", ""))
         # Not verified on a GPU: the machines this was built on have none.
         if device.startswith("cuda") and torch.cuda.is_available():
             self._add_cuda_gauges(torch.device(device))
+
+    def set_ready(self, ready: bool) -> None:
+        self.child(self.ready, self.model, self.version).set(1 if ready else 0)
+
+    def set_queue_capacity(self, sequences: int) -> None:
+        self.child(self.queue_capacity, self.model, self.version).set(sequences)
+
+    @property
+    def in_flight_child(self) -> Any:
+        """This view's mha_requests_in_flight series."""
+        return self.child(self.in_flight, self.model, self.version)
 
     def request_done(
         self,
@@ -218,37 +239,39 @@ class Metrics:
         reason: str | None,
         protocol: str = "http",
     ) -> None:
-        self.child(self.requests, self.model, endpoint, str(status), protocol).inc()
+        self.child(self.requests, self.model, self.version, endpoint, str(status), protocol).inc()
         status_class = f"{status // 100}xx"
-        self.child(self.request_duration, self.model, endpoint, status_class, protocol).observe(
-            seconds
+        duration = self.child(
+            self.request_duration, self.model, self.version, endpoint, status_class, protocol
         )
+        duration.observe(seconds)
         if reason is not None:
-            self.child(self.failures, self.model, endpoint, reason, protocol).inc()
+            self.child(self.failures, self.model, self.version, endpoint, reason, protocol).inc()
 
     def sequences_received(self, lengths: list[int]) -> None:
-        hist = self.child(self.sequence_length, self.model)
+        hist = self.child(self.sequence_length, self.model, self.version)
         for length in lengths:
             hist.observe(length)
 
-    def codec(self, histogram: Histogram, model: str, protocol: str, seconds: float) -> None:
+    def codec(self, histogram: Histogram, protocol: str, seconds: float) -> None:
         """Observe decode or encode time."""
-        self.child(histogram, model, protocol).observe(seconds)
+        self.child(histogram, self.model, self.version, protocol).observe(seconds)
 
     # -- batcher side (BatchObserver) -------------------------------------------------------
     def queue_depth(self, sequences: int) -> None:
-        self.child(self.queue_depth_gauge, self.model).set(sequences)
+        self.child(self.queue_depth_gauge, self.model, self.version).set(sequences)
 
     def batch_started(self, works: list[Any]) -> None:
-        self.child(self.engine_busy, self.model).set(1)
+        self.child(self.engine_busy, self.model, self.version).set(1)
 
     def expired(self, work: Any) -> None:
-        self.child(self.queue_wait, self.model).observe(time.monotonic() - work.enqueued_at)
+        wait = self.child(self.queue_wait, self.model, self.version)
+        wait.observe(time.monotonic() - work.enqueued_at)
 
     def batch_done(self, works: list[Any], compute_s: float, ok: bool) -> None:
-        self.child(self.engine_busy, self.model).set(0)
-        self.child(self.batches, self.model, "ok" if ok else "error").inc()
-        wait = self.child(self.queue_wait, self.model)
+        self.child(self.engine_busy, self.model, self.version).set(0)
+        self.child(self.batches, self.model, self.version, "ok" if ok else "error").inc()
+        wait = self.child(self.queue_wait, self.model, self.version)
         if not ok:
             # A failed batch of several requests is retried one request at a time, which
             # reports again; a failed single request reports its wait now, once.
@@ -257,12 +280,12 @@ class Metrics:
             return
         seqs = sum(w.sequences for w in works)
         tokens = sum(w.tokens for w in works)
-        self.child(self.batch_compute, self.model).observe(compute_s)
-        self.child(self.batch_sequences, self.model).observe(seqs)
-        self.child(self.batch_tokens, self.model).observe(tokens)
-        self.child(self.padding_ratio, self.model).observe(0.0)
-        self.child(self.sequences, self.model).inc(seqs)
-        self.child(self.tokens, self.model).inc(tokens)
+        self.child(self.batch_compute, self.model, self.version).observe(compute_s)
+        self.child(self.batch_sequences, self.model, self.version).observe(seqs)
+        self.child(self.batch_tokens, self.model, self.version).observe(tokens)
+        self.child(self.padding_ratio, self.model, self.version).observe(0.0)
+        self.child(self.sequences, self.model, self.version).inc(seqs)
+        self.child(self.tokens, self.model, self.version).inc(tokens)
         for work in works:
             wait.observe(work.started_at - work.enqueued_at)
 

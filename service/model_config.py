@@ -36,8 +36,9 @@ def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None]], str,
     return inputs, datatype, model.embed_dim
 
 
-def model_metadata(entry: ModelEntry) -> dict[str, Any]:
-    """OIP model metadata: inputs/outputs with datatypes and shapes (-1 = variable)."""
+def model_metadata(entry: ModelEntry, versions: list[str]) -> dict[str, Any]:
+    """OIP model metadata: the model's served `versions`, inputs/outputs with datatypes and
+    shapes (-1 = variable)."""
     inputs, datatype, width = _tensors(entry)
 
     def tensor(name: str, dt: str, shape: list[int]) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def model_metadata(entry: ModelEntry) -> dict[str, Any]:
 
     return {
         "name": entry.name,
-        "versions": [entry.version],
+        "versions": versions,
         "platform": PLATFORM,
         "inputs": [
             tensor(name, dt, [-1, -1] if dim is None else [-1, -1, dim]) for name, dt, dim in inputs
@@ -67,7 +68,7 @@ def model_config(entry: ModelEntry) -> dict[str, Any]:
         "name": entry.name,
         "platform": PLATFORM,
         "backend": PLATFORM,
-        "version_policy": {"latest": {"num_versions": 1}},
+        "version_policy": entry.version_policy,
         "max_batch_size": entry.batcher.max_batch_size,
         "input": [
             {

@@ -3,9 +3,11 @@
 
 Loading builds the model with its own batcher and warms it up off the event loop before it
 becomes visible, so traffic to other models goes on; a model that fails to load is reported and
-nothing else changes. Unloading removes the model at once (new requests: 404 / NOT_FOUND), then
-its batcher finishes the work it had accepted and stops. Loading a loaded model reloads it: the
-new copy replaces the old one when warm, and the old one drains.
+nothing else changes. A model's version policy picks which of its versions load, each its own
+entry; load and unload act on all of them together. Unloading removes the model at once (new
+requests: 404 / NOT_FOUND), then its batchers finish the work they had accepted and stop.
+Loading a loaded model reloads it: the new copies replace the old ones when warm, and the old
+ones drain.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 from service.errors import BadInput, ModelNotFound
 from service.loading import load_entry, warm_up_model
-from service.repository import ModelSource, RepositoryError, model_sources, repository_models
-from service.state import ServiceState
+from service.repository import ModelSource, RepositoryError, model_sources
+from service.state import ModelEntry, ServiceState
 
 log = logging.getLogger("service.model_control")
 
@@ -30,35 +32,39 @@ class ModelControl:
         self.explicit = state.settings.model_control_mode == "explicit"
         self._lock = asyncio.Lock()
 
-    def _sources(self) -> dict[str, ModelSource]:
-        """Every model the server could serve now: --model-dir, and the repository as it is on
-        disk at this moment (models added since start-up appear)."""
-        settings = self.state.settings
-        sources = {s.name: s for s in model_sources(settings)}
-        if settings.model_repository is not None:
-            try:
-                sources.update({s.name: s for s in repository_models(settings.model_repository)})
-            except RepositoryError as exc:
-                raise BadInput(str(exc)) from None
-        return sources
+    def _sources(self) -> dict[str, list[ModelSource]]:
+        """Every model the server could serve now, with the versions its policy picks:
+        --model-dir, and the repository as it is on disk at this moment (models and versions
+        added since start-up appear)."""
+        try:
+            sources = model_sources(self.state.settings)
+        except RepositoryError as exc:
+            raise BadInput(str(exc)) from None
+        by_name: dict[str, list[ModelSource]] = {}
+        for source in sources:
+            by_name.setdefault(source.name, []).append(source)
+        return by_name
 
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
-        """Triton's repository index: name, version, state (READY / UNAVAILABLE), reason."""
-        loaded = self.state.models
+        """Triton's repository index, a row per model version: name, version, state (READY /
+        UNAVAILABLE), reason."""
         rows = []
-        for name, source in sorted(self._sources().items()):
-            entry = loaded.get(name)
-            if entry is not None:
-                rows.append({"name": name, "version": entry.version, "state": "READY"})
-            elif not ready_only:
-                rows.append(
-                    {
-                        "name": name,
-                        "version": source.version,
-                        "state": "UNAVAILABLE",
-                        "reason": "unloaded",
-                    }
-                )
+        for name, sources in sorted(self._sources().items()):
+            loaded = self.state.versions.get(name, {})
+            for version in self.state.served_versions(name):
+                rows.append({"name": name, "version": version, "state": "READY"})
+            if ready_only:
+                continue
+            for source in sources:
+                if source.version not in loaded:
+                    rows.append(
+                        {
+                            "name": name,
+                            "version": source.version,
+                            "state": "UNAVAILABLE",
+                            "reason": "unloaded",
+                        }
+                    )
         return rows
 
     def _check_explicit(self, action: str) -> None:
@@ -69,33 +75,58 @@ class ModelControl:
             )
 
     async def load(self, name: str) -> None:
-        """Load (or reload) `name` from its source; 400 naming the problem if it fails."""
+        """Load (or reload) `name` at the versions its policy picks, each warmed up before
+        the set replaces what was served; 400 naming the problem if one fails (nothing
+        changes then)."""
         self._check_explicit("load")
         async with self._lock:
-            source = self._sources().get(name)
-            if source is None:
+            sources = self._sources().get(name)
+            if sources is None:
                 raise ModelNotFound(f"no model '{name}' in the model repository or --model-dir")
             state = self.state
+            entries: dict[str, ModelEntry] = {}
             try:
-                entry = await load_entry(state.settings, state.metrics, source)
-            except Exception as exc:  # a bad checkpoint/config: this load fails, nothing else
-                log.warning("loading model %r failed: %s", name, exc)
-                raise BadInput(f"loading model '{name}' failed: {exc}") from None
-            entry.batcher.start()
-            try:
-                await warm_up_model(entry)
-            except Exception as exc:
-                await asyncio.to_thread(entry.batcher.stop, 1.0)
-                raise BadInput(f"model '{name}' failed its warm-up: {exc}") from None
-            old = state.models.get(name)
-            state.models[name] = entry
-            entry.metrics.ready.labels(name).set(1 if state.serving else 0)
-            log.info("model %r version %s loaded", name, entry.version)
-            if old is not None:
-                await asyncio.to_thread(old.batcher.stop, state.settings.drain_grace_s)
+                for source in sources:
+                    entries[source.version] = await self._load_version(source)
+            except BadInput:
+                for entry in entries.values():
+                    await asyncio.to_thread(entry.batcher.stop, 1.0)
+                raise
+            old = state.versions.get(name, {})
+            state.put(name, entries)
+            for entry in entries.values():
+                state.publish_ready(entry)
+            log.info("model %r loaded, versions %s", name, ", ".join(state.served_versions(name)))
+            await self._drain(list(old.values()))
+
+    async def _load_version(self, source: ModelSource) -> ModelEntry:
+        """One version loaded, its batcher started and warmed up; BadInput if either fails."""
+        state = self.state
+        label = f"model '{source.name}'"
+        try:
+            entry = await load_entry(state.settings, state.metrics, source)
+        except Exception as exc:  # a bad checkpoint/config: this load fails, nothing else
+            log.warning("loading %s version %s failed: %s", label, source.version, exc)
+            raise BadInput(f"loading {label} failed (version {source.version}): {exc}") from None
+        entry.batcher.start()
+        try:
+            await warm_up_model(entry)
+        except Exception as exc:
+            await asyncio.to_thread(entry.batcher.stop, 1.0)
+            raise BadInput(f"{label} version {source.version} failed its warm-up: {exc}") from None
+        return entry
+
+    async def _drain(self, entries: list[ModelEntry]) -> None:
+        """No longer served: not ready while their accepted work finishes, then stopped."""
+        for entry in entries:
+            entry.unloading = True
+            if self.state.versions.get(entry.name, {}).get(entry.version) is None:
+                self.state.publish_ready(entry)  # else its reloaded copy owns the series
+        for entry in entries:
+            await asyncio.to_thread(entry.batcher.stop, self.state.settings.drain_grace_s)
 
     async def unload(self, name: str) -> None:
-        """Unload `name`: gone for new requests now; its accepted work finishes first."""
+        """Unload every version of `name`: gone for new requests now; accepted work finishes."""
         self._check_explicit("unload")
         async with self._lock:
             state = self.state
@@ -105,7 +136,6 @@ class ModelControl:
                 raise BadInput(
                     f"cannot unload '{name}': it is the only model loaded (load another first)"
                 )
-            entry = state.models.pop(name)
-            entry.metrics.ready.labels(name).set(0)
-            await asyncio.to_thread(entry.batcher.stop, state.settings.drain_grace_s)
+            entries = state.remove(name)
+            await self._drain(list(entries.values()))
             log.info("model %r unloaded", name)

@@ -1,15 +1,16 @@
 """Which models the server loads: --model-dir (repeatable) and a Triton-style --model-repository.
 
 A repository holds DIR/<model>/<version>/, each version directory a model directory as
---model-dir takes it (config.json + weights, or a Hugging Face BERT-family directory); a model
-is served at its highest numeric version (Triton's default policy, latest 1). An optional
-DIR/<model>/mha-serve.json sets that model's own batching limits, dtype and device.
+--model-dir takes it (config.json + weights, or a Hugging Face BERT-family directory). An
+optional DIR/<model>/mha-serve.json sets that model's own batching limits, dtype and device, and
+its `version_policy` (Triton's): which numeric versions are served, each its own loaded model.
+Default: the highest version only (latest 1).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ MODEL_SETTINGS = frozenset(
      "dtype", "device"}
 )  # fmt: skip
 LATEST_ONE = {"latest": {"num_versions": 1}}
+POLICY_FORMS = '{"latest": {"num_versions": N}}, {"all": {}} or {"specific": {"versions": [1, 3]}}'
 
 
 class RepositoryError(ValueError):
@@ -33,19 +35,22 @@ class RepositoryError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """One model to load: its name in URLs, directory (None: the demo model) and version."""
+    """One model version to load: its name in URLs, directory (None: the demo model), version,
+    its settings file's overrides and the model's version policy (Triton's JSON form)."""
 
     name: str
     path: Path | None
     version: str = "1"
     overrides: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    policy: dict[str, Any] = field(default_factory=lambda: LATEST_ONE, compare=False, hash=False)
 
 
-def _read_overrides(model: Path) -> dict[str, Any]:
-    """DIR/<model>/mha-serve.json as a dict of settings; RepositoryError naming what is wrong."""
+def _read_settings_file(model: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DIR/<model>/mha-serve.json as (settings overrides, version policy); RepositoryError
+    naming what is wrong."""
     path = model / SETTINGS_FILE
     if not path.is_file():
-        return {}
+        return {}, LATEST_ONE
     try:
         values = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -53,17 +58,56 @@ def _read_overrides(model: Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise RepositoryError(f"{path} must hold a JSON object")
     policy = values.pop("version_policy", LATEST_ONE)
-    if policy != LATEST_ONE:
-        raise RepositoryError(
-            f"{path}: version_policy {json.dumps(policy)} is not supported; only "
-            f"{json.dumps(LATEST_ONE)} (the highest version is served)"
-        )
     unknown = sorted(set(values) - MODEL_SETTINGS)
     if unknown:
         raise RepositoryError(
-            f"{path}: unknown setting(s) {unknown}; allowed: {sorted(MODEL_SETTINGS)}"
+            f"{path}: unknown setting(s) {unknown}; allowed: {sorted(MODEL_SETTINGS)} "
+            "and version_policy"
         )
-    return values
+    return values, policy
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def select_versions(policy: Any, versions: list[int], where: Path) -> list[int]:
+    """The versions (ascending) that Triton's `policy` serves out of those on disk;
+    RepositoryError naming the policy's problem (`where`: the settings file)."""
+    bad = RepositoryError(
+        f"{where}: version_policy {json.dumps(policy)} is not valid; use one of {POLICY_FORMS}"
+    )
+    if not isinstance(policy, dict) or len(policy) != 1:
+        raise bad
+    ((kind, spec),) = policy.items()
+    if not isinstance(spec, dict):
+        raise bad
+    ordered = sorted(versions)
+    if kind == "all" and not spec:
+        return ordered
+    if kind == "latest" and set(spec) <= {"num_versions"}:
+        count = spec.get("num_versions", 1)
+        if not _positive_int(count):
+            raise RepositoryError(
+                f"{where}: version_policy latest.num_versions must be an integer >= 1, "
+                f"got {count!r}"
+            )
+        return ordered[-count:]
+    if kind == "specific" and set(spec) == {"versions"}:
+        wanted = spec["versions"]
+        if not isinstance(wanted, list) or not wanted or not all(map(_positive_int, wanted)):
+            raise RepositoryError(
+                f"{where}: version_policy specific.versions must be a non-empty list of "
+                f"integers >= 1, got {wanted!r}"
+            )
+        missing = sorted(set(wanted) - set(versions))
+        if missing:
+            raise RepositoryError(
+                f"{where}: version_policy names version(s) {missing} that have no directory "
+                f"(on disk: {ordered})"
+            )
+        return sorted(set(wanted))
+    raise bad
 
 
 def model_settings(settings: Settings, source: ModelSource) -> Settings:
@@ -80,20 +124,21 @@ def model_settings(settings: Settings, source: ModelSource) -> Settings:
 
 
 def repository_models(root: Path) -> list[ModelSource]:
-    """Every model of a repository at its highest version, by name."""
+    """Every served version of every model of a repository, by name then version."""
     if not root.is_dir():
         raise RepositoryError(f"--model-repository {root} is not a directory")
     sources = []
     for model in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        versions = [int(v.name) for v in model.iterdir() if v.is_dir() and v.name.isdigit()]
-        if not versions:
+        dirs = {int(v.name): v for v in model.iterdir() if v.is_dir() and v.name.isdigit()}
+        if not dirs:
             raise RepositoryError(
                 f"model '{model.name}' in {root} has no version directory "
                 f"(expected {model}/<version>/ with config.json, e.g. {model}/1/)"
             )
-        latest = max(versions)
-        overrides = _read_overrides(model)
-        sources.append(ModelSource(model.name, model / str(latest), str(latest), overrides))
+        overrides, policy = _read_settings_file(model)
+        for version in select_versions(policy, list(dirs), model / SETTINGS_FILE):
+            source = ModelSource(model.name, dirs[version], str(version), overrides, policy)
+            sources.append(source)  # version "7" may live in 007/, as Triton allows
     return sources
 
 
@@ -105,17 +150,19 @@ def model_sources(settings: Settings) -> list[ModelSource]:
     for source in sources:
         model_settings(settings, source)  # a bad settings file stops the server at start
     if settings.model_name:
-        if len(sources) > 1:
+        if len({source.name for source in sources}) > 1:
             raise RepositoryError("--model-name names one model; it cannot name several")
-        path = sources[0].path if sources else None
-        version = sources[0].version if sources else "1"
-        overrides = sources[0].overrides if sources else {}
-        return [ModelSource(settings.model_name, path, version, overrides)]
+        if not sources:
+            return [ModelSource(settings.model_name, None)]
+        return [replace(source, name=settings.model_name) for source in sources]
     if not sources:
         if settings.model_repository is not None:
             raise RepositoryError(f"--model-repository {settings.model_repository} holds no model")
         return [ModelSource(DEMO_NAME, None)]
-    names = [source.name for source in sources]
+    # one place per name: a --model-dir, or one repository model (with all its versions)
+    from_dirs = len(settings.model_dir)
+    names = [s.name for s in sources[:from_dirs]]
+    names += sorted({s.name for s in sources[from_dirs:]})
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise RepositoryError(

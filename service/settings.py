@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     model_repository: Path | None = Field(
         None,
         description="Triton-style model repository: DIR/<model>/<version>/ each a model "
-        "directory; every model is served under its name, at its highest version.",
+        "directory; every model is served under its name, at the versions its "
+        "mha-serve.json's version_policy picks (default: the highest).",
     )
     model_control_mode: Literal["none", "explicit"] = Field(
         "none",

@@ -1,5 +1,5 @@
-"""What request handlers share, created by the app's lifespan: the served model(s) with their
-batchers, the settings, the metrics, and the server's readiness and drain state."""
+"""What request handlers share, created by the app's lifespan: the served models (each version
+its own ModelEntry with its batcher), the settings, the metrics, and readiness and drain state."""
 
 from __future__ import annotations
 
@@ -39,39 +39,92 @@ class ModelEntry:
     prompts: dict[str, str] = field(default_factory=dict)  # sentence-transformers' prompts
     default_prompt: str | None = None  # the prompt applied when a request names none
     version: str = MODEL_VERSION
-    metrics: Metrics | None = None  # its label's view of the shared metrics (None: the default)
+    metrics: Metrics | None = None  # its labels' view of the shared metrics (None: the default)
+    version_policy: dict[str, Any] = field(default_factory=lambda: {"latest": {"num_versions": 1}})
+    warm: bool = False  # its warm-up has finished
+    unloading: bool = False  # unloaded or replaced: finishing its accepted work
+
+
+def _by_number(versions: dict[str, ModelEntry]) -> list[str]:
+    return sorted(versions, key=lambda v: (len(v), v))  # numeric order of digit strings
 
 
 @dataclass
 class ServiceState:
-    """Everything a request handler needs. Holds a dict of models so that several can be served
-    later; today the server loads exactly one, and the shortcuts below name it."""
+    """Everything a request handler needs. `versions` (name -> version -> entry) is what is
+    served; `models` (name -> its highest version, which unversioned requests get) follows it,
+    changed only through put() and remove()."""
 
     settings: Settings
     metrics: Metrics
-    models: dict[str, ModelEntry]
+    versions: dict[str, dict[str, ModelEntry]]
+    models: dict[str, ModelEntry] = field(init=False)
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.time)
     loop: asyncio.AbstractEventLoop | None = None
     grace_timer: asyncio.TimerHandle | None = None
 
+    def __post_init__(self) -> None:
+        self.models = {}
+        for name in self.versions:
+            self._follow(name)
+
+    def _follow(self, name: str) -> None:
+        self.models[name] = self.versions[name][_by_number(self.versions[name])[-1]]
+
+    def put(self, name: str, entries: dict[str, ModelEntry]) -> None:
+        """Serve `entries` (version -> entry) as model `name`, replacing what it was."""
+        self.versions[name] = entries
+        self._follow(name)
+
+    def remove(self, name: str) -> dict[str, ModelEntry]:
+        """Stop serving model `name`; its entries (version -> entry) are returned."""
+        del self.models[name]
+        return self.versions.pop(name)
+
+    def served_versions(self, name: str) -> list[str]:
+        """The served versions of model `name`, lowest first."""
+        return _by_number(self.versions.get(name, {}))
+
+    def entries(self) -> list[ModelEntry]:
+        """Every served model version, by model then version."""
+        return [self.versions[n][v] for n in self.versions for v in self.served_versions(n)]
+
     @property
     def default(self) -> ModelEntry:
-        """The served model (the only one, until several are served)."""
+        """The first model at its highest version (for the routes that name no model)."""
         return next(iter(self.models.values()))
 
     def find(self, name: str, version: str | None = None, param: str | None = None) -> ModelEntry:
-        """The model called `name` (and, if given, that version); 404 naming what is served."""
-        entry = self.models.get(name)
-        if entry is None:
+        """Model `name` at `version`, or at its highest served version when none is given
+        (Triton's choice); 404 naming what is served."""
+        if version in (None, ""):
+            entry = self.models.get(name)
+            if entry is not None:
+                return entry
+        else:
+            entry = self.versions.get(name, {}).get(version)
+            if entry is not None:
+                return entry
+        if name not in self.models:
             served = ", ".join(f"'{n}'" for n in self.models)
             raise ModelNotFound(f"unknown model '{name}'; this server serves {served}", param=param)
-        if version not in (None, "", entry.version):
-            raise ModelNotFound(
-                f"model '{name}' has no version '{version}' (versions: {entry.version})"
-            )
-        return entry
+        raise ModelNotFound(
+            f"model '{name}' has no version '{version}' "
+            f"(served versions: {', '.join(self.served_versions(name))})",
+            param=param,
+        )
+
+    def model_ready(self, entry: ModelEntry) -> bool:
+        """A model version is ready once its warm-up is over, until it is unloaded or the
+        server drains."""
+        return entry.warm and not entry.unloading and not self.draining
+
+    def publish_ready(self, entry: ModelEntry) -> None:
+        """Set the entry's mha_ready gauge from model_ready()."""
+        metrics = entry.metrics or self.metrics
+        metrics.set_ready(self.model_ready(entry))
 
     # Shortcuts to the single served model's parts.
     @property
@@ -106,9 +159,12 @@ class ServiceState:
     def matryoshka(self) -> bool:
         return self.default.matryoshka
 
-    def metrics_for(self, name: str | None) -> Metrics:
-        """Metrics labelled with model `name` when it is served, else the default model's."""
-        entry = self.models.get(name) if name is not None else None
+    def metrics_for(self, name: str | None, version: str | None = None) -> Metrics:
+        """Metrics labelled with model `name` (at `version`, else its highest) when served,
+        else the default model's."""
+        if name is None:
+            return self.metrics
+        entry = self.versions.get(name, {}).get(version) if version else self.models.get(name)
         if entry is None or entry.metrics is None:
             return self.metrics
         return entry.metrics
@@ -119,9 +175,10 @@ class ServiceState:
         return self.ready and not self.draining
 
     def set_ready(self, ready: bool) -> None:
+        """The server's readiness; each model version's gauge follows model_ready()."""
         self.ready = ready
-        for name in self.models:
-            self.metrics.ready.labels(name).set(1 if ready else 0)
+        for entry in self.entries():
+            self.publish_ready(entry)
 
     def start_draining(self) -> None:
         """SIGTERM: refuse new work (503) and fail readiness; queued and running requests go on,
@@ -146,6 +203,6 @@ class ServiceState:
 
     def end_grace(self) -> None:
         """The drain grace is over: what has not started is answered 503 and never computed."""
-        shed = sum(entry.batcher.close() for entry in self.models.values())
+        shed = sum(entry.batcher.close() for entry in self.entries())
         if shed:
             log.info("drain grace over: %d queued requests answered 503, not computed", shed)

@@ -102,13 +102,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext,
         endpoint: str | None = None,
         model: str | None = None,
+        version: str = "",
     ) -> AsyncIterator[Call]:
         """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
         started = time.perf_counter()
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         call = Call(method, request_id(metadata.get("x-request-id")))
-        metrics = self.state.metrics_for(model)
-        gauge = metrics.in_flight.labels(metrics.model) if endpoint else None
+        metrics = self.state.metrics_for(model, version)
+        gauge = metrics.in_flight_child if endpoint else None
         if gauge is not None:
             gauge.inc()
         try:
@@ -159,8 +160,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         async with self._call("ModelReady", context):
-            self._model(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.state.serving)
+            entry = self._model(request.name, request.version)
+            return pb.ModelReadyResponse(ready=self.state.model_ready(entry))
 
     async def ServerMetadata(self, request, context):
         async with self._call("ServerMetadata", context):
@@ -170,7 +171,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         async with self._call("ModelMetadata", context):
-            meta = model_metadata(self._model(request.name, request.version))
+            entry = self._model(request.name, request.version)
+            meta = model_metadata(entry, self.state.served_versions(entry.name))
             meta.pop("properties")  # not part of the gRPC message
             return json_format.ParseDict(meta, pb.ModelMetadataResponse())
 
@@ -182,24 +184,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request, context):
         async with self._call("ModelStatistics", context):
+            state = self.state
             if request.name:  # one model (unknown: NOT_FOUND); else every model
-                entries = [self._model(request.name, request.version)]
+                entry = self._model(request.name, request.version)
+                versions = [request.version] if request.version else None
+                entries = [
+                    state.versions[entry.name][v]
+                    for v in versions or state.served_versions(entry.name)
+                ]
             else:
-                entries = list(self.state.models.values())
+                entries = state.entries()
             stats = [entry.stats.as_dict() for entry in entries]
             return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     # -- inference ----------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
-        async with self._call("ModelInfer", context, "infer", request.model_name) as call:
+        name, version = request.model_name, request.model_version
+        async with self._call("ModelInfer", context, "infer", name, version) as call:
             entry = self._model(request.model_name, request.model_version)
             with entry.stats.request():
                 return await self._infer(entry, request, context, call)
 
     async def _infer(self, entry: ModelEntry, request, context, call: Call):
         state = self.state
-        ensure_serving(state)
-        metrics = state.metrics
+        ensure_serving(state, entry)
+        metrics = entry.metrics or state.metrics
         started = time.perf_counter()
         raw = bool(request.raw_input_contents)
         # Raw contents decode to views (no pass over the values); large typed contents are
@@ -211,9 +220,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             decoded = decode_infer_request(request)
             payload = prepare(decoded, entry.limits)
         seconds = time.perf_counter() - started
-        metrics.codec(metrics.decode, entry.name, "grpc", seconds)
+        metrics.codec(metrics.decode, "grpc", seconds)
         entry.stats.add("compute_input", seconds)
-        state.metrics_for(entry.name).sequences_received(payload.lengths)
+        metrics.sequences_received(payload.lengths)
 
         timeout = deadline_s(state, decoded.parameters)
         remaining = context.time_remaining()  # the call's gRPC deadline, if it has one
@@ -229,13 +238,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         array = payload.dense(output, payload.lengths) if payload.batched else output  # (B, T, E)
         response = encode_infer_response(
             entry.name,
-            request.model_version or entry.version,
+            entry.version,
             decoded.id or call.request_id,
             [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
             raw=raw,
         )
         seconds = time.perf_counter() - started
-        metrics.codec(metrics.encode, entry.name, "grpc", seconds)
+        metrics.codec(metrics.encode, "grpc", seconds)
         entry.stats.add("compute_output", seconds)
         return response
 

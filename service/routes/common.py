@@ -151,14 +151,19 @@ async def _await_watching(
 
 @contextmanager
 def observed(
-    state: ServiceState, endpoint: str, in_flight: bool = True, model: str | None = None
+    state: ServiceState,
+    endpoint: str,
+    in_flight: bool = True,
+    model: str | None = None,
+    version: str | None = None,
 ) -> Iterator[None]:
     """Request metrics around a handler: count by status, failure reason, duration, in-flight;
-    labelled with `model` when it names a served model (else the default model)."""
+    labelled with `model` and `version` when they name a served model version (no version: its
+    highest; else the default model)."""
     started = time.perf_counter()
     status, reason = 200, None
-    metrics = state.metrics_for(model)
-    gauge = metrics.child(metrics.in_flight, metrics.model) if in_flight else None
+    metrics = state.metrics_for(model, version)
+    gauge = metrics.in_flight_child if in_flight else None
     if gauge is not None:
         gauge.inc()
     try:

@@ -37,7 +37,7 @@ async def config(entry: PathModel) -> dict[str, Any]:
     responses={**ok(STATISTICS, "Triton's model statistics"), 503: ERROR_RESPONSES[503]},
 )
 async def all_stats(state: State) -> dict[str, Any]:
-    return {"model_stats": [entry.stats.as_dict() for entry in state.models.values()]}
+    return {"model_stats": [entry.stats.as_dict() for entry in state.entries()]}
 
 
 @router.get(
@@ -50,6 +50,10 @@ async def all_stats(state: State) -> dict[str, Any]:
     summary="Statistics of a model version (Triton's statistics extension)",
     responses=STATS_RESPONSES,
 )
-async def stats(entry: PathModel) -> dict[str, Any]:
-    """One model's statistics (an unknown model or version: 404, as Triton answers)."""
-    return {"model_stats": [entry.stats.as_dict()]}
+async def stats(state: State, entry: PathModel, model_version: str = "") -> dict[str, Any]:
+    """One model version's statistics, or with no version every served version's (Triton's
+    answer); an unknown model or version: 404."""
+    if model_version:
+        return {"model_stats": [entry.stats.as_dict()]}
+    versions = state.versions[entry.name]
+    return {"model_stats": [versions[v].stats.as_dict() for v in state.served_versions(entry.name)]}

@@ -181,10 +181,23 @@ async def _on_engine(
     return await await_queued(state.batcher, request, item.future, [item], timeout)
 
 
+def _check_default(state: ServiceState, model_name: str, version: str | None) -> None:
+    """The debug routes compute with the default model; another model or version: 400, never
+    another model's numbers."""
+    entry = state.find(model_name, version)
+    default = state.default
+    if entry is not default:
+        raise BadInput(
+            f"the debug routes serve only model '{default.name}' version {default.version} "
+            f"(the first model at its highest version), not '{entry.name}' version "
+            f"{entry.version}"
+        )
+
+
 async def _attention(
     state: ServiceState, request: Request, model_name: str, version: str | None
 ) -> Response:
-    state.find(model_name, version)
+    _check_default(state, model_name, version)
     ensure_serving(state)
     png = wants_png(request)
     settings, model = state.settings, state.model
@@ -313,7 +326,7 @@ async def _text_attention(
 async def _heads(
     state: ServiceState, request: Request, model_name: str, version: str | None
 ) -> Response:
-    state.find(model_name, version)
+    _check_default(state, model_name, version)
     png = wants_png(request)
     report = request.app.state.debug_heads
     if report is None:  # computed once from the weights, on the engine thread

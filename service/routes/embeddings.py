@@ -287,7 +287,7 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
         with state.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
             encoded = await tokenize(state, request, tokenizer, texts, deadline)
     metrics = state.metrics
-    metrics.codec(metrics.decode, state.model_name, "json", time.perf_counter() - started)
+    metrics.codec(metrics.decode, "json", time.perf_counter() - started)
     metrics.sequences_received([len(e.ids) for e in encoded])
 
     remaining = deadline - time.monotonic()
@@ -304,7 +304,7 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
         )
     else:
         content, seconds = _response(vectors, fmt, state.model_name, tokens)
-    metrics.codec(metrics.encode, state.model_name, "json", seconds)
+    metrics.codec(metrics.encode, "json", seconds)
     headers = {}
     truncated = [str(i) for i, e in enumerate(encoded) if e.truncated]
     if truncated:

@@ -45,18 +45,22 @@ async def server_metadata(request: Request) -> dict[str, Any]:
     summary="Model metadata",
     responses=MODEL_ERRORS,
 )
-async def model_metadata(entry: PathModel) -> dict[str, Any]:
-    return metadata_of(entry)
+async def model_metadata(state: State, entry: PathModel) -> dict[str, Any]:
+    return metadata_of(entry, state.served_versions(entry.name))
 
 
-@router.get("/v2/models/{model_name}/ready", summary="Model ready", responses=MODEL_ERRORS)
+@router.get(
+    "/v2/models/{model_name}/ready",
+    summary="Model ready (its highest served version warmed up, not unloading)",
+    responses=MODEL_ERRORS,
+)
 @router.get(
     "/v2/models/{model_name}/versions/{model_version}/ready",
-    summary="Model ready",
+    summary="Model version ready (warmed up, not unloading)",
     responses=MODEL_ERRORS,
 )
 async def model_ready(state: State, entry: PathModel) -> JSONResponse:
-    is_ready = state.serving
+    is_ready = state.model_ready(entry)
     return JSONResponse(
         {"name": entry.name, "ready": is_ready}, status_code=200 if is_ready else 503
     )

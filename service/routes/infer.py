@@ -38,6 +38,8 @@ router = APIRouter(tags=["inference"], route_class=LeanRoute)
 # JSON parts larger than this are parsed/serialised off the event loop (binary bodies are
 # decoded as views of the body, with no pass over their values, so they stay on the loop).
 OFFLOAD_BYTES = 64 * 1024
+# gRPC requests whose raw contents are larger than this are decoded and checked off the loop.
+OFFLOAD_BINARY_BYTES = 1024 * 1024
 
 
 async def read_body(request: Request, limit: int) -> bytes | bytearray:
@@ -117,7 +119,7 @@ async def _infer(state: ServiceState, request: Request, model_name: str, version
 async def _infer_model(
     state: ServiceState, entry: ModelEntry, request: Request, version: str | None
 ) -> Response:
-    ensure_serving(state)
+    ensure_serving(state, entry)
     body = await read_body(request, state.settings.max_body_bytes)
     header_length = request.headers.get(BINARY_HEADER)
     protocol = "json" if header_length is None else "binary"
@@ -130,10 +132,10 @@ async def _infer_model(
         decoded = decode_request(body, header_length)
         payload = prepare(decoded, entry.limits)
     seconds = time.perf_counter() - started
-    metrics = state.metrics
-    metrics.codec(metrics.decode, entry.name, protocol, seconds)
+    metrics = entry.metrics or state.metrics
+    metrics.codec(metrics.decode, protocol, seconds)
     entry.stats.add("compute_input", seconds)
-    state.metrics_for(entry.name).sequences_received(payload.lengths)
+    metrics.sequences_received(payload.lengths)
 
     timeout = deadline_s(state, decoded.parameters)
     output = await run_work(state, entry, request, payload, timeout)  # (N, E), batch's slice
@@ -155,7 +157,7 @@ async def _infer_model(
     else:
         parts, header_bytes = encode_parts(*args)
     seconds = time.perf_counter() - started
-    metrics.codec(metrics.encode, entry.name, protocol, seconds)
+    metrics.codec(metrics.encode, protocol, seconds)
     entry.stats.add("compute_output", seconds)
     if header_bytes is None:
         return PartsResponse(parts, "application/json", {})
@@ -178,5 +180,5 @@ async def _infer_model(
 )
 async def infer(request: Request, model_name: str, model_version: str | None = None) -> Response:
     state = get_state(request)
-    with observed(state, "infer", model=model_name):
+    with observed(state, "infer", model=model_name, version=model_version):
         return await _infer(state, request, model_name, model_version or None)

@@ -185,8 +185,17 @@ def test_request_counters_match_what_was_sent(exercised) -> None:
     for status in set(codes):
         sent = codes.count(status)
         assert delta(exercised, "mha_requests_total", status=str(status)) == sent, status
-    # Every request is labelled with the served model and its endpoint.
+    # Every request is labelled with the served model, its version and its endpoint.
     assert delta(exercised, "mha_requests_total", model="mha", endpoint="infer") == len(codes)
+    by_version = delta(exercised, "mha_requests_total", model="mha", version="1", endpoint="infer")
+    assert by_version == len(codes)
+
+
+def test_every_per_model_series_carries_the_version(exercised) -> None:
+    samples = after(exercised)[1]
+    per_model = [s for s in samples if "model" in s.labels]
+    assert per_model
+    assert [s.name for s in per_model if s.labels.get("version") != "1"] == []
     failures = {
         "bad_input": 3,
         "not_found": 1,

@@ -44,14 +44,14 @@ def _run(module: nn.Module, x: np.ndarray) -> torch.Tensor:
 
 # -- which models are served ------------------------------------------------------------------
 def test_repository_serves_each_model_at_its_latest_version(tmp_path: Path) -> None:
-    for model, versions in (("b", ["1", "10", "2", "notes"]), ("a", ["3"])):
+    for model, versions in (("b", ["1", "10", "2", "notes"]), ("a", ["003"])):
         for version in versions:
             (tmp_path / model / version).mkdir(parents=True)
     (tmp_path / "README.md").write_text("not a model")
     settings = parse_settings(["--model-repository", str(tmp_path)])
     sources = model_sources(settings)
     assert [(s.name, s.version, s.path) for s in sources] == [
-        ("a", "3", tmp_path / "a" / "3"),
+        ("a", "3", tmp_path / "a" / "003"),
         ("b", "10", tmp_path / "b" / "10"),
     ]
 
@@ -78,7 +78,11 @@ def test_model_dir_repeats_and_names_must_be_unique(tmp_path: Path) -> None:
     [
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"max_beam": 3}, "unknown setting(s) ['max_beam']"),
-        ({"version_policy": {"all": {}}}, "version_policy"),
+        ({"version_policy": {"newest": {}}}, 'use one of {"latest": {"num_versions": N}}'),
+        ({"version_policy": {"all": {}, "latest": {}}}, "is not valid"),
+        ({"version_policy": {"latest": {"num_versions": 0}}}, "num_versions must be an integer"),
+        ({"version_policy": {"specific": {"versions": []}}}, "must be a non-empty list"),
+        ({"version_policy": {"specific": {"versions": [1, 2]}}}, "version(s) [2] that have no"),
         ({"max_seq_len": 99999}, "max_batch_tokens"),  # the server's own cross-field check
         ([1, 2], "JSON object"),
     ],

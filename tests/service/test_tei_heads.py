@@ -199,9 +199,10 @@ def test_rerank_is_batched_invariant_and_counted(models):
         bodies = [{"query": QUERY, "texts": PASSAGES[i:] + PASSAGES[:i]} for i in range(4)]
         alone = [(await client.post("/rerank", json=b)).json() for b in bodies]
         metrics = client.app.state.service.metrics  # type: ignore[attr-defined]
-        batches = metrics.batches.labels(NAME, "ok")._value.get()
+        ok = metrics.batches.labels(model=NAME, version="1", outcome="ok")
+        batches = ok._value.get()
         together = await asyncio.gather(*(client.post("/rerank", json=b) for b in bodies))
-        assert metrics.batches.labels(NAME, "ok")._value.get() - batches < len(bodies)
+        assert ok._value.get() - batches < len(bodies)
         for got, want in zip(together, alone, strict=True):
             assert [r["index"] for r in got.json()] == [r["index"] for r in want]
             np.testing.assert_allclose(
