@@ -38,8 +38,6 @@ router = APIRouter(tags=["inference"], route_class=LeanRoute)
 # JSON parts larger than this are parsed/serialised off the event loop (binary bodies are
 # decoded as views of the body, with no pass over their values, so they stay on the loop).
 OFFLOAD_BYTES = 64 * 1024
-# gRPC requests whose raw contents are larger than this are decoded and checked off the loop.
-OFFLOAD_BINARY_BYTES = 1024 * 1024
 
 
 async def read_body(request: Request, limit: int) -> bytes | bytearray:
