@@ -17,6 +17,7 @@ from service.errors import ClientDisconnected, DeadlineExceeded, ServiceError
 
 if TYPE_CHECKING:
     from service.batcher import DynamicBatcher
+    from service.metrics import Metrics
     from service.state import ServiceState
 
 
@@ -149,6 +150,25 @@ async def _await_watching(
             _cancel(batcher, items)
 
 
+class Observation:
+    """The metrics one request is counted in; a handler that learns its model from the body
+    moves it there with label()."""
+
+    def __init__(self, metrics: Metrics, in_flight: bool) -> None:
+        self.metrics = metrics
+        self.gauge = metrics.in_flight_child if in_flight else None
+        if self.gauge is not None:
+            self.gauge.inc()
+
+    def label(self, metrics: Metrics) -> None:
+        """Count the request (and its in-flight gauge) under `metrics` from now on."""
+        if self.gauge is not None:
+            self.gauge.dec()
+            self.gauge = metrics.in_flight_child
+            self.gauge.inc()
+        self.metrics = metrics
+
+
 @contextmanager
 def observed(
     state: ServiceState,
@@ -156,18 +176,15 @@ def observed(
     in_flight: bool = True,
     model: str | None = None,
     version: str | None = None,
-) -> Iterator[None]:
+) -> Iterator[Observation]:
     """Request metrics around a handler: count by status, failure reason, duration, in-flight;
     labelled with `model` and `version` when they name a served model version (no version: its
     highest; else the default model)."""
     started = time.perf_counter()
     status, reason = 200, None
-    metrics = state.metrics_for(model, version)
-    gauge = metrics.in_flight_child if in_flight else None
-    if gauge is not None:
-        gauge.inc()
+    seen = Observation(state.metrics_for(model, version), in_flight)
     try:
-        yield
+        yield seen
     except ServiceError as exc:
         status, reason = exc.status, exc.reason
         raise
@@ -175,6 +192,6 @@ def observed(
         status, reason = 500, "inference_error"
         raise
     finally:
-        if gauge is not None:
-            gauge.dec()
-        metrics.request_done(endpoint, status, time.perf_counter() - started, reason)
+        if seen.gauge is not None:
+            seen.gauge.dec()
+        seen.metrics.request_done(endpoint, status, time.perf_counter() - started, reason)

@@ -28,7 +28,7 @@ from service.errors import (
     ModelNotFound,
 )
 from service.openapi import OPENAI_ERROR_RESPONSES
-from service.routes.common import LeanRoute, observed
+from service.routes.common import LeanRoute, Observation, observed
 from service.routes.infer import read_body
 from service.routes.text_work import TOKENIZE_CHUNK_CHARS, check_chars, run_parts, tokenize
 from service.text import (
@@ -37,7 +37,7 @@ from service.text import (
 )
 
 if TYPE_CHECKING:
-    from service.state import ServiceState
+    from service.state import ModelEntry, ServiceState
 
 router = APIRouter(tags=["embeddings"], route_class=LeanRoute)
 
@@ -119,11 +119,42 @@ def _max_inputs(state: ServiceState) -> int:
     return min(MAX_INPUTS, state.settings.max_queue)
 
 
+def embedding_entry(state: ServiceState, model: str) -> ModelEntry:
+    """The served embedding model named `model` (OpenAI's `model` field): 404 naming the served
+    text models for an unknown name, 400 for a model without a tokenizer or with a
+    classification head."""
+    entry = state.models.get(model)
+    if entry is None:
+        texts = [e for e in state.models.values() if e.tokenizer is not None]
+        served = ", ".join(f"'{e.name}' ({model_kind(e.model)})" for e in texts)
+        raise ModelNotFound(
+            f"unknown model '{model}'; this server's text models are {served}"
+            if texts
+            else f"unknown model '{model}'; this server serves "
+            f"{', '.join(repr(n) for n in state.models)}, none of them a text model",
+            param="model",
+        )
+    if entry.tokenizer is None:
+        raise BadInput(
+            f"model '{entry.name}' has no tokenizer: /v1/embeddings needs a text model "
+            "directory with tokenizer.json (and the tokenizers package); use /v2 for tensors",
+            param="model",
+        )
+    kind = model_kind(entry.model)
+    if kind != "embedding":
+        raise BadInput(
+            f"model '{entry.name}' is a {kind} (a sequence-classification head), not an "
+            "embedding model: use /rerank or /predict",
+            param="model",
+        )
+    return entry
+
+
 def parse_request(
-    body: bytes, state: ServiceState, embed_dim: int, matryoshka: bool = False
-) -> tuple[list[str] | list[np.ndarray], str, int | None]:
-    """The request's texts (or token ids), encoding_format and the dimensions to cut vectors to
-    (None: keep all); BadInput names the problem."""
+    body: bytes, state: ServiceState
+) -> tuple[ModelEntry, list[str] | list[np.ndarray], str, int | None]:
+    """The model the request names, its texts (or token ids), encoding_format and the
+    dimensions to cut vectors to (None: keep all); BadInput names the problem."""
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -136,13 +167,11 @@ def parse_request(
     model = request.get("model")
     if not isinstance(model, str):
         raise BadInput("'model' is required and must be a string")
-    if model != state.model_name:
-        raise ModelNotFound(
-            f"unknown model '{model}'; this server serves '{state.model_name}'", param="model"
-        )
+    entry = embedding_entry(state, model)
+    embed_dim, matryoshka = entry.model.embed_dim, entry.matryoshka
     if "input" not in request:
         raise BadInput("'input' is required: a string or a list of strings")
-    texts = _inputs(request["input"], state)
+    texts = _inputs(request["input"], state, entry)
     fmt = request.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise BadInput(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
@@ -161,10 +190,10 @@ def parse_request(
     user = request.get("user")
     if user is not None and not isinstance(user, str):
         raise BadInput("'user' must be a string", param="user")
-    return texts, fmt, (dims if dims is not None and dims < embed_dim else None)
+    return entry, texts, fmt, (dims if dims is not None and dims < embed_dim else None)
 
 
-def _inputs(texts: Any, state: ServiceState) -> list[str] | list[np.ndarray]:
+def _inputs(texts: Any, state: ServiceState, entry: ModelEntry) -> list[str] | list[np.ndarray]:
     """'input' as strings, or as token ids (one list of ints, or a list of such lists) checked
     against the vocabulary and the model's max length (OpenAI rejects over-long ids too)."""
     if isinstance(texts, str):
@@ -184,7 +213,7 @@ def _inputs(texts: Any, state: ServiceState) -> list[str] | list[np.ndarray]:
             param="input",
         )
     if isinstance(texts[0], list):
-        return [_token_ids(i, ids, state) for i, ids in enumerate(texts)]
+        return [_token_ids(i, ids, state, entry) for i, ids in enumerate(texts)]
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise BadInput(
@@ -198,20 +227,20 @@ def _inputs(texts: Any, state: ServiceState) -> list[str] | list[np.ndarray]:
     return texts
 
 
-def _token_ids(i: int, ids: Any, state: ServiceState) -> np.ndarray:
+def _token_ids(i: int, ids: Any, state: ServiceState, entry: ModelEntry) -> np.ndarray:
     """One token-id sequence, bounded by the model's max length and vocabulary."""
     if not isinstance(ids, list) or not ids:
         raise BadInput(
             f"input[{i}] must be a non-empty list of token ids, got {_kind(ids)}", param="input"
         )
-    max_len = min(state.model.max_seq_len, state.settings.max_seq_len)
+    max_len = min(entry.model.max_seq_len, state.settings.max_seq_len)
     if len(ids) > max_len:
         raise BadInput(
             f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
             f"{max_len} tokens",
             param="input",
         )
-    vocab = state.model.vocab_size
+    vocab = entry.model.vocab_size
     for j, token in enumerate(ids):
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
             raise BadInput(
@@ -254,56 +283,39 @@ def _response(
     return content, time.perf_counter() - started
 
 
-async def _embeddings(state: ServiceState, request: Request) -> Response:
-    tokenizer = state.tokenizer
+async def _embeddings(state: ServiceState, request: Request, seen: Observation) -> Response:
     ensure_serving(state)
-    if tokenizer is None:
-        raise BadInput(
-            f"model '{state.model_name}' has no tokenizer: /v1/embeddings needs a text model "
-            "directory with tokenizer.json (and the tokenizers package); use /v2 for tensors"
-        )
-    kind = model_kind(state.model)
-    if kind != "embedding":
-        raise BadInput(
-            f"model '{state.model_name}' is a {kind} (a sequence-classification head), not an "
-            "embedding model: use /rerank or /predict",
-            param="model",
-        )
     body = await read_body(request, state.settings.max_body_bytes)
-    matryoshka = state.matryoshka
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
     if len(body) > TOKENIZE_CHUNK_CHARS:
-        texts, fmt, dims = await run_in_threadpool(
-            parse_request, bytes(body), state, state.model.embed_dim, matryoshka
-        )
+        entry, texts, fmt, dims = await run_in_threadpool(parse_request, bytes(body), state)
     else:
-        texts, fmt, dims = parse_request(bytes(body), state, state.model.embed_dim, matryoshka)
+        entry, texts, fmt, dims = parse_request(bytes(body), state)
     del body
+    metrics = entry.metrics or state.metrics
+    seen.label(metrics)  # counted under the model the body names
     if isinstance(texts[0], np.ndarray):  # token ids, already bounded by parse_request
         encoded = [Encoded(ids, truncated=False) for ids in texts]
     else:
-        check_chars(texts, state.char_limits)
-        with state.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
-            encoded = await tokenize(state, request, tokenizer, texts, deadline)
-    metrics = state.metrics
+        check_chars(texts, entry.char_limits)
+        with entry.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
+            encoded = await tokenize(state, entry, request, texts, deadline)
     metrics.codec(metrics.decode, "json", time.perf_counter() - started)
     metrics.sequences_received([len(e.ids) for e in encoded])
 
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
-    vectors = await run_parts(state, request, encoded, remaining)
+    vectors = await run_parts(state, entry, request, encoded, remaining)
 
     tokens = sum(len(e.ids) for e in encoded)
     if dims is not None:  # Matryoshka: keep the first `dims` coordinates, unit length again
         vectors = [shorten(v, dims) for v in vectors]
     if len(vectors) > 64:
-        content, seconds = await run_in_threadpool(
-            _response, vectors, fmt, state.model_name, tokens
-        )
+        content, seconds = await run_in_threadpool(_response, vectors, fmt, entry.name, tokens)
     else:
-        content, seconds = _response(vectors, fmt, state.model_name, tokens)
+        content, seconds = _response(vectors, fmt, entry.name, tokens)
     metrics.codec(metrics.encode, "json", seconds)
     headers = {}
     truncated = [str(i) for i, e in enumerate(encoded) if e.truncated]
@@ -321,5 +333,5 @@ async def _embeddings(state: ServiceState, request: Request) -> Response:
 )
 async def embeddings(request: Request) -> Response:
     state = get_state(request)
-    with observed(state, "embeddings"):
-        return await _embeddings(state, request)
+    with observed(state, "embeddings") as seen:
+        return await _embeddings(state, request, seen)

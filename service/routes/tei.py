@@ -22,18 +22,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service.deps import ensure_serving, get_state
 from service.errors import BadInput
 from service.openapi import TEI_ERROR_RESPONSES
-from service.routes.common import observed
 from service.routes.infer import read_body
 from service.routes.tei_common import (
     MAX_CLIENT_BATCH,
     Direction,
     check_batch,
     encode_texts,
-    require_kind,
-    text_tokenizer,
+    text_entry,
+    text_route,
 )
 from service.routes.tei_rank import HubPredictRequest, hub_predict
 from service.routes.text_work import check_chars, run_parts, tokenize
+from service.state import ModelEntry
 from service.text import model_kind, raw_embed_runner, tei_model_type, token_runner
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
@@ -103,10 +103,9 @@ def _texts(inputs: str | list[str]) -> list[str]:
     return texts
 
 
-def with_prompt(request: Request, texts: list[str], prompt_name: str | None) -> list[str]:
-    """Texts with the named sentence-transformers prompt prepended (None: the model's default
-    prompt, if it declares one); 400 naming the available prompts for an unknown name."""
-    entry = get_state(request).default
+def with_prompt(entry: ModelEntry, texts: list[str], prompt_name: str | None) -> list[str]:
+    """Texts with the named sentence-transformers prompt of `entry` prepended (None: its
+    default prompt, if it declares one); 400 naming the available prompts for an unknown name."""
     prompts, default = entry.prompts, entry.default_prompt
     name = prompt_name if prompt_name is not None else default
     if name is None:
@@ -118,14 +117,19 @@ def with_prompt(request: Request, texts: list[str], prompt_name: str | None) -> 
 
 
 async def _run(
-    request: Request, texts: list[str], truncate: bool, direction: Direction, runner
+    request: Request,
+    entry: ModelEntry,
+    texts: list[str],
+    truncate: bool,
+    direction: Direction,
+    runner,
 ) -> list[np.ndarray]:
-    """Texts -> one result per text through the batcher (413 for over-long texts unless
+    """Texts -> one result per text through `entry`'s batcher (413 for over-long texts unless
     truncate)."""
     state = get_state(request)
     deadline = time.monotonic() + state.settings.request_timeout_s
-    encoded = await encode_texts(request, state, texts, truncate, direction, deadline)
-    return await run_parts(state, request, encoded, deadline - time.monotonic(), runner)
+    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline)
+    return await run_parts(state, entry, request, encoded, deadline - time.monotonic(), runner)
 
 
 def _normalized(vectors: list[np.ndarray]) -> list[np.ndarray]:
@@ -147,27 +151,23 @@ class SimilarityRequest(BaseModel):
 @router.post("/similarity", summary="Cosine similarity of a sentence to others (TEI)")
 async def similarity(body: SimilarityRequest, request: Request) -> list[float]:
     state = get_state(request)
-    with observed(state, "similarity"):
-        text_tokenizer(request)
-        require_kind(state, "/similarity", "embedding")
+    with text_route(state, "similarity", "/similarity", "embedding") as entry:
         ensure_serving(state)
         if not body.inputs.sentences:
             raise BadInput("'inputs.sentences' is empty; send at least one sentence")
         texts = _texts([body.inputs.source_sentence, *body.inputs.sentences])
-        vectors = await _run(request, texts, body.truncate, "Right", raw_embed_runner)
+        vectors = await _run(request, entry, texts, body.truncate, "Right", raw_embed_runner)
         source, *others = _normalized(vectors)
         return [float(np.dot(source, v)) for v in others]
 
 
 async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
     state = get_state(request)
-    with observed(state, "embed"):
-        text_tokenizer(request)
-        require_kind(state, "/embed", "embedding")
+    with text_route(state, "embed", "/embed", "embedding") as entry:
         ensure_serving(state)
-        texts = with_prompt(request, _texts(body.inputs), body.prompt_name)
+        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
         vectors = await _run(
-            request, texts, body.truncate, body.truncation_direction, raw_embed_runner
+            request, entry, texts, body.truncate, body.truncation_direction, raw_embed_runner
         )
         if body.normalize:
             vectors = _normalized(vectors)
@@ -232,12 +232,12 @@ EMBED_ALL_RESPONSES = {
 )
 async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
     state = get_state(request)
-    with observed(state, "embed_all"):
-        text_tokenizer(request)
-        require_kind(state, "/embed_all", "embedding")
+    with text_route(state, "embed_all", "/embed_all", "embedding") as entry:
         ensure_serving(state)
-        texts = with_prompt(request, _texts(body.inputs), body.prompt_name)
-        states = await _run(request, texts, body.truncate, body.truncation_direction, token_runner)
+        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        states = await _run(
+            request, entry, texts, body.truncate, body.truncation_direction, token_runner
+        )
         content = orjson.dumps(states, option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(content, media_type="application/json")
 
@@ -250,13 +250,13 @@ async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
 )
 async def root(request: Request):
     state = get_state(request)
-    text_tokenizer(request)
+    entry = text_entry(state, "/")  # the default text model's kind picks the shape
     raw = await read_body(request, state.settings.max_body_bytes)
     try:
         data = orjson.loads(bytes(raw))
     except orjson.JSONDecodeError as exc:
         raise BadInput(f"body is not valid JSON: {exc}") from None
-    embedding = model_kind(state.model) == "embedding"
+    embedding = model_kind(entry.model) == "embedding"
     try:
         parsed = (EmbedRequest if embedding else HubPredictRequest).model_validate(data)
     except ValidationError as exc:
@@ -272,16 +272,17 @@ async def root(request: Request):
 @router.post("/tokenize", summary="Tokens of texts (TEI)")
 async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[SimpleToken]]:
     state = get_state(request)
-    with observed(state, "tokenize"):
-        tokenizer = text_tokenizer(request)
-        texts = with_prompt(request, _texts(body.inputs), body.prompt_name)
-        check_chars(texts, get_state(request).char_limits)
+    with text_route(state, "tokenize", "/tokenize") as entry:
+        tokenizer = entry.tokenizer
+        assert tokenizer is not None  # text_route chose a text model
+        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
-        with state.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
+        with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
             return await tokenize(
                 state,
+                entry,
                 request,
-                tokenizer,
                 texts,
                 deadline,
                 lambda part: tokenizer.tokens(part, body.add_special_tokens),
@@ -291,11 +292,12 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[S
 @router.post("/decode", summary="Texts of token ids (TEI)")
 async def decode(body: DecodeRequest, request: Request) -> list[str]:
     state = get_state(request)
-    with observed(state, "decode"):
-        tokenizer = text_tokenizer(request)
+    with text_route(state, "decode", "/decode") as entry:
+        tokenizer = entry.tokenizer
+        assert tokenizer is not None  # text_route chose a text model
         ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
         check_batch(len(ids), "ids")
-        vocab = state.model.vocab_size
+        vocab = entry.model.vocab_size
         for i, seq in enumerate(ids):
             if len(seq) > tokenizer.max_length or any(not 0 <= t < vocab for t in seq):
                 raise BadInput(
@@ -307,18 +309,20 @@ async def decode(body: DecodeRequest, request: Request) -> list[str]:
 @router.get("/info", summary="Model facts (TEI)")
 async def info(request: Request) -> Info:
     state = get_state(request)
-    tokenizer = text_tokenizer(request)
+    entry = text_entry(state, "/info")
+    tokenizer = entry.tokenizer
+    assert tokenizer is not None  # text_entry chose a text model
     from service import __version__
 
     return Info(
-        model_id=state.model_name,
-        model_dtype=str(state.model.dtype).removeprefix("torch."),
-        model_type=tei_model_type(state.model),
+        model_id=entry.name,
+        model_dtype=str(entry.model.dtype).removeprefix("torch."),
+        model_type=tei_model_type(entry.model),
         max_input_length=tokenizer.max_length,
         max_batch_tokens=state.settings.max_batch_tokens,
         max_batch_requests=state.settings.max_batch_size,
         max_client_batch_size=MAX_CLIENT_BATCH,
         max_concurrent_requests=state.settings.max_queue,
-        prompts=state.default.prompts,
+        prompts=entry.prompts,
         version=__version__,
     )

@@ -20,19 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.deps import ensure_serving, get_state
 from service.errors import BadInput
 from service.openapi import TEI_ERROR_RESPONSES
-from service.routes.common import observed
-from service.routes.tei_common import (
-    Direction,
-    check_batch,
-    encode_texts,
-    require_kind,
-    text_tokenizer,
-)
+from service.routes.tei_common import Direction, check_batch, encode_texts, text_route
 from service.routes.text_work import run_parts
 from service.text import Text, classify_runner, scores, typed_payload
 
 if TYPE_CHECKING:
-    from service.state import ServiceState
+    from service.state import ModelEntry, ServiceState
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
 
@@ -85,23 +78,24 @@ class HubPredictRequest(BaseModel):
 async def _logits(
     request: Request,
     state: ServiceState,
+    entry: ModelEntry,
     texts: list[Text],
     truncate: bool,
     direction: Direction,
     field: str,
 ) -> list[np.ndarray]:
-    """Texts or pairs -> logits (num_labels,) each, through the batcher."""
+    """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher."""
     deadline = time.monotonic() + state.settings.request_timeout_s
-    encoded = await encode_texts(request, state, texts, truncate, direction, deadline, field)
+    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline, field)
     return await run_parts(
-        state, request, encoded, deadline - time.monotonic(), classify_runner, typed_payload
+        state, entry, request, encoded, deadline - time.monotonic(), classify_runner, typed_payload
     )
 
 
-def _predictions(state: ServiceState, logits: np.ndarray, how: str | None) -> list[Prediction]:
+def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[Prediction]:
     """Every label with its score, best first; how: None (the model's problem type), "none"
     (raw logits), "sigmoid" or "softmax"."""
-    info = state.model.info
+    info = entry.model.info
     if how in ("sigmoid", "softmax"):
         values = scores(logits, "multi_label_classification" if how == "sigmoid" else None, False)
         if how == "softmax" and len(values) == 1:
@@ -139,16 +133,14 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Tex
 )
 async def rerank(body: RerankRequest, request: Request) -> list[Rank]:
     state = get_state(request)
-    with observed(state, "rerank"):
-        text_tokenizer(request)
-        require_kind(state, "/rerank", "reranker")
+    with text_route(state, "rerank", "/rerank", "reranker") as entry:
         ensure_serving(state)
         if not body.query:
             raise BadInput("'query' is an empty string; send the text to rank against")
         check_batch(len(body.texts), "texts")
         pairs: list[Text] = [(body.query, text) for text in body.texts]
         logits = await _logits(
-            request, state, pairs, body.truncate, body.truncation_direction, "texts"
+            request, state, entry, pairs, body.truncate, body.truncation_direction, "texts"
         )
         values = [float(scores(x, None, body.raw_scores)[0]) for x in logits]
         order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties by index
@@ -163,27 +155,24 @@ async def predict(
     body: PredictRequest, request: Request
 ) -> list[Prediction] | list[list[Prediction]]:
     state = get_state(request)
-    with observed(state, "predict"):
-        text_tokenizer(request)
-        require_kind(state, "/predict", "classifier", "reranker")
+    with text_route(state, "predict", "/predict", "classifier", "reranker") as entry:
         ensure_serving(state)
         texts, batch = _predict_inputs(body.inputs)
         logits = await _logits(
-            request, state, texts, body.truncate, body.truncation_direction, "inputs"
+            request, state, entry, texts, body.truncate, body.truncation_direction, "inputs"
         )
         how = "none" if body.raw_scores else None
-        results = [_predictions(state, x, how) for x in logits]
+        results = [_predictions(entry, x, how) for x in logits]
         return results if batch else results[0]
 
 
 async def hub_predict(body: HubPredictRequest, request: Request) -> list[list[Prediction]]:
     """POST / for a classifier: one list of label scores per input (top_k best, if given)."""
     state = get_state(request)
-    with observed(state, "predict"):
-        require_kind(state, "/", "classifier", "reranker")
+    with text_route(state, "predict", "/", "classifier", "reranker") as entry:
         ensure_serving(state)
         texts: list[Text] = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
         check_batch(len(texts))
         params = body.parameters or HubParameters()
-        logits = await _logits(request, state, texts, False, "Right", "inputs")
-        return [_predictions(state, x, params.function_to_apply)[: params.top_k] for x in logits]
+        logits = await _logits(request, state, entry, texts, False, "Right", "inputs")
+        return [_predictions(entry, x, params.function_to_apply)[: params.top_k] for x in logits]

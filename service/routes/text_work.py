@@ -21,7 +21,7 @@ from service.text import CharLimits, Encoded, Text, TextTokenizer, embed_runner,
 from service.work import Runner, Work
 
 if TYPE_CHECKING:
-    from service.state import ServiceState
+    from service.state import ModelEntry, ServiceState
 
 TOKENIZE_CHUNK_CHARS = 64 * 1024  # ~40 ms of tokenizing; deadline and client checked between
 INLINE_TOKENIZE_CHARS = 512  # ~0.3 ms: tokenized on the event loop, cheaper than a thread hop
@@ -65,8 +65,8 @@ def tokenize_chunks(texts: list[Text]) -> list[list[Text]]:
 
 async def tokenize(
     state: ServiceState,
+    entry: ModelEntry,
     request: Request,
-    tokenizer: TextTokenizer,
     texts: list[Text],
     deadline: float,
     encode: Callable[[list[Text]], list[Any]] | None = None,
@@ -75,6 +75,7 @@ async def tokenize(
     504 past the deadline, 503 once the drain grace has ended (the rest is never tokenized).
     `encode` (default: tokenizer.encode) maps a chunk of texts or pairs to one item each.
     A few short texts are tokenized on the event loop: a thread hop would cost more."""
+    tokenizer: TextTokenizer = entry.tokenizer  # type: ignore[assignment]  # a text entry
     encode = encode or tokenizer.encode
     if sum(_chars(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
         return encode(texts)
@@ -89,7 +90,7 @@ async def tokenize(
                     f"tokenizing did not finish within the request's deadline "
                     f"({state.settings.request_timeout_s} s, --request-timeout-s)"
                 )
-            state.batcher.check_open()
+            entry.batcher.check_open()
             encoded += await run_in_threadpool(encode, part)
     finally:
         watch.close()
@@ -118,14 +119,15 @@ def _retrieve(future: asyncio.Future) -> None:
 
 async def run_parts(
     state: ServiceState,
+    entry: ModelEntry,
     request: Request,
     encoded: list[Encoded],
     timeout: float,
     runner: Runner = embed_runner,
     payload_of: Callable[[list[Encoded]], Payload] | None = None,
 ) -> list[np.ndarray]:
-    """Queue every part, await all; on timeout or disconnect drop the parts not yet started.
-    payload_of builds a part's payload (default: its token ids)."""
+    """Queue every part on `entry`'s batcher, await all; on timeout or disconnect drop the parts
+    not yet started. payload_of builds a part's payload (default: its token ids)."""
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout
     settings = state.settings
@@ -136,12 +138,12 @@ async def run_parts(
             payload = payload_of(items) if payload_of else token_payload([e.ids for e in items])
             work = Work(payload=payload, runner=runner, deadline=deadline, loop=loop)
             work.future.add_done_callback(_retrieve)
-            state.batcher.submit(work)  # 429 when the queue is full
+            entry.batcher.submit(work)  # 429 when the queue is full
             works.append(work)
         gathered = asyncio.gather(*(w.future for w in works))
-        results = await await_queued(state.batcher, request, gathered, works, timeout)
+        results = await await_queued(entry.batcher, request, gathered, works, timeout)
     except BaseException:
         for work in works:
-            state.batcher.cancel(work)
+            entry.batcher.cancel(work)
         raise
     return [vector for part in results for vector in part]
