@@ -19,6 +19,9 @@ from service.errors import BadInput
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 MAX_RANK = 8
+# JSON parts (or typed gRPC contents) larger than this are parsed/serialised off the event loop;
+# binary tensors decode to views of the body, with no pass over their values, so they stay on it.
+OFFLOAD_BYTES = 64 * 1024
 
 
 @dataclass

@@ -241,3 +241,18 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
         datatype=datatype,
         batched=batched,
     )
+
+
+def request_timeout_s(default_s: float, parameters: dict[str, Any]) -> float:
+    """Seconds a request may wait: --request-timeout-s (`default_s`), or less if the client asks
+    with the `timeout` parameter (µs, as tritonclient sends it) over HTTP or gRPC."""
+    timeout = default_s
+    asked = parameters.get("timeout")
+    if asked is not None:
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+            raise BadInput(
+                f"parameter 'timeout' must be a non-negative integer (µs), got {asked!r}"
+            )
+        if asked > 0:
+            timeout = min(timeout, asked / 1e6)
+    return timeout

@@ -21,6 +21,9 @@ from service.loading import load_entry, warm_up_model
 from service.repository import ModelSource, RepositoryError, model_sources
 from service.state import ModelEntry, ServiceState
 
+# Parameters an unload request may carry (Triton's); anything else is refused with 400.
+UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
+
 log = logging.getLogger("service.model_control")
 
 

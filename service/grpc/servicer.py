@@ -20,7 +20,7 @@ import grpc
 from google.protobuf import json_format
 
 from service import __version__
-from service.codecs import OutputTensor
+from service.codecs import OFFLOAD_BYTES, OutputTensor
 from service.deps import ensure_serving
 from service.errors import BadInput, DeadlineExceeded, ServiceError, Unauthorized
 from service.forward import hidden_states
@@ -28,11 +28,10 @@ from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.grpc.tensors import decode_infer_request, encode_infer_response
-from service.inputs import OUTPUT_NAME, prepare
+from service.inputs import OUTPUT_NAME, prepare, request_timeout_s
 from service.middleware import bearer_credential, log_safe, request_id
 from service.model_config import extensions, model_config, model_metadata
-from service.routes.infer import OFFLOAD_BYTES, deadline_s
-from service.routes.repository import UNLOAD_PARAMETERS
+from service.model_control import UNLOAD_PARAMETERS
 from service.work import Work
 
 if TYPE_CHECKING:
@@ -224,7 +223,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         entry.stats.add("compute_input", seconds)
         metrics.sequences_received(payload.lengths)
 
-        timeout = deadline_s(state, decoded.parameters)
+        timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
         remaining = context.time_remaining()  # the call's gRPC deadline, if it has one
         if remaining is not None:
             timeout = min(timeout, max(remaining, 0.0))

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.codecs import (
     BINARY_HEADER,
+    OFFLOAD_BYTES,
     OutputTensor,
     decode_request,
     encode_parts,
@@ -25,7 +26,7 @@ from service.errors import (
     PayloadTooLarge,
 )
 from service.forward import hidden_states
-from service.inputs import OUTPUT_NAME, Payload, prepare
+from service.inputs import OUTPUT_NAME, Payload, prepare, request_timeout_s
 from service.openapi import INFER_OPENAPI, INFER_RESPONSES
 from service.routes.common import LeanRoute, PartsResponse, await_queued, observed
 from service.work import Work
@@ -34,10 +35,6 @@ if TYPE_CHECKING:
     from service.state import ModelEntry, ServiceState
 
 router = APIRouter(tags=["inference"], route_class=LeanRoute)
-
-# JSON parts larger than this are parsed/serialised off the event loop (binary bodies are
-# decoded as views of the body, with no pass over their values, so they stay on the loop).
-OFFLOAD_BYTES = 64 * 1024
 
 
 async def read_body(request: Request, limit: int) -> bytes | bytearray:
@@ -83,20 +80,6 @@ async def read_body(request: Request, limit: int) -> bytes | bytearray:
     return body
 
 
-def deadline_s(state: ServiceState, parameters: dict[str, Any]) -> float:
-    """Seconds the request may wait: --request-timeout-s, or less if the client asks."""
-    timeout = state.settings.request_timeout_s
-    asked = parameters.get("timeout")  # tritonclient sends microseconds
-    if asked is not None:
-        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
-            raise BadInput(
-                f"parameter 'timeout' must be a non-negative integer (µs), got {asked!r}"
-            )
-        if asked > 0:
-            timeout = min(timeout, asked / 1e6)
-    return timeout
-
-
 async def run_work(
     state: ServiceState, entry: ModelEntry, request: Request, payload: Payload, timeout: float
 ) -> Any:
@@ -135,7 +118,7 @@ async def _infer_model(
     entry.stats.add("compute_input", seconds)
     metrics.sequences_received(payload.lengths)
 
-    timeout = deadline_s(state, decoded.parameters)
+    timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
     output = await run_work(state, entry, request, payload, timeout)  # (N, E), batch's slice
 
     started = time.perf_counter()

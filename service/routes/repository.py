@@ -10,12 +10,11 @@ from fastapi.responses import JSONResponse
 
 from service.deps import get_state
 from service.errors import BadInput
-from service.model_control import ModelControl
+from service.model_control import UNLOAD_PARAMETERS, ModelControl
 from service.openapi import ERROR_RESPONSES
 
 router = APIRouter(tags=["model repository"])
 # tritonclient sends unload_dependents; with no ensembles there are no dependents to unload.
-UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
 BODY_LIMIT = 64 * 1024  # these bodies are a few bytes; nothing bigger is read
 INDEX_ENTRY = {
     "type": "object",
