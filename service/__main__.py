@@ -7,20 +7,15 @@ Nothing here imports torch at module level: `main` sets the CPU threading defaul
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
-import signal
 import sys
-from types import FrameType
 from typing import Any, NoReturn
 
-import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import CliApp, CliSettingsSource
 
 from service import __version__
-from service.connections import connection_cap, protocol_class
 from service.logs import configure_logging
 from service.repository import RepositoryError, model_sources
 from service.settings import Settings
@@ -40,55 +35,24 @@ def cpu_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT, fail readiness and refuse new work before uvicorn's graceful stop."""
-
-    def __init__(self, config: uvicorn.Config, app) -> None:
-        super().__init__(config)
-        self._app = app
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        state = getattr(self._app.state, "service", None)
-        if state is not None and sig in (signal.SIGTERM, signal.SIGINT):
-            state.start_draining()
-        super().handle_exit(sig, frame)
-
-
 def serve(settings: Settings) -> None:
-    """Run the server until SIGTERM; accepted requests are answered before exit."""
-    import torch
-
-    from service.app import create_app
-
+    """Run the server until SIGTERM; accepted requests are answered before exit. With
+    --workers N > 1: an engine process and N front-end processes (service.workers)."""
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
     try:
         model_sources(settings)  # a bad repository or name clash stops here, in one line
     except RepositoryError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    # The engine makes no inter-op parallel calls: no second pool competing for the cores.
-    with contextlib.suppress(RuntimeError):  # already started (serve twice in one process)
-        torch.set_num_interop_threads(1)
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        # At the end of the grace, queued work is answered 503 (ServiceState.end_grace) and the
-        # running forward finishes, so connections close by grace + one forward; uvicorn's own
-        # cut-off (which would answer 500) is only a backstop for clients still sending bodies.
-        timeout_graceful_shutdown=settings.drain_grace_s + settings.request_timeout_s,
-        timeout_keep_alive=settings.keep_alive_timeout_s,
-        http=protocol_class(
-            settings.header_timeout_s,
-            settings.write_timeout_s,
-            connection_cap(settings.max_connections),
-        ),
-        access_log=False,  # service.middleware.RequestContext logs each request, with its id
-        log_config=None,  # keep the root handlers configure_logging set up (text or JSON)
-    )
-    DrainingServer(config, app).run()
+    if settings.workers > 1:
+        from service.workers.supervisor import supervise
+
+        raise SystemExit(supervise(settings))
+    from service.app import create_app
+    from service.server import run_uvicorn, set_interop_threads
+
+    set_interop_threads()
+    run_uvicorn(settings, create_app(settings))
 
 
 class _Parser(argparse.ArgumentParser):

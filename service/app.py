@@ -37,6 +37,8 @@ from service.routes import (
 )
 from service.settings import Settings
 from service.state import ModelEntry, ServiceState
+from service.workers.frontend import frontend_lifespan
+from service.workers.remote import EngineLink
 
 log = logging.getLogger("service")
 
@@ -58,8 +60,9 @@ async def _warm_up(state: ServiceState) -> None:
     log.info("ready: %s", ", ".join(repr(name) for name in state.models))
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app; the model loads in the lifespan, so importing or creating loads nothing."""
+def create_app(settings: Settings | None = None, engine: EngineLink | None = None) -> FastAPI:
+    """Build the app; the model loads in the lifespan, so importing or creating loads nothing.
+    With `engine` (a --workers front-end) the models live in the engine process instead."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -100,7 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="mha-serve",
         version=__version__,
         description="Multi-head attention and transformer blocks over the Open Inference Protocol.",
-        lifespan=lifespan,
+        lifespan=lifespan if engine is None else frontend_lifespan(settings, engine),
         docs_url=None,  # service.docs serves /docs with local assets
         redoc_url=None,  # ReDoc has no offline bundle here
     )

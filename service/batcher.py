@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import torch
@@ -105,20 +106,27 @@ class DynamicBatcher:
                 headers={"Retry-After": "1"},
             )
 
-    @contextlib.contextmanager
-    def reserve(self, sequences: int) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def reserve(self, sequences: int) -> AsyncIterator[None]:
         """Hold `sequences` queue slots while a request prepares its work off the engine (e.g.
         tokenizing), so that preparation counts against --max-queue (429 when full)."""
+        self.hold(sequences)
+        try:
+            yield
+        finally:
+            self.release(sequences)
+
+    def hold(self, sequences: int) -> None:
+        """Take `sequences` queue slots for work being prepared (429 when full); release()."""
         with self._cond:
             self._check_room(sequences)
             self._reserved += sequences
             self._report_depth()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._reserved -= sequences
-                self._report_depth()
+
+    def release(self, sequences: int) -> None:
+        with self._cond:
+            self._reserved -= sequences
+            self._report_depth()
 
     def submit(self, work: QueueItem) -> None:
         """Queue `work`, or raise Overloaded (429) when the queue is full or would outlast its
@@ -142,11 +150,17 @@ class DynamicBatcher:
             self._report_depth()
             self._cond.notify()
 
-    def run_exclusive(self, fn: Callable[[], Any], *, sequences: int, deadline: float) -> Exclusive:
-        """Queue `fn` to run on the engine thread alone, in FIFO turn with batches; await
-        `.future` for its result. Counts `sequences` against --max-queue (429 when full)."""
+    def run_exclusive(
+        self, fn: Callable[..., Any], args: tuple = (), *, sequences: int, deadline: float
+    ) -> Exclusive:
+        """Queue `fn(model, *args)` to run on the engine thread alone, in FIFO turn with batches;
+        await `.future` for its result. Counts `sequences` against --max-queue (429 when full).
+        `fn` is a module-level function (worker front-ends send it by name)."""
         item = Exclusive(
-            fn=fn, slots=max(1, sequences), deadline=deadline, loop=asyncio.get_running_loop()
+            fn=functools.partial(fn, self.model, *args),
+            slots=max(1, sequences),
+            deadline=deadline,
+            loop=asyncio.get_running_loop(),
         )
         self.submit(item)
         return item
@@ -164,6 +178,10 @@ class DynamicBatcher:
             self._queued_tokens -= work.tokens
             self._report_depth()
             return True
+
+    async def withdraw(self, items: list[QueueItem]) -> bool:
+        """Take `items` out of the queue; True if any was still queued (never run)."""
+        return any([self.cancel(item) for item in items])
 
     def close(self) -> int:
         """End of the drain grace: answer every request not yet started 503 (Retry-After), never

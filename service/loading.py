@@ -77,9 +77,6 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     settings = model_settings(settings, source)
     name = source.name
     model = await asyncio.to_thread(load_served_model, settings, source.path)
-    tokenizer = await asyncio.to_thread(
-        load_tokenizer, source.path, model, settings.max_seq_len
-    )  # None (/v1/embeddings then answers 400) unless the model dir has a tokenizer.json
     info = model_info(model, name)
     model_metrics = metrics.for_model(name, source.version)
     model_metrics.set_model_info(info)
@@ -100,14 +97,22 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
         max_sequences=settings.max_batch_size,
         max_tokens=settings.max_batch_tokens,
     )
-    entry = ModelEntry(name, model, batcher, limits, info, stats, tokenizer)
+    entry = ModelEntry(name, model, batcher, limits, info, stats)
     entry.metrics = model_metrics
     entry.version = source.version
     entry.version_policy = source.policy
+    await asyncio.to_thread(add_text_parts, entry, settings, source)
+    return entry
+
+
+def add_text_parts(entry: ModelEntry, settings: Settings, source: ModelSource) -> None:
+    """A text model's tokenizer (None: the text routes answer 400 unless the model directory
+    has a tokenizer.json), prompts, matryoshka flag and character limits; `settings` are the
+    model's own (model_settings)."""
+    entry.tokenizer = load_tokenizer(source.path, entry.model, settings.max_seq_len)
     entry.matryoshka = matryoshka(source.path)
     entry.prompts, entry.default_prompt = read_prompts(source.path)
-    if tokenizer is not None:
+    if entry.tokenizer is not None:
         entry.char_limits = CharLimits.resolve(
-            settings.max_input_chars, settings.max_request_chars, tokenizer.max_length
+            settings.max_input_chars, settings.max_request_chars, entry.tokenizer.max_length
         )
-    return entry

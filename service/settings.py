@@ -176,6 +176,22 @@ class Settings(BaseSettings):
         "thread). Unset: torch's default, one per core the process may use. The event loop "
         "needs CPU too: on a CPU-bound host leave it a core.",
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Front-end processes. 1: one process does everything. N > 1: one engine "
+        "process owns the models, the batchers and the engine threads; N front-end processes "
+        "share the port and do HTTP/gRPC, decoding, validation, tokenizing and encoding, "
+        "handing tensors to the engine through shared memory (Linux only).",
+    )
+    worker_slab_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="--workers N > 1: shared memory per front-end for the tensors of its "
+        "requests in flight (pages are used only as needed); a request that does not fit "
+        "travels through the control channel instead, slower but the same.",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="When set, every route but health, metrics and docs needs "
@@ -206,6 +222,11 @@ class Settings(BaseSettings):
                 f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_seq_len "
                 f"({self.max_seq_len}), or a full-length sequence could never be batched; "
                 "raise --max-batch-tokens or lower --max-seq-len"
+            )
+        if self.workers > 1 and self.model_control_mode == "explicit":
+            raise ValueError(
+                "--workers > 1 serves the models loaded at start-up: explicit model control "
+                "(--model-control-mode explicit) needs --workers 1"
             )
         if self.max_queue < self.max_batch_size:
             raise ValueError(

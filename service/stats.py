@@ -90,6 +90,10 @@ class ModelStats:
                 self._durations["compute_infer"].add(compute_s)
 
     # -- reading -----------------------------------------------------------------------------
+    async def snapshot(self) -> dict[str, Any]:
+        """as_dict(), awaitable like a worker front-end's (service.workers.remote.RemoteStats)."""
+        return self.as_dict()
+
     def as_dict(self) -> dict[str, Any]:
         """Triton's ModelStatistics as JSON (the HTTP answer; gRPC parses the same dict)."""
         with self._lock:

@@ -127,7 +127,7 @@ def load_tokenizer(
     model_dir: Path | None, model: ServedModel, max_seq_len: int
 ) -> TextTokenizer | None:
     """The tokenizer of a text model's directory, or None when /v1/embeddings can't be served."""
-    if model_dir is None or not isinstance(model, ServedTextModel):
+    if model_dir is None or text_kind(model) is None:
         return None
     path = Path(model_dir) / TOKENIZER_FILE
     if not path.is_file():
@@ -225,11 +225,19 @@ def typed_payload(encoded: list[Encoded]) -> Payload:
     return token_payload([np.stack([e.ids, e.types], axis=1) for e in encoded])
 
 
-def model_kind(model: ServedModel) -> str:
-    """embedding | classifier | reranker (one label): which text routes the model answers."""
+def text_kind(model: Any) -> str | None:
+    """embedding | classifier | reranker (one label) for a text model, else None. A worker
+    front-end's ModelView (service.workers.remote) carries what its engine process answered."""
     if isinstance(model, ServedClassifierModel):
         return model.info.kind
-    return "embedding"
+    if isinstance(model, ServedTextModel):
+        return "embedding"
+    return getattr(model, "text_kind", None)
+
+
+def model_kind(model: ServedModel) -> str:
+    """embedding | classifier | reranker: which text routes the (text) model answers."""
+    return text_kind(model) or "embedding"
 
 
 def tei_model_type(model: ServedTextModel) -> dict:
@@ -250,7 +258,7 @@ def tei_model_type(model: ServedTextModel) -> dict:
 
 def text_properties(model: ServedModel) -> dict[str, str]:
     """The text model's kind, pooling or labels for the v2 model metadata's properties."""
-    if not isinstance(model, ServedTextModel):
+    if text_kind(model) is None:
         return {}
     details = next(iter(tei_model_type(model).values()))
     return {"task": model_kind(model), **{k: json.dumps(v) for k, v in details.items()}}

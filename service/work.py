@@ -24,13 +24,16 @@ class QueueItem:
     """Something waiting in the batcher's queue; its future is resolved from the engine thread."""
 
     deadline: float  # time.monotonic() by which it must have started
-    loop: asyncio.AbstractEventLoop
+    # The event loop whose future it resolves; None for work queued by a worker front-end
+    # (service.workers.engine), which overrides resolve() to answer over its channel.
+    loop: asyncio.AbstractEventLoop | None
     future: asyncio.Future = field(init=False)
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.future = self.loop.create_future()
+        if self.loop is not None:
+            self.future = self.loop.create_future()
 
     @property
     def sequences(self) -> int:

@@ -21,14 +21,18 @@ class GrpcListener:
     """Started and stopped by the FastAPI lifespan; `port` is the bound port (for --grpc-port 0
     in code paths that pick one, e.g. tests starting the app in-process)."""
 
-    def __init__(self, state: ServiceState, control: ModelControl) -> None:
+    def __init__(
+        self, state: ServiceState, control: ModelControl, reuse_port: bool = False
+    ) -> None:
         settings = state.settings
         limit = settings.max_body_bytes  # the same bound as an HTTP body, both ways
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared listener
+                # A port in use is an error, not a shared listener; except between the
+                # front-ends of --workers, which all listen on it (the kernel spreads calls).
+                ("grpc.so_reuseport", int(reuse_port)),
             ],
             maximum_concurrent_rpcs=settings.max_connections,  # past it: RESOURCE_EXHAUSTED
         )

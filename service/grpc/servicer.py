@@ -62,7 +62,7 @@ async def wait_work(entry: ModelEntry, work: Work, timeout: float) -> Any:
         done, _ = await asyncio.wait({work.future}, timeout=timeout)
         if done:
             return work.future.result()
-        if entry.batcher.cancel(work):
+        if await entry.batcher.withdraw([work]):
             raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
         return await work.future  # already running: it finishes within one forward
     finally:
@@ -193,7 +193,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 ]
             else:
                 entries = state.entries()
-            stats = [entry.stats.as_dict() for entry in entries]
+            stats = [await entry.stats.snapshot() for entry in entries]
             return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     # -- inference ----------------------------------------------------------------------------

@@ -117,7 +117,7 @@ async def await_queued(
     if signal.happened:
         _cancel(batcher, items)
         raise ClientDisconnected("client disconnected")
-    if any([batcher.cancel(item) for item in items]):
+    if await batcher.withdraw(items):
         raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
     return await result  # everything already running: it finishes within one forward
 
@@ -141,7 +141,7 @@ async def _await_watching(
         if disconnect in done:
             _cancel(batcher, items)
             raise ClientDisconnected("client disconnected")
-        if any([batcher.cancel(item) for item in items]):
+        if await batcher.withdraw(items):
             raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
         return await result  # everything already running: it finishes within one forward
     finally:

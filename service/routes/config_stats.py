@@ -37,7 +37,7 @@ async def config(entry: PathModel) -> dict[str, Any]:
     responses={**ok(STATISTICS, "Triton's model statistics"), 503: ERROR_RESPONSES[503]},
 )
 async def all_stats(state: State) -> dict[str, Any]:
-    return {"model_stats": [entry.stats.as_dict() for entry in state.entries()]}
+    return {"model_stats": [await entry.stats.snapshot() for entry in state.entries()]}
 
 
 @router.get(
@@ -54,6 +54,10 @@ async def stats(state: State, entry: PathModel, model_version: str = "") -> dict
     """One model version's statistics, or with no version every served version's (Triton's
     answer); an unknown model or version: 404."""
     if model_version:
-        return {"model_stats": [entry.stats.as_dict()]}
+        return {"model_stats": [await entry.stats.snapshot()]}
     versions = state.versions[entry.name]
-    return {"model_stats": [versions[v].stats.as_dict() for v in state.served_versions(entry.name)]}
+    return {
+        "model_stats": [
+            await versions[v].stats.snapshot() for v in state.served_versions(entry.name)
+        ]
+    }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import operator
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["debug"])
+HEAD_IMPORTANCE = operator.methodcaller(
+    "head_importance"
+)  # picklable: crosses to an engine process
 
 
 class Gate:
@@ -172,12 +176,14 @@ def _check_sizes(request: InferRequest, settings: Settings) -> None:
 
 
 async def _on_engine(
-    state: ServiceState, request: Request, fn: Callable[[], Any], sequences: int
+    state: ServiceState, request: Request, fn: Callable[..., Any], args: tuple, sequences: int
 ) -> Any:
-    """Run `fn` on the engine thread, alone between batches (FIFO with the fast path's batches);
-    504 if it never got its turn, and it leaves the queue if the client goes away."""
+    """Run `fn(model, *args)` on the engine thread, alone between batches (FIFO with the fast
+    path's batches); 504 if it never got its turn, and it leaves the queue if the client goes
+    away. `fn` is module-level: a worker front-end sends it to the engine process by name."""
     timeout = state.settings.request_timeout_s
-    item = state.batcher.run_exclusive(fn, sequences=sequences, deadline=time.monotonic() + timeout)
+    deadline = time.monotonic() + timeout
+    item = state.batcher.run_exclusive(fn, args, sequences=sequences, deadline=deadline)
     return await await_queued(state.batcher, request, item.future, [item], timeout)
 
 
@@ -225,7 +231,7 @@ async def _attention(
 
     if png:
         first = first_sequence(payload)
-        result = await _on_engine(state, request, lambda: compute(model, first, options, "FP32"), 1)
+        result = await _on_engine(state, request, compute, (first, options, "FP32"), 1)
         weights = panels(result, options)  # (L, H, T, S)
         layer_ids = list(range(weights.shape[0])) if result.has_layer_axis else [options.layer or 0]
         mask = first.key_padding_mask  # (S,) or None
@@ -241,9 +247,7 @@ async def _attention(
         rows, cols = heatmap.grid_shape(weights.shape[0], weights.shape[1])
         return Response(image, media_type="image/png", headers={"X-Heatmap-Grid": f"{rows}x{cols}"})
 
-    result = await _on_engine(
-        state, request, lambda: compute(model, payload, options), payload.num_sequences
-    )
+    result = await _on_engine(state, request, compute, (payload, options), payload.num_sequences)
     tensors = [
         OutputTensor(OUTPUT_NAME, payload.datatype, result.output),
         OutputTensor(WEIGHTS_NAME, payload.datatype, result.weights),
@@ -290,9 +294,7 @@ async def _text_attention(
                 f"{exc}: ask for one layer ('layer'), averaged heads ('average_attn_weights') "
                 "or a shorter text"
             ) from None
-    output, weights = await _on_engine(
-        state, request, lambda: text_attention.compute(model, ids, options), 1
-    )
+    output, weights = await _on_engine(state, request, text_attention.compute, (ids, options), 1)
     if png:
         has_layer_axis = options.layer is None
         grid = panels(WeightsResult(output, weights, has_layer_axis), options)  # (L, H, T, T)
@@ -330,7 +332,7 @@ async def _heads(
     png = wants_png(request)
     report = request.app.state.debug_heads
     if report is None:  # computed once from the weights, on the engine thread
-        report = await _on_engine(state, request, state.model.head_importance, 1)
+        report = await _on_engine(state, request, HEAD_IMPORTANCE, (), 1)
         request.app.state.debug_heads = report
     if png:
         title = f"{state.model_name}: head importance (W^O blocks)"

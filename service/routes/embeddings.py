@@ -299,7 +299,7 @@ async def _embeddings(state: ServiceState, request: Request, seen: Observation) 
         encoded = [Encoded(ids, truncated=False) for ids in texts]
     else:
         check_chars(texts, entry.char_limits)
-        with entry.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
+        async with entry.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
             encoded = await tokenize(state, entry, request, texts, deadline)
     metrics.codec(metrics.decode, "json", time.perf_counter() - started)
     metrics.sequences_received([len(e.ids) for e in encoded])

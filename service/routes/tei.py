@@ -278,7 +278,7 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[S
         texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
         check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
-        with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
+        async with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
             return await tokenize(
                 state,
                 entry,

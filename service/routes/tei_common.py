@@ -104,7 +104,7 @@ async def encode_texts(
         if not isinstance(text, str) and not all(text):
             raise BadInput(f"{field}[{i}] holds an empty string; empty inputs have no result")
     check_chars(texts, entry.char_limits)
-    with entry.batcher.reserve(len(texts)):
+    async with entry.batcher.reserve(len(texts)):
         encode = (lambda part: tokenizer.encode(part, direction)) if direction != "Right" else None
         encoded = await tokenize(state, entry, request, texts, deadline, encode)
     cut = [i for i, e in enumerate(encoded) if e.truncated]

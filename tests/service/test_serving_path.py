@@ -23,6 +23,10 @@ from tests.support import ROOT, fp32_request, run_server
 URL = "/v2/models/mha/infer"
 
 
+def _num_threads(model: object) -> int:
+    return torch.get_num_threads()
+
+
 def _threads_on_engine(threads: int | None) -> int:
     """torch.get_num_threads() as the engine thread sees it."""
     model = mha_engine.build_demo_model(device="cpu")
@@ -32,7 +36,7 @@ def _threads_on_engine(threads: int | None) -> int:
     )  # fmt: skip
 
     async def ask() -> int:
-        item = batcher.run_exclusive(torch.get_num_threads, sequences=1, deadline=1e12)
+        item = batcher.run_exclusive(_num_threads, sequences=1, deadline=1e12)
         return await item.future
 
     batcher.start()

@@ -1,0 +1,57 @@
+"""The control channel between a front-end and the engine process: a Unix stream socket
+carrying length-prefixed pickled tuples. Only small things travel on it (operation, ids,
+offsets, shapes, errors); tensors stay in the front-end's shared-memory slab.
+
+Both ends are our own processes, started by one supervisor, on a socket in a private 0700
+directory, so unpickling is between trusted peers.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+from typing import Any
+
+HEADER = struct.Struct("<I")  # frame length
+MAX_FRAME = 1 << 31  # an inline fallback may carry a large array, never past the body limit
+
+
+def frame(message: tuple) -> bytes:
+    """One message as bytes to write."""
+    body = pickle.dumps(message, protocol=5)
+    return HEADER.pack(len(body)) + body
+
+
+class FrameBuffer:
+    """Bytes received -> whole messages (the stream may cut frames anywhere)."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._data += data
+        messages = []
+        view = self._data
+        pos = 0
+        while len(view) - pos >= HEADER.size:
+            (length,) = HEADER.unpack_from(view, pos)
+            if len(view) - pos - HEADER.size < length:
+                break
+            start = pos + HEADER.size
+            messages.append(pickle.loads(memoryview(view)[start : start + length]))
+            pos = start + length
+        if pos:
+            del self._data[:pos]
+        return messages
+
+
+def recv_message(sock: socket.socket, buffer: FrameBuffer) -> list[Any] | None:
+    """Block until at least one whole message arrived; None when the peer closed."""
+    while True:
+        data = sock.recv(1 << 20)
+        if not data:
+            return None
+        messages = buffer.feed(data)
+        if messages:
+            return messages

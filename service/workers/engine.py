@@ -1,0 +1,334 @@
+"""The engine process of `--workers N`: it loads the models, runs their batchers and engine
+threads, warms them up, then serves front-ends on a Unix socket.
+
+Per front-end connection: one reader thread turns messages into queued work on the shared
+batchers (the one queue, so --max-queue, batching and 429s are server-wide), and one writer
+thread sends replies, so a front-end that stops reading stalls only its own replies, never the
+engine thread. Work resolves straight from the engine thread into the front-end's slab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import gc
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.batcher import DynamicBatcher
+from service.errors import InferenceError, ServiceError
+from service.loading import load_entry, warm_up_model
+from service.metrics import Metrics
+from service.repository import model_sources
+from service.settings import Settings
+from service.state import ModelEntry
+from service.work import Exclusive, QueueItem, Work
+from service.workers.channel import FrameBuffer, frame, recv_message
+from service.workers.slab import Slab
+from service.workers.wire import (
+    EntryInfo,
+    ModelView,
+    payload_from_wire,
+    result_to_wire,
+)
+
+log = logging.getLogger("service.workers")
+
+Key = tuple[str, str]  # (model name, version)
+
+
+class Connection:
+    """One front-end's channel and slab, and the work it has queued."""
+
+    def __init__(self, sock: socket.socket, slab: Slab, index: int) -> None:
+        self.sock = sock
+        self.slab = slab
+        self.index = index
+        self.items: dict[int, tuple[QueueItem, DynamicBatcher]] = {}  # id -> queued or running
+        self.held: dict[int, tuple[DynamicBatcher, int]] = {}  # reservations
+        self.alive = True
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name=f"reply-{index}", daemon=True)
+        self._writer.start()
+
+    def send(self, message: tuple) -> None:
+        """Queue a reply (any thread); dropped once the front-end is gone."""
+        if self.alive:
+            self._outbox.put(frame(message))
+
+    def _write(self) -> None:
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            parts = [data]
+            with contextlib.suppress(queue.Empty):  # coalesce what a batch resolved at once
+                while len(parts) < 256:
+                    more = self._outbox.get_nowait()
+                    if more is None:
+                        self._outbox.put(None)
+                        break
+                    parts.append(more)
+            try:
+                self.sock.sendall(b"".join(parts))
+            except OSError:
+                self.alive = False
+
+    def close(self) -> None:
+        """The front-end is gone: its queued work leaves the queue, its slots are released; work
+        already running finishes and its reply is dropped."""
+        self.alive = False
+        for item, batcher in list(self.items.values()):
+            batcher.cancel(item)
+        self.items.clear()
+        for batcher, sequences in self.held.values():
+            batcher.release(sequences)
+        self.held.clear()
+        self._outbox.put(None)
+        self._writer.join(5)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.slab.close()
+
+
+@dataclass(eq=False, kw_only=True)
+class _Remote:
+    """Mixin: queued on behalf of a front-end; resolving sends the reply over its channel."""
+
+    conn: Connection
+    ident: int
+    out: tuple[int, int] | None = None  # the request's output region in the slab
+    _done: bool = field(default=False, init=False)
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.conn.items.pop(self.ident, None)
+        try:
+            if error is not None:
+                self.conn.send(("done", self.ident, "err", error))
+            else:
+                wire = result_to_wire(self.conn.slab, self.out, result)
+                self.conn.send(("done", self.ident, *wire))
+        except Exception:  # e.g. a result that does not pickle: the request fails, not the batch
+            log.exception("could not send a result to front-end %d", self.conn.index)
+            failed = InferenceError("inference failed for this request")
+            self.conn.send(("done", self.ident, "err", failed))
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteWork(_Remote, Work):
+    """A front-end's request in the shared queue."""
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteExclusive(_Remote, Exclusive):
+    """A front-end's engine call (the debug routes) in the shared queue."""
+
+
+class Engine:
+    """The models, their batchers, and the front-ends' connections."""
+
+    def __init__(self, settings: Settings, entries: dict[Key, ModelEntry]) -> None:
+        self.settings = settings
+        self.entries = entries
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self._lock = threading.Lock()
+
+    def welcome(self) -> list[EntryInfo]:
+        return [
+            EntryInfo(
+                e.name,
+                e.version,
+                ModelView.of(e.model),
+                e.limits,
+                e.info,
+                e.version_policy,
+                e.batcher.max_batch_size,
+                e.batcher.max_batch_delay_s,
+                e.batcher.max_queue,
+            )
+            for e in self.entries.values()
+        ]
+
+    # -- one front-end ----------------------------------------------------------------------
+    def accept(self, sock: socket.socket) -> None:
+        """Handshake (the slab's fd rides on the hello message), then serve it on a thread."""
+        sock.settimeout(10)
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+        sock.settimeout(None)
+        hello = FrameBuffer().feed(message)
+        if not hello or hello[0][0] != "hello" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+            log.warning("a front-end connection sent no valid hello; closed")
+            return
+        _, index, slab_bytes = hello[0]
+        conn = Connection(sock, Slab(slab_bytes, fd=fds[0]), index)
+        with self._lock:
+            self.connections.add(conn)
+        conn.send(("welcome", self.welcome()))
+        threading.Thread(target=self._serve, args=(conn,), name=f"front-end-{index}").start()
+
+    def _serve(self, conn: Connection) -> None:
+        buffer = FrameBuffer()
+        try:
+            while True:
+                messages = recv_message(conn.sock, buffer)
+                if messages is None:
+                    break
+                for message in messages:
+                    self._handle(conn, message)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            with self._lock:
+                self.connections.discard(conn)
+            log.info("front-end %d disconnected", conn.index)
+
+    def _handle(self, conn: Connection, message: tuple) -> None:
+        op = message[0]
+        if op == "submit":
+            _, ident, key, runner, deadline, wire, out = message
+            entry = self.entries[key]
+            payload = payload_from_wire(wire, conn.slab)
+            work = RemoteWork(
+                payload=payload, runner=runner, deadline=deadline, loop=None,
+                conn=conn, ident=ident, out=out,
+            )  # fmt: skip
+            self._queue(conn, entry.batcher, work)
+        elif op == "exclusive":
+            _, ident, key, fn, args, sequences, deadline = message
+            entry = self.entries[key]
+            item = RemoteExclusive(
+                fn=functools.partial(fn, entry.model, *args), slots=max(1, sequences),
+                deadline=deadline, loop=None, conn=conn, ident=ident,
+            )  # fmt: skip
+            self._queue(conn, entry.batcher, item)
+        elif op == "cancel":  # withdrawn (never run) is final: no "done" follows
+            _, reply_to, ident = message
+            found = conn.items.get(ident)
+            withdrawn = found is not None and found[1].cancel(found[0])
+            if withdrawn:
+                conn.items.pop(ident, None)
+            conn.send(("cancelled", ident, withdrawn, reply_to))
+        elif op == "reserve":
+            _, reply_to, key, sequences = message
+            batcher = self.entries[key].batcher
+            try:
+                batcher.hold(sequences)
+            except ServiceError as exc:
+                conn.send(("reply", reply_to, exc))
+                return
+            conn.held[reply_to] = (batcher, sequences)
+            conn.send(("reply", reply_to, None))
+        elif op == "release":
+            held = conn.held.pop(message[1], None)
+            if held is not None:
+                held[0].release(held[1])
+        elif op == "stat":
+            _, key, kind, seconds = message
+            self.entries[key].stats.add(kind, seconds)
+        elif op == "stats":
+            _, reply_to, key = message
+            conn.send(("reply", reply_to, self.entries[key].stats.as_dict()))
+        else:
+            log.warning("front-end %d sent an unknown message %r", conn.index, op)
+
+    def _queue(self, conn: Connection, batcher: DynamicBatcher, item: QueueItem) -> None:
+        conn.items[item.ident] = (item, batcher)
+        try:
+            batcher.submit(item)
+        except ServiceError as exc:  # 429 / 503: answered now, never queued
+            item.resolve(error=exc)
+
+    # -- the process ------------------------------------------------------------------------
+    def end_grace(self) -> None:
+        shed = sum(entry.batcher.close() for entry in self.entries.values())
+        if shed:
+            log.info("drain grace over: %d queued requests answered 503, not computed", shed)
+
+    def stop(self) -> None:
+        for entry in self.entries.values():
+            entry.batcher.stop(self.settings.drain_grace_s)
+
+
+async def _load(settings: Settings) -> dict[Key, ModelEntry]:
+    """Load, start and warm up every model version (service.app does the same in one process)."""
+    sources = model_sources(settings)
+    first = [s for s in sources if s.name == sources[0].name][-1]
+    metrics = Metrics(first.name, first.version)
+    entries: dict[Key, ModelEntry] = {}
+    for source in sources:
+        entries[(source.name, source.version)] = await load_entry(settings, metrics, source)
+    for entry in entries.values():
+        entry.batcher.start()
+    for entry in entries.values():
+        await warm_up_model(entry)
+    return entries
+
+
+def run(settings: Settings, path: str) -> None:
+    """Engine process main: load, warm up, listen on `path`; on SIGTERM drain (the grace, then
+    503 for what has not started) and exit once every front-end has gone."""
+    import torch
+
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    parent = os.getppid()
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards Ctrl-C as SIGTERM
+    entries = asyncio.run(_load(settings))
+    engine = Engine(settings, entries)
+    gc.collect()
+    gc.freeze()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):  # left by the engine this one replaces
+        os.unlink(path)
+    listener.bind(path)
+    listener.listen(64)
+    listener.settimeout(0.2)
+    log.info("engine ready: %s", ", ".join(f"{n}/{v}" for n, v in entries))
+    grace: threading.Timer | None = None
+    try:
+        while True:
+            if stopping.is_set() and grace is None:
+                engine.draining = True
+                grace = threading.Timer(settings.drain_grace_s, engine.end_grace)
+                grace.daemon = True
+                grace.start()
+            if grace is not None and not engine.connections:
+                break  # every front-end has drained and gone
+            if os.getppid() != parent:
+                log.error("the supervisor is gone; stopping")
+                break
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            if engine.draining:
+                sock.close()
+                continue
+            try:
+                engine.accept(sock)
+            except OSError:
+                log.exception("a front-end handshake failed")
+    finally:
+        listener.close()
+        if grace is not None:
+            grace.cancel()
+        engine.end_grace()
+        engine.stop()
+        log.info("engine stopped")

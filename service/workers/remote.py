@@ -1,0 +1,358 @@
+"""A front-end's side of `--workers N`: its link to the engine process, and the batcher and
+statistics the routes use, which forward to the engine's own (so the routes are unchanged).
+
+The link reconnects forever: while the engine process is down (crashed and being restarted by
+the supervisor) every request waiting on it gets 503 + Retry-After, new ones too, and the
+front-end is not ready; it is ready again once the new engine has warmed up and said hello.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from service.batcher import SHUTTING_DOWN
+from service.datatypes import DATATYPES
+from service.errors import NotReady
+from service.forward import hidden_states
+from service.stats import ModelStats
+from service.work import QueueItem, Work
+from service.workers.channel import FrameBuffer, frame
+from service.workers.slab import Slab
+from service.workers.wire import EntryInfo, payload_to_wire, result_from_wire
+
+log = logging.getLogger("service.workers")
+
+ENGINE_DOWN = "the engine process is restarting; retry shortly"
+RECONNECT_S = 0.1
+
+
+async def _ignore(welcome: list[EntryInfo] | None) -> None:
+    pass
+
+
+def _down() -> NotReady:
+    return NotReady(ENGINE_DOWN, headers={"Retry-After": "1"})
+
+
+@dataclass
+class _Pending:
+    item: QueueItem
+    regions: list[tuple[int, int]]  # slab regions to free when the reply comes
+    out: tuple[int, int] | None  # the output region, among `regions`
+    slab: Slab | None  # the slab of the connection it was sent on
+
+
+@dataclass(eq=False, kw_only=True)
+class RemoteItem(QueueItem):
+    """An engine call (run_exclusive) sent to the engine process."""
+
+    slots: int
+
+    @property
+    def sequences(self) -> int:
+        return self.slots
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, link: EngineLink) -> None:
+        self.link = link
+        self.buffer = FrameBuffer()
+
+    def data_received(self, data: bytes) -> None:
+        for message in self.buffer.feed(data):
+            self.link.dispatch(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link.lost()
+
+
+class EngineLink:
+    """The channel to the engine process, its slab, and what is waiting on replies."""
+
+    def __init__(self, path: str, index: int, slab_bytes: int) -> None:
+        self.path = path
+        self.index = index
+        self.slab_bytes = slab_bytes
+        self.slab: Slab | None = None
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, _Pending] = {}
+        self.replies: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        # told the engine's welcome on connecting, None on losing it (set by the lifespan)
+        self.on_change: Callable[[list[EntryInfo] | None], Awaitable[None]] = _ignore
+        self._welcome: asyncio.Future | None = None
+        self._closed: asyncio.Future | None = None
+        self._stopping = False
+
+    @property
+    def connected(self) -> bool:
+        return self.transport is not None and self._welcome is not None and self._welcome.done()
+
+    async def run(self) -> None:
+        """Connect, serve until the engine goes, reconnect; until stop()."""
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            try:
+                welcome = await self._connect(loop)
+            except (OSError, asyncio.TimeoutError, EOFError):
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            log.info("front-end %d: connected to the engine", self.index)
+            await self.on_change(welcome)
+            await self._closed
+            await self.on_change(None)
+            if not self._stopping:
+                log.warning("front-end %d: lost the engine process; reconnecting", self.index)
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> list[EntryInfo]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, self.path)
+            slab = Slab(self.slab_bytes)
+            hello = frame(("hello", self.index, self.slab_bytes))
+            socket.send_fds(sock, [hello], [slab.fd])
+        except BaseException:
+            sock.close()
+            raise
+        self._welcome = loop.create_future()
+        self._closed = loop.create_future()
+        self.slab = slab
+        transport, _ = await loop.create_unix_connection(lambda: _Protocol(self), sock=sock)
+        self.transport = transport
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._welcome), 30)
+        except BaseException:
+            transport.close()
+            raise
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- replies ----------------------------------------------------------------------------
+    def dispatch(self, message: tuple) -> None:
+        op = message[0]
+        if op == "done":
+            pending = self.pending.pop(message[1], None)
+            if pending is None:
+                return
+            kind = message[2]
+            if kind == "err":
+                self._free(pending)
+                pending.item._deliver(None, message[3])
+                return
+            try:
+                result = result_from_wire(pending.slab, pending.out, message[2:])
+            finally:
+                self._free(pending)
+            pending.item._deliver(result, None)
+        elif op == "cancelled":
+            _, ident, withdrawn, reply_to = message
+            if withdrawn:
+                pending = self.pending.pop(ident, None)
+                if pending is not None:
+                    self._free(pending)
+                    pending.item.future.cancel()
+            future = self.replies.pop(reply_to, None)
+            if future is not None and not future.done():
+                future.set_result(withdrawn)
+        elif op == "reply":
+            future = self.replies.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif op == "welcome" and self._welcome is not None and not self._welcome.done():
+            self._welcome.set_result(message[1])
+
+    def _free(self, pending: _Pending) -> None:
+        if pending.slab is self.slab and self.slab is not None:
+            for offset, nbytes in pending.regions:
+                self.slab.free(offset, nbytes)
+
+    def lost(self) -> None:
+        """The engine went: everything waiting on it gets 503; the slab is dropped (a new
+        engine gets a new one, so nothing can write into regions handed out again)."""
+        self.transport = None
+        pending, self.pending = self.pending, {}
+        replies, self.replies = self.replies, {}
+        for p in pending.values():
+            p.item._deliver(None, _down())
+        for future in replies.values():
+            if not future.done():
+                future.set_exception(_down())
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_exception(EOFError("engine closed the channel"))
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(None)
+
+    # -- requests ---------------------------------------------------------------------------
+    def send(self, message: tuple) -> None:
+        if self.transport is None:
+            raise _down()
+        self.transport.write(frame(message))
+
+    async def ask(self, message: tuple) -> Any:
+        """Send `message` with a fresh reply id after its op; await the engine's answer."""
+        if not self.connected:
+            raise _down()
+        reply_to = next(self.ids)
+        future = asyncio.get_running_loop().create_future()
+        self.replies[reply_to] = future
+        self.send((message[0], reply_to, *message[1:]))
+        return await future
+
+    def submit(self, item: QueueItem, message: tuple, regions: list, out: Any) -> None:
+        ident = message[1]
+        self.pending[ident] = _Pending(item, regions, out, self.slab)
+        try:
+            self.send(message)
+        except BaseException:
+            pending = self.pending.pop(ident)
+            self._free(pending)
+            raise
+
+
+class RemoteBatcher:
+    """The DynamicBatcher interface the routes use, forwarding to the engine process's batcher
+    of one model version: the queue, its limits and 429s are the engine's, shared by all
+    front-ends."""
+
+    def __init__(self, link: EngineLink, info: EntryInfo) -> None:
+        self.link = link
+        self.key = (info.name, info.version)
+        self.model = info.view
+        self.embed_dim = info.limits.embed_dim
+        self.max_batch_size = info.max_batch_size
+        self.max_batch_delay_s = info.max_batch_delay_s
+        self.max_queue = info.max_queue
+        self.queued_sequences = 0  # the engine's; read its /metrics gauge
+        self.closed = False
+        self._ids: dict[int, int] = {}  # id(item) -> message id
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float | None = None) -> None:
+        pass
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise NotReady(SHUTTING_DOWN, headers={"Retry-After": "1"})
+        if not self.link.connected:
+            raise _down()
+
+    def close(self) -> int:
+        """End of this front-end's drain grace; the engine sheds what is queued at its own."""
+        self.closed = True
+        return 0
+
+    def _output_bytes(self, work: Work) -> int:
+        """Room to reserve for the result: hidden states come back as (tokens, embed_dim) in
+        the wire type; other runners' small results travel inline."""
+        if work.runner is hidden_states:
+            itemsize = DATATYPES[work.payload.datatype].itemsize
+            return work.payload.num_tokens * self.embed_dim * itemsize
+        return 0
+
+    def submit(self, work: QueueItem) -> None:
+        """Send `work` to the engine's queue; a 429 or 503 from there resolves its future."""
+        self.check_open()
+        assert isinstance(work, Work)
+        slab = self.link.slab
+        regions: list[tuple[int, int]] = []
+        out = None
+        if slab is not None and (nbytes := self._output_bytes(work)):
+            offset = slab.alloc(nbytes)
+            if offset is not None:
+                out = (offset, nbytes)
+                regions.append(out)
+        try:
+            wire = payload_to_wire(work.payload, slab, regions)
+        except BaseException:
+            for offset, nbytes in regions:
+                slab.free(offset, nbytes)
+            raise
+        ident = next(self.link.ids)
+        self._ids[id(work)] = ident
+        work.future.add_done_callback(lambda _: self._ids.pop(id(work), None))
+        message = ("submit", ident, self.key, work.runner, work.deadline, wire, out)
+        self.link.submit(work, message, regions, out)
+
+    def run_exclusive(
+        self, fn: Callable[..., Any], args: tuple = (), *, sequences: int, deadline: float
+    ) -> QueueItem:
+        """`fn(model, *args)` on the engine thread, alone; `fn` and `args` travel pickled."""
+        self.check_open()
+        item = RemoteItem(
+            slots=max(1, sequences), deadline=deadline, loop=asyncio.get_running_loop()
+        )
+        ident = next(self.link.ids)
+        self._ids[id(item)] = ident
+        item.future.add_done_callback(lambda _: self._ids.pop(id(item), None))
+        message = ("exclusive", ident, self.key, fn, args, sequences, deadline)
+        self.link.submit(item, message, [], None)
+        return item
+
+    def cancel(self, item: QueueItem) -> bool:
+        """Ask the engine to drop `item` if still queued (not waiting for the answer)."""
+        ident = self._ids.get(id(item))
+        if ident is not None and self.link.connected:
+            self.link.send(("cancel", 0, ident))  # 0: no one awaits the answer
+        return False
+
+    async def withdraw(self, items: list[QueueItem]) -> bool:
+        """Take `items` out of the engine's queue; True if any was still queued. A withdrawn
+        item's future is cancelled and its slab regions freed."""
+        withdrawn = False
+        for item in items:
+            ident = self._ids.get(id(item))
+            if ident is None or not self.link.connected:
+                continue
+            if await self.link.ask(("cancel", ident)):  # the link frees it and cancels it
+                withdrawn = True
+        return withdrawn
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, sequences: int) -> AsyncIterator[None]:
+        """Hold queue slots in the engine's queue while this request tokenizes (429 when full)."""
+        self.check_open()
+        reply_to = next(self.link.ids)
+        future = asyncio.get_running_loop().create_future()
+        self.link.replies[reply_to] = future
+        self.link.send(("reserve", reply_to, self.key, sequences))
+        error = await future
+        if error is not None:
+            raise error
+        try:
+            yield
+        finally:
+            if self.link.connected:
+                self.link.send(("release", reply_to))
+
+
+class RemoteStats(ModelStats):
+    """Triton statistics kept by the engine process: this front-end's request-side figures go
+    there (one small message each), and reading asks it."""
+
+    def __init__(self, link: EngineLink, info: EntryInfo) -> None:
+        super().__init__(info.name, info.version)
+        self.link = link
+        self.key = (info.name, info.version)
+
+    def add(self, kind: str, seconds: float) -> None:
+        if self.link.connected:
+            self.link.send(("stat", self.key, kind, seconds))
+
+    async def snapshot(self) -> dict[str, Any]:
+        return await self.link.ask(("stats", self.key))

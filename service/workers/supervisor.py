@@ -1,0 +1,188 @@
+"""`--workers N > 1`: the supervisor starts one engine process and N front-end processes,
+restarts whichever dies, and on SIGTERM drains them all.
+
+    supervisor (this process: no torch, no model)
+      |-- engine      models, batchers, engine threads; Unix socket in a private 0700 dir
+      |-- front-end 0 ┐ uvicorn (+ gRPC) on the one listening socket the supervisor bound;
+      |-- ...         ┘ decode, validate, tokenize, encode; tensors through its memfd slab
+
+The listening socket is bound here once (so port 0 resolves once) and inherited: the kernel
+hands each new connection to whichever front-end accepts first. Metrics go through
+prometheus_client's multiprocess directory (PROMETHEUS_MULTIPROC_DIR, private to this run), so
+any front-end's /metrics shows the whole server.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.logs import configure_logging
+from service.settings import Settings
+
+log = logging.getLogger("service.workers")
+
+QUICK_EXIT_S = 10.0  # a process that dies sooner than this after starting is crash-looping
+MAX_BACKOFF_S = 10.0
+
+
+def engine_main(settings: Settings, path: str) -> None:
+    """Target of the engine process."""
+    configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
+    from service.workers import engine
+
+    engine.run(settings, path)
+
+
+def frontend_main(settings: Settings, listener: socket.socket, path: str, index: int) -> None:
+    """Target of front-end process `index`."""
+    configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
+    import torch
+
+    torch.set_num_threads(1)  # a front-end never computes: no OpenMP pool per front-end
+    from service.app import create_app
+    from service.server import run_uvicorn
+    from service.workers.remote import EngineLink
+
+    link = EngineLink(path, index, settings.worker_slab_bytes)
+    run_uvicorn(settings, create_app(settings, engine=link), sock=listener)
+
+
+@dataclass
+class Child:
+    """One supervised process slot: what to start, the running process, its restart pace."""
+
+    name: str
+    target: Any
+    args: tuple
+    process: Any = None
+    started_at: float = 0.0
+    backoff_s: float = 0.5
+    restart_at: float | None = None
+    restarts: int = field(default=0)
+
+    def start(self, context: Any) -> None:
+        self.process = context.Process(target=self.target, args=self.args, name=self.name)
+        self.process.start()
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        log.info("started %s (pid %d)", self.name, self.process.pid)
+
+
+def _bind(settings: Settings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def supervise(settings: Settings) -> int:
+    """Run the engine and the front-ends until SIGTERM/SIGINT; the exit status."""
+    if not sys.platform.startswith("linux"):
+        log.error("--workers > 1 needs Linux (memfd shared memory); use --workers 1")
+        return 2
+    workdir = tempfile.mkdtemp(prefix="mha-serve-")  # 0700: the engine socket and metrics
+    metrics_dir = os.path.join(workdir, "metrics")
+    os.mkdir(metrics_dir)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports the client
+    from prometheus_client.multiprocess import mark_process_dead
+
+    path = os.path.join(workdir, "engine.sock")
+    try:
+        listener = _bind(settings)
+    except OSError as exc:
+        log.error("cannot bind %s:%d: %s", settings.host, settings.port, exc)
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 1
+    host, port = listener.getsockname()[:2]
+    context = multiprocessing.get_context("spawn")
+    engine = Child("mha-engine", engine_main, (settings, path))
+    frontends = [
+        Child(f"mha-frontend-{i}", frontend_main, (settings, listener, path, i))
+        for i in range(settings.workers)
+    ]
+    children = [engine, *frontends]
+    stop: list[int] = []
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        stop.append(sig)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    log.info(
+        "mha-serve on http://%s:%d: 1 engine process and %d front-ends (supervisor pid %d)",
+        host, port, settings.workers, os.getpid(),
+    )  # fmt: skip
+    try:
+        for child in children:
+            child.start(context)
+        while not stop:
+            _watch(children, context, mark_process_dead, stop)
+        log.info("stopping: draining %d front-ends and the engine", len(frontends))
+        _drain(settings, engine, frontends, mark_process_dead)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for child in children:  # only on an error above: _drain leaves none alive
+            if child.process is not None and child.process.is_alive():
+                child.process.kill()
+                child.process.join(5)
+        listener.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _watch(children: list[Child], context: Any, mark_dead: Any, stop: list[int]) -> None:
+    """Wait a little for a child to exit; restart the dead ones (backing off when they die
+    right after starting)."""
+    now = time.monotonic()
+    due = [c.restart_at for c in children if c.restart_at is not None]
+    timeout = max(0.0, min([*due, now + 0.5]) - now)
+    sentinels = [c.process.sentinel for c in children if c.restart_at is None]
+    multiprocessing.connection.wait(sentinels, timeout)
+    if stop:  # a signal to the whole group stops the children too: that is no crash
+        return
+    now = time.monotonic()
+    for child in children:
+        if child.restart_at is None and not child.process.is_alive():
+            code = child.process.exitcode
+            mark_dead(child.process.pid)
+            quick = now - child.started_at < QUICK_EXIT_S
+            child.backoff_s = min(MAX_BACKOFF_S, child.backoff_s * 2) if quick else 0.5
+            child.restart_at = now + child.backoff_s
+            child.restarts += 1
+            log.error(
+                "%s (pid %d) exited with %s; restarting in %.1f s",
+                child.name, child.process.pid, code, child.backoff_s,
+            )  # fmt: skip
+        elif child.restart_at is not None and now >= child.restart_at:
+            child.start(context)
+
+
+def _drain(settings: Settings, engine: Child, frontends: list[Child], mark_dead: Any) -> None:
+    """SIGTERM to all: front-ends stop accepting and finish their requests (the engine serves
+    them until they disconnect, shedding its queue with 503 when the grace ends), then the
+    engine exits. Past grace + request timeout + 10 s, whatever is left is killed."""
+    for child in [*frontends, engine]:
+        if child.process.is_alive():
+            child.process.terminate()
+    deadline = time.monotonic() + settings.drain_grace_s + settings.request_timeout_s + 10
+    for child in [*frontends, engine]:
+        child.process.join(max(0.0, deadline - time.monotonic()))
+        if child.process.is_alive():
+            log.error("%s did not stop in time; killing it", child.name)
+            child.process.kill()
+            child.process.join(5)
+        mark_dead(child.process.pid)
