@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import jsonschema
@@ -65,3 +67,78 @@ def binary_request(header: dict, *chunks: bytes) -> tuple[bytes, dict[str, str]]
 
 
 fp32_request = binary_infer_body  # the binary OIP request the tests send
+
+
+# -- `--workers N` servers: their processes, shared memory and sockets, from /proc ------------
+def child_pids(pid: int) -> set[int]:
+    """The live direct children of `pid` (/proc/<pid>/task/*/children)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found.update(int(p) for p in (task / "children").read_text().split())
+    return found
+
+
+def alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def worker_pids(server: Server) -> dict[str, int]:
+    """The supervisor's latest 'started NAME (pid N)' per child: mha-engine, mha-frontend-I."""
+    started = re.findall(r"started (mha-[\w-]+) \(pid (\d+)\)", server.log())
+    return {name: int(pid) for name, pid in started}
+
+
+def slab_inodes(pid: int) -> set[int]:
+    """Inodes of the memfd slabs (`memfd:mha-serve-slab`) mapped into process `pid`."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            if "memfd:mha-serve-slab" in line:
+                inodes.add(int(line.split()[4]))
+    return inodes
+
+
+def _tcp_sockets() -> list[tuple[int, int, str, int, int]]:
+    """(local port, remote port, state, rx_queue, inode) of every TCP socket (IPv4 and IPv6)."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            local, remote = (int(a.rsplit(":", 1)[1], 16) for a in f[1:3])
+            rows.append((local, remote, f[3], int(f[4].split(":")[1], 16), int(f[9])))
+    return rows
+
+
+def listening_inodes(port: int) -> set[int]:
+    """Inodes of the sockets listening on TCP `port`."""
+    sockets = _tcp_sockets()
+    return {inode for local, _, state, _, inode in sockets if local == port and state == "0A"}
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process `pid` holds open."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def serving_pid(server_port: int, client_port: int, pids: Iterable[int]) -> int | None:
+    """Which of `pids` accepted the client connection from `client_port`, and has read all it
+    was sent (None: not accepted by any, or bytes still unread in its receive queue)."""
+    for local, remote, _, rx, inode in _tcp_sockets():
+        if local == server_port and remote == client_port and inode and rx == 0:
+            for pid in pids:
+                if inode in socket_inodes(pid):
+                    return pid
+    return None
