@@ -1,0 +1,287 @@
+"""`--workers 2` under faults, as real processes: the engine killed (-9) mid-load, a front-end
+killed (-9) while the other serves, SIGTERM under load, the supervisor killed (-9). Requests get
+200 or 503 + Retry-After (never a 500, never a hang), the dead process is restarted and readiness
+returns; nothing leaks: no /dev/shm entry, no slab mapped for a dead front-end, no temp dir after
+a clean exit, no child process left behind.
+
+Each server gets its own TMPDIR so its `mha-serve-*` directory can be watched.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import mha_engine
+from tests.support import (
+    Server,
+    alive,
+    child_pids,
+    fp32_request,
+    run_server,
+    serving_pid,
+    slab_inodes,
+    worker_pids,
+)
+
+FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
+INFER = "/v2/models/mha/infer"
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll `check()` until truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+    return result
+
+
+def frontends(server: Server) -> dict[str, int]:
+    return {n: p for n, p in worker_pids(server).items() if n.startswith("mha-frontend")}
+
+
+def shm_paths(pid: int) -> list[str]:
+    """Named shared memory (/dev/shm) the process maps or holds open."""
+    found = []
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        found += [line for line in maps if "/dev/shm" in line]
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd).startswith("/dev/shm"):
+                    found.append(str(fd))
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return found
+
+
+def slabs_match(server: Server) -> bool:
+    """The engine maps exactly the slabs of the live front-ends, one each."""
+    pids = worker_pids(server)
+    fe = [slab_inodes(p) for n, p in pids.items() if n.startswith("mha-frontend") and alive(p)]
+    if len(fe) != 2 or any(len(s) != 1 for s in fe):
+        return False
+    return slab_inodes(pids["mha-engine"]) == set().union(*fe)
+
+
+def send(server: Server, x: np.ndarray) -> http.client.HTTPConnection:
+    """POST `x` on a new connection; read the answer later with getresponse()."""
+    content, headers = fp32_request(x)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", INFER, body=content, headers=headers)
+    return conn
+
+
+def in_app(server: Server, conns: list[http.client.HTTPConnection]) -> bool:
+    """Every connection accepted by a front-end that has read all it was sent."""
+    pids = frontends(server).values()
+    return all(serving_pid(server.port, c.sock.getsockname()[1], pids) for c in conns)
+
+
+def demo(x: np.ndarray) -> torch.Tensor:
+    with torch.no_grad():
+        return mha_engine.demo_module().eval()(torch.from_numpy(x))
+
+
+def output_of(raw: bytes, headers: http.client.HTTPMessage) -> np.ndarray:
+    import json
+
+    length = int(headers["Inference-Header-Content-Length"])
+    out = json.loads(raw[:length])["outputs"][0]
+    return np.frombuffer(raw[length:], np.float32).reshape(out["shape"]).copy()
+
+
+@pytest.fixture(scope="module")
+def tmpdir_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tmpdir")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tmpdir_env: Path) -> Iterator[Server]:
+    """One sequence per forward, so long requests queue behind each other."""
+    args = ("--workers", "2", "--max-batch-size", "1", "--max-batch-delay-ms", "0")
+    env = {"TMPDIR": str(tmpdir_env)}
+    with run_server(tmp_path_factory.mktemp("faults"), *args, env=env) as server:
+        wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
+        yield server
+
+
+def test_engine_killed_is_503_then_restarted_and_ready_again(server: Server) -> None:
+    old = worker_pids(server)["mha-engine"]
+    x = np.random.default_rng(0).standard_normal((1, 1024, 512)).astype(np.float32)
+    conns = [send(server, x) for _ in range(6)]  # ~6 forwards of work, one at a time
+    wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
+    os.kill(old, signal.SIGKILL)
+    # while the engine is down, new requests are 503 + Retry-After at once, and not ready
+    small = np.ones((1, 4, 512), np.float32)
+    content, headers = fp32_request(small)
+    down = httpx.post(f"{server.url}{INFER}", content=content, headers=headers, timeout=10)
+    assert down.status_code == 503, down.text
+    assert down.headers["Retry-After"] == "1", down.headers
+    assert any(why in down.json()["error"] for why in ("restarting", "warming up")), down.text
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 503
+    assert httpx.get(f"{server.url}/v2/health/live", timeout=10).status_code == 200
+    statuses = []
+    for conn in conns:  # those in flight: answered (200 if done before the kill, else 503)
+        response = conn.getresponse()
+        raw = response.read()
+        statuses.append(response.status)
+        if response.status == 503:
+            assert response.getheader("Retry-After") == "1", raw
+        else:
+            assert response.status == 200, raw
+        conn.close()
+    assert 503 in statuses, statuses
+    # restarted: a new engine, both front-ends ready again and serving the module's numbers
+    wait_for(lambda: worker_pids(server)["mha-engine"] != old, 30, "engine restarted")
+    assert not alive(old)
+
+    def ready_everywhere() -> bool:
+        probes = [httpx.get(f"{server.url}/v2/health/ready", timeout=10) for _ in range(10)]
+        return all(p.status_code == 200 for p in probes)
+
+    wait_for(ready_everywhere, 60, "readiness back on both front-ends")
+    y = np.random.default_rng(1).standard_normal((1, 9, 512)).astype(np.float32)
+    content, headers = fp32_request(y)
+    for _ in range(6):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", INFER, body=content, headers=headers)
+        response = conn.getresponse()
+        raw = response.read()
+        assert response.status == 200, raw
+        got = output_of(raw, response.headers)
+        torch.testing.assert_close(torch.from_numpy(got), demo(y), **FP32_TOL)
+        conn.close()
+    # the new engine maps the front-ends' new slabs, and they dropped their old ones
+    wait_for(lambda: slabs_match(server), 10, "one slab per live front-end")
+    log = server.log()
+    assert "Traceback" not in log and f"{INFER} 500" not in log, log[-3000:]
+
+
+def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server) -> None:
+    fe = frontends(server)
+    victim = fe["mha-frontend-0"]
+    victim_slab = slab_inodes(victim)
+    assert len(victim_slab) == 1
+    x = np.random.default_rng(2).standard_normal((1, 8, 512)).astype(np.float32)
+    content, headers = fp32_request(x)
+    # a keep-alive connection held by the other front-end
+    pinned = None
+    for _ in range(100):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("GET", "/v2/health/live")
+        conn.getresponse().read()
+        if serving_pid(server.port, conn.sock.getsockname()[1], [fe["mha-frontend-1"]]):
+            pinned = conn
+            break
+        conn.close()
+    assert pinned is not None, "no connection reached front-end 1"
+
+    def request(conn: http.client.HTTPConnection) -> int:
+        conn.request("POST", INFER, body=content, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+
+    statuses = [request(pinned) for _ in range(3)]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not alive(victim), 10, "front-end 0 dead")
+    # the other serves on, its kept connection and new ones (the listening socket is shared)
+    while frontends(server)["mha-frontend-0"] == victim:
+        statuses.append(request(pinned))
+        fresh = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        statuses.append(request(fresh))
+        fresh.close()
+        assert len(statuses) < 2000, "front-end 0 was not restarted"
+    assert set(statuses) == {200}, statuses
+    # the engine let go of the dead front-end's slab; the new front-end connects with its own
+    wait_for(lambda: slabs_match(server), 30, "one slab per live front-end")
+    assert not victim_slab & slab_inodes(worker_pids(server)["mha-engine"])
+    new = frontends(server)["mha-frontend-0"]
+    for _ in range(200):  # and the new front-end serves
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        status = request(conn)
+        on_new = serving_pid(server.port, conn.sock.getsockname()[1], [new])
+        conn.close()
+        if on_new:
+            assert status == 200
+            break
+    else:
+        raise AssertionError("the restarted front-end answered none of 200 new connections")
+    pinned.close()
+
+
+def test_supervisor_killed_takes_its_children_down(server: Server, tmpdir_env: Path) -> None:
+    """kill -9 of the supervisor: the engine and front-ends notice and exit by themselves (only
+    the small temp dir, a socket and metrics files, stays: no one is left to remove it)."""
+    shm_before = set(os.listdir("/dev/shm"))
+    children = child_pids(server.process.pid)
+    assert len(children) >= 3, children
+    server.process.kill()
+    server.process.wait(10)
+    for pid in children:
+        wait_for(lambda pid=pid: not alive(pid), 15, f"child {pid} exited")
+    assert set(os.listdir("/dev/shm")) <= shm_before
+    for leftover in tmpdir_env.glob("mha-serve-*"):
+        shutil.rmtree(leftover)
+
+
+def test_sigterm_drains_every_process_and_leaves_nothing(tmp_path: Path) -> None:
+    """Requests in flight at SIGTERM all get 200; every process exits within the grace; no
+    temp dir, /dev/shm entry or child process remains."""
+    grace_s = 10.0
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    shm_before = set(os.listdir("/dev/shm"))
+    args = ("--workers", "2", "--max-batch-size", "1", "--max-batch-delay-ms", "0",
+            "--drain-grace-s", str(grace_s))  # fmt: skip
+    x = np.random.default_rng(3).standard_normal((1, 1024, 512)).astype(np.float32)
+    with run_server(tmp_path, *args, env={"TMPDIR": str(tmpdir)}) as server:
+        wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
+        children = child_pids(server.process.pid)
+        assert len(children) >= 3, children
+        assert len(list(tmpdir.glob("mha-serve-*"))) == 1
+        for pid in children:  # tensors go through memfd slabs: no named shared memory at all
+            assert shm_paths(pid) == [], shm_paths(pid)
+        conns = [send(server, x) for _ in range(8)]
+        wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
+        server.process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        statuses = []
+        for conn in conns:
+            response = conn.getresponse()
+            raw = response.read()
+            statuses.append(response.status)
+            if response.status == 200:
+                got = output_of(raw, response.headers)
+                torch.testing.assert_close(torch.from_numpy(got), demo(x), **FP32_TOL)
+        try:
+            code = server.process.wait(grace_s + 10)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {grace_s + 10} s after SIGTERM") from None
+        exit_after = time.monotonic() - sent
+        log = server.log()
+    assert statuses == [200] * len(conns), (statuses, log[-3000:])
+    assert exit_after < grace_s, exit_after  # the work took less than the grace
+    assert code == 0, (code, log[-3000:])
+    for pid in children:
+        wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
+    assert list(tmpdir.iterdir()) == []  # the supervisor's mha-serve-* directory is gone
+    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert "Traceback" not in log and " 500" not in log, log[-3000:]
