@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as tgrpc
 
 import mha_engine
 from tests.support import (
@@ -29,9 +30,12 @@ from tests.support import (
     alive,
     child_pids,
     fp32_request,
+    free_port,
+    listening_inodes,
     run_server,
     serving_pid,
     slab_inodes,
+    socket_inodes,
     worker_pids,
 )
 
@@ -115,9 +119,12 @@ def tmpdir_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tmpdir_env: Path) -> Iterator[Server]:
     """One sequence per forward, so long requests queue behind each other."""
-    args = ("--workers", "2", "--max-batch-size", "1", "--max-batch-delay-ms", "0")
+    grpc_port = free_port()
+    args = ("--workers", "2", "--max-batch-size", "1", "--max-batch-delay-ms", "0",
+            "--grpc-port", str(grpc_port))  # fmt: skip
     env = {"TMPDIR": str(tmpdir_env)}
     with run_server(tmp_path_factory.mktemp("faults"), *args, env=env) as server:
+        server.grpc_port = grpc_port  # type: ignore[attr-defined]
         wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
         yield server
 
@@ -225,6 +232,17 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
     else:
         raise AssertionError("the restarted front-end answered none of 200 new connections")
     pinned.close()
+    # its gRPC listener is back on the shared port beside the other's
+    grpc_port = server.grpc_port  # type: ignore[attr-defined]
+    wait_for(lambda: listening_inodes(grpc_port) & socket_inodes(new), 30, "gRPC listener back")
+    assert len(listening_inodes(grpc_port)) == 2
+    for _ in range(4):
+        client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        item = tgrpc.InferInput("input", list(x.shape), "FP32")
+        item.set_data_from_numpy(x)
+        got = client.infer("mha", [item]).as_numpy("output").copy()
+        torch.testing.assert_close(torch.from_numpy(got), demo(x), **FP32_TOL)
+        client.close()
 
 
 def test_supervisor_killed_takes_its_children_down(server: Server, tmpdir_env: Path) -> None:
