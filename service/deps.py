@@ -43,6 +43,8 @@ def ensure_serving(state: ServiceState, entry: ModelEntry | None = None) -> None
     elif entry is not None and entry.unloading:
         message = f"model '{entry.name}' version {entry.version} is being unloaded"
     else:
+        if entry is not None:
+            entry.batcher.check_open()  # a closed batcher, or (--workers) the engine restarting
         message = "model is warming up"
     raise NotReady(message, headers={"Retry-After": "1"})
 
