@@ -451,3 +451,26 @@ def test_client_gone_while_queued_in_the_engine_is_499_and_never_computed(small:
         after["inference_stats"]["fail"]["count"] - before["inference_stats"]["fail"]["count"] == 1
     )
     assert small.log().count(f"INFO service.access: POST {INFER} 499") == 1, small.log()[-3000:]
+
+
+def test_deadline_while_queued_behind_a_forward_is_504_withdrawn(small: Server) -> None:
+    """The front-end's timer fires first: it takes the request back out of the engine's queue
+    (504 naming the request's own timeout), and the engine never computes it."""
+
+    def computed() -> int:
+        response = httpx.get(f"{small.url}/v2/models/mha/stats", timeout=30)
+        return response.json()["model_stats"][0]["inference_count"]
+
+    before = computed()
+    pids = [p for n, p in worker_pids(small).items() if n.startswith("mha-frontend")]
+    long = np.random.default_rng(8).standard_normal((1, 2048, 512)).astype(np.float32)
+    content, headers = fp32_request(long)
+    blocker = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
+    blocker.request("POST", INFER, body=content, headers=headers)
+    wait_read(small, blocker.sock, pids)  # running: the queue behind it is empty
+    response = post(small.url, np.ones((1, 4, 512), np.float32), timeout=20_000)  # 20 ms
+    assert response.status_code == 504, response.text
+    assert response.json()["error"] == "request timed out after 0.020 s in the queue"
+    assert blocker.getresponse().status == 200
+    blocker.close()
+    assert computed() - before == 1  # the blocker alone
