@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -304,4 +305,43 @@ def test_sigterm_drains_every_process_and_leaves_nothing(tmp_path: Path) -> None
         wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
     assert list(tmpdir.iterdir()) == []  # the supervisor's mha-serve-* directory is gone
     assert set(os.listdir("/dev/shm")) <= shm_before
+    assert "Traceback" not in log and " 500" not in log, log[-3000:]
+
+
+def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) -> None:
+    """Work not started when the grace ends is answered 503 + Retry-After by the engine and never
+    computed; what started finishes; every process exits within about the grace."""
+    grace_s = 1.0
+    args = ("--workers", "2", "--max-batch-size", "1", "--max-batch-delay-ms", "0",
+            "--drain-grace-s", str(grace_s), "--request-timeout-s", "120")  # fmt: skip
+    x = np.random.default_rng(4).standard_normal((1, 1024, 512)).astype(np.float32)
+    with run_server(tmp_path, *args) as server:
+        wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
+        times = []
+        for _ in range(3):  # the fastest of three: a cold first one would overstate it
+            started = time.monotonic()
+            assert send(server, x).getresponse().status == 200
+            times.append(time.monotonic() - started)
+        forward_s = min(times)
+        n = min(48, int(3 * grace_s / forward_s) + 4)  # about three graces of work
+        conns = [send(server, x) for _ in range(n)]
+        wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
+        server.process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        statuses = []
+        for conn in conns:
+            response = conn.getresponse()
+            raw = response.read()
+            statuses.append(response.status)
+            if response.status == 503:
+                assert response.getheader("Retry-After") == "1", raw
+                assert b"shutting down" in raw or b"draining" in raw, raw
+        code = server.process.wait(grace_s + 30)
+        exit_after = time.monotonic() - sent
+        log = server.log()
+    assert set(statuses) == {200, 503}, statuses
+    assert exit_after < grace_s + 2 * forward_s + 3.0, (exit_after, forward_s)
+    assert code == 0, (code, log[-3000:])
+    shed = re.search(r"drain grace over: (\d+) queued requests answered 503, not computed", log)
+    assert shed and int(shed.group(1)) == statuses.count(503), log[-3000:]
     assert "Traceback" not in log and " 500" not in log, log[-3000:]
