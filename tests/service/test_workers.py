@@ -121,7 +121,7 @@ def output_of(response: httpx.Response) -> np.ndarray:
     assert response.status_code == 200, response.text
     length = int(response.headers["Inference-Header-Content-Length"])
     out = json.loads(response.content[:length])["outputs"][0]
-    return np.frombuffer(response.content[length:], np.float32).reshape(out["shape"])
+    return np.frombuffer(response.content[length:], np.float32).reshape(out["shape"]).copy()
 
 
 def post(url: str, x: np.ndarray, headers: dict | None = None, **params: object) -> httpx.Response:

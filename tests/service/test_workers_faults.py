@@ -132,6 +132,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tmpdir_env: Path) -> Iterat
 
 def test_engine_killed_is_503_then_restarted_and_ready_again(server: Server) -> None:
     old = worker_pids(server)["mha-engine"]
+    shm_before = set(os.listdir("/dev/shm"))
     x = np.random.default_rng(0).standard_normal((1, 1024, 512)).astype(np.float32)
     conns = [send(server, x) for _ in range(6)]  # ~6 forwards of work, one at a time
     wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
@@ -178,6 +179,7 @@ def test_engine_killed_is_503_then_restarted_and_ready_again(server: Server) -> 
         conn.close()
     # the new engine maps the front-ends' new slabs, and they dropped their old ones
     wait_for(lambda: slabs_match(server), 10, "one slab per live front-end")
+    assert set(os.listdir("/dev/shm")) <= shm_before  # the crash left no named segment
     log = server.log()
     assert "Traceback" not in log and f"{INFER} 500" not in log, log[-3000:]
 
@@ -326,6 +328,8 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
         n = min(48, int(3 * grace_s / forward_s) + 4)  # about three graces of work
         conns = [send(server, x) for _ in range(n)]
         wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
+        children = child_pids(server.process.pid)
+        assert len(children) >= 3, children
         server.process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         statuses = []
@@ -340,6 +344,8 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
         exit_after = time.monotonic() - sent
         log = server.log()
     assert set(statuses) == {200, 503}, statuses
+    for pid in children:
+        wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
     assert exit_after < grace_s + 2 * forward_s + 3.0, (exit_after, forward_s)
     assert code == 0, (code, log[-3000:])
     shed = re.search(r"drain grace over: (\d+) queued requests answered 503, not computed", log)
