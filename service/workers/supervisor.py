@@ -131,6 +131,9 @@ def supervise(settings: Settings) -> int:
         while not stop:
             _watch(children, context, mark_process_dead, stop)
         log.info("stopping: draining %d front-ends and the engine", len(frontends))
+        # Nothing restarts now: let go of the listening socket, so that once the front-ends
+        # close theirs new connections are refused (as by one process), not left in the backlog.
+        listener.close()
         _drain(settings, engine, frontends, mark_process_dead)
         return 0
     finally:

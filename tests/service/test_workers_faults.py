@@ -98,6 +98,18 @@ def in_app(server: Server, conns: list[http.client.HTTPConnection]) -> bool:
     return all(serving_pid(server.port, c.sock.getsockname()[1], pids) for c in conns)
 
 
+def refused(server: Server) -> bool:
+    """A new connection is refused (True), or served (False: not yet draining); one accepted
+    and then left unanswered (a listening socket no one accepts on) fails the test."""
+    try:
+        httpx.get(f"{server.url}/v2/health/live", timeout=3)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError as exc:
+        raise AssertionError(f"a new connection during the drain hung: {exc!r}") from exc
+    return False
+
+
 def demo(x: np.ndarray) -> torch.Tensor:
     with torch.no_grad():
         return mha_engine.demo_module().eval()(torch.from_numpy(x))
@@ -286,6 +298,7 @@ def test_sigterm_drains_every_process_and_leaves_nothing(tmp_path: Path) -> None
         wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
         server.process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
+        wait_for(lambda: refused(server), 10, "new connections refused while draining")
         statuses = []
         for conn in conns:
             response = conn.getresponse()
