@@ -366,14 +366,16 @@ def test_metrics_show_the_whole_server(workers: Workers) -> None:
 # -- a 1 MiB slab and a tiny queue -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    args = ["--workers", "2", "--worker-slab-bytes", str(1 << 20), "--max-batch-size", "1",
+    args = ["--worker-slab-bytes", str(1 << 20), "--max-batch-size", "1",
             "--max-queue", "2", "--max-batch-delay-ms", "0"]  # fmt: skip
-    with run_server(tmp_path_factory.mktemp("small"), *args) as server:
+    env = {"MHA_WORKERS": "2"}  # the environment's way to ask for --workers 2
+    with run_server(tmp_path_factory.mktemp("small"), *args, env=env) as server:
         wait_all_ready(server)
         yield server
 
 
 def test_request_larger_than_the_slab_travels_inline(small: Server) -> None:
+    assert sorted(worker_pids(small)) == ["mha-engine", "mha-frontend-0", "mha-frontend-1"]
     x = np.random.default_rng(5).standard_normal((1, 1024, 512)).astype(np.float32)  # 2 MiB
     responses = each_frontend(lambda: post(small.url, x))
     for response in responses:
