@@ -222,6 +222,15 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
         return response.status
 
     statuses = [request(pinned) for _ in range(3)]
+    # long requests in flight on both front-ends, queued in the engine when the victim dies
+    long = np.random.default_rng(5).standard_normal((1, 1024, 512)).astype(np.float32)
+    in_flight = [send(server, long) for _ in range(6)]
+    wait_for(lambda: in_app(server, in_flight), 30, "the requests reached the front-ends")
+    survivor = [
+        c
+        for c in in_flight
+        if serving_pid(server.port, c.sock.getsockname()[1], [fe["mha-frontend-1"]])
+    ]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: not alive(victim), 10, "front-end 0 dead")
     # the other serves on, its kept connection and new ones (the listening socket is shared)
@@ -234,7 +243,13 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
             break
         assert len(statuses) < 2000, "front-end 0 was not restarted"
     assert set(statuses) == {200}, statuses
-    # the engine let go of the dead front-end's slab; the new front-end connects with its own
+    for conn in survivor:  # the other front-end's long requests are unharmed
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+    for conn in in_flight:
+        conn.close()
+    # the engine let go of the dead front-end's slab (its queued work withdrawn, its running
+    # work finished); the new front-end connects with its own
     wait_for(lambda: slabs_match(server), 30, "one slab per live front-end")
     assert not victim_slab & slab_inodes(worker_pids(server)["mha-engine"])
     new = frontends(server)["mha-frontend-0"]
