@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as tgrpc
+from tritonclient.utils import InferenceServerException
 
 import mha_engine
 from tests.support import (
@@ -156,6 +157,13 @@ def test_engine_killed_is_503_then_restarted_and_ready_again(server: Server) -> 
     assert down.status_code == 503, down.text
     assert down.headers["Retry-After"] == "1", down.headers
     assert down.json()["error"] == "the engine process is restarting; retry shortly", down.text
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")  # type: ignore[attr-defined]
+    item = tgrpc.InferInput("input", list(small.shape), "FP32")
+    item.set_data_from_numpy(small)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("mha", [item], client_timeout=10)
+    assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value
+    client.close()
     assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 503
     assert httpx.get(f"{server.url}/v2/health/live", timeout=10).status_code == 200
     statuses = []
