@@ -171,7 +171,7 @@ def test_grpc_model_infer_on_the_shared_port(workers: Workers) -> None:
         client = tgrpc.InferenceServerClient(f"127.0.0.1:{workers.grpc_port}")
         item = tgrpc.InferInput("input", list(x.shape), "FP32")
         item.set_data_from_numpy(x)
-        got = client.infer("mha", [item], headers=grpc_auth).as_numpy("output")
+        got = client.infer("mha", [item], headers=grpc_auth).as_numpy("output").copy()
         torch.testing.assert_close(torch.from_numpy(got), expected, **FP32_TOL)
         with pytest.raises(InferenceServerException) as refused:
             client.infer("mha", [item])
