@@ -188,7 +188,13 @@ class Engine:
                 if messages is None:
                     break
                 for message in messages:
-                    self._handle(conn, message)
+                    try:
+                        self._handle(conn, message)
+                    except Exception:  # a bug, not the front-end's fault: fail that one request
+                        log.exception("front-end %d: cannot handle %r", conn.index, message[0])
+                        if message[0] in ("submit", "exclusive"):
+                            failed = InferenceError("inference failed for this request")
+                            conn.send(("done", message[1], "err", failed))
         except OSError:
             pass
         finally:
@@ -279,9 +285,10 @@ async def _load(settings: Settings) -> dict[Key, ModelEntry]:
     return entries
 
 
-def run(settings: Settings, path: str) -> None:
-    """Engine process main: load, warm up, listen on `path`; on SIGTERM drain (the grace, then
-    503 for what has not started) and exit once every front-end has gone."""
+def run(settings: Settings, path: str, ready: Any = None) -> None:
+    """Engine process main: load, warm up, listen on `path` (then set the `ready` event); on
+    SIGTERM drain (the grace, then 503 for what has not started) and exit once every front-end
+    has gone."""
     import torch
 
     with contextlib.suppress(RuntimeError):
@@ -301,6 +308,8 @@ def run(settings: Settings, path: str) -> None:
     listener.listen(64)
     listener.settimeout(0.2)
     log.info("engine ready: %s", ", ".join(f"{n}/{v}" for n, v in entries))
+    if ready is not None:
+        ready.set()
     grace: threading.Timer | None = None
     try:
         while True:

@@ -36,12 +36,12 @@ QUICK_EXIT_S = 10.0  # a process that dies sooner than this after starting is cr
 MAX_BACKOFF_S = 10.0
 
 
-def engine_main(settings: Settings, path: str) -> None:
-    """Target of the engine process."""
+def engine_main(settings: Settings, path: str, ready: Any) -> None:
+    """Target of the engine process; sets `ready` once it serves."""
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
     from service.workers import engine
 
-    engine.run(settings, path)
+    engine.run(settings, path, ready)
 
 
 def frontend_main(settings: Settings, listener: socket.socket, path: str, index: int) -> None:
@@ -109,7 +109,8 @@ def supervise(settings: Settings) -> int:
         return 1
     host, port = listener.getsockname()[:2]
     context = multiprocessing.get_context("spawn")
-    engine = Child("mha-engine", engine_main, (settings, path))
+    engine_ready = context.Event()  # set by the first engine that serves
+    engine = Child("mha-engine", engine_main, (settings, path, engine_ready))
     frontends = [
         Child(f"mha-frontend-{i}", frontend_main, (settings, listener, path, i))
         for i in range(settings.workers)
@@ -130,6 +131,12 @@ def supervise(settings: Settings) -> int:
             child.start(context)
         while not stop:
             _watch(children, context, mark_process_dead, stop)
+            if engine.restart_at is not None and not engine_ready.is_set():
+                # It never came up (a model that does not load, no memory): restarting would
+                # only repeat it. Stop, as one process would.
+                log.error("the engine process failed before it could serve; stopping")
+                _drain(settings, engine, frontends, mark_process_dead)
+                return 3
         log.info("stopping: draining %d front-ends and the engine", len(frontends))
         _drain(settings, engine, frontends, mark_process_dead)
         return 0
