@@ -137,14 +137,20 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     directory = tmp_path_factory.mktemp("multiproc")
     writers = {role: python(f"record({role!r})", directory) for role in ROLES}
     reader = python("scrape_all()", directory)
-    reference = Metrics("m", "1")
-    for role in ROLES:
-        play(reference, role)
-    single = reference.exposition()[0].decode()
-    pids = {role: int(output(p)) for role, p in writers.items()}
-    merged, front_a_dead, engine_dead = json.loads(
-        output(reader, f"{pids['front_a']} {pids['engine']}\n")
-    )
+    try:
+        reference = Metrics("m", "1")
+        for role in ROLES:
+            play(reference, role)
+        single = reference.exposition()[0].decode()
+        pids = {role: int(output(p)) for role, p in writers.items()}
+        merged, front_a_dead, engine_dead = json.loads(
+            output(reader, f"{pids['front_a']} {pids['engine']}\n")
+        )
+    finally:  # a failed writer leaves the reader waiting for pids
+        for process in (*writers.values(), reader):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return {
         "single": single, "merged": merged, "front_a_dead": front_a_dead,
         "engine_dead": engine_dead, "directory": directory, "pids": pids,
