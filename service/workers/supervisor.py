@@ -98,7 +98,7 @@ def supervise(settings: Settings) -> int:
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports the client
-    from prometheus_client.multiprocess import mark_process_dead
+    from service.metrics import mark_process_dead  # after the env var: multiprocess mode
 
     path = os.path.join(workdir, "engine.sock")
     try:
