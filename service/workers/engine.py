@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import threading
@@ -311,6 +312,7 @@ def run(settings: Settings, path: str, ready: Any = None) -> None:
     if ready is not None:
         ready.set()
     grace: threading.Timer | None = None
+    orphaned = False
     try:
         while True:
             if stopping.is_set() and grace is None:
@@ -320,9 +322,10 @@ def run(settings: Settings, path: str, ready: Any = None) -> None:
                 grace.start()
             if grace is not None and not engine.connections:
                 break  # every front-end has drained and gone
-            if os.getppid() != parent:
-                log.error("the supervisor is gone; stopping")
-                break
+            if os.getppid() != parent and not orphaned:
+                log.error("the supervisor is gone; draining, then removing its directory")
+                orphaned = True
+                stopping.set()  # the front-ends drain too (service.workers.frontend)
             try:
                 sock, _ = listener.accept()
             except TimeoutError:
@@ -340,4 +343,6 @@ def run(settings: Settings, path: str, ready: Any = None) -> None:
             grace.cancel()
         engine.end_grace()
         engine.stop()
+        if orphaned:  # nobody else is left to remove the socket and metrics directory
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         log.info("engine stopped")
