@@ -67,7 +67,10 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         for message in self.buffer.feed(data):
-            self.link.dispatch(message)
+            try:
+                self.link.dispatch(message)
+            except Exception:  # a bug: one reply lost (its request fails), not the channel
+                log.exception("front-end %d: cannot handle %r", self.link.index, message[0])
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.link.lost()
