@@ -182,6 +182,7 @@ def run_server(args, model_dir: Path, dims: tuple[int, int], lens, workers: int,
 
 def run(args) -> list[dict]:
     dims, lens = SUITES[args.suite]
+    lens = args.lens or lens
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_mha(Path(tmp), *dims)
@@ -352,6 +353,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32, help="closed-loop connections")
     parser.add_argument("--rounds", type=int, default=2, help="times each configuration runs")
     parser.add_argument("--workers", default="1,2", help="--workers values, in order per round")
+    parser.add_argument("--lens", type=lambda v: [int(t) for t in v.split(",")],
+                        help="T values instead of the suite's, e.g. 128")  # fmt: skip
     parser.add_argument("--server-args", default="", help="extra server flags")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument(
