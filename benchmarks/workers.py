@@ -79,6 +79,29 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def connections(pids: list[int], port: int) -> list[int]:
+    """Established TCP connections on local `port` held by each of `pids` (their socket fds
+    matched against /proc/net/tcp), to see how the kernel spread the clients."""
+    inodes = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "01":
+                    inodes.add(cols[9])
+    counts = []
+    for pid in pids:
+        n = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            n += target.startswith("socket:[") and target[8:-1] in inodes
+        counts.append(n)
+    return counts
+
+
 def roles(server, workers: int) -> dict[int, str]:
     """pid -> role of each server process ('engine', 'front-end N', 'supervisor', 'other')."""
     if workers == 1:
@@ -151,7 +174,19 @@ def run_server(args, model_dir: Path, dims: tuple[int, int], lens, workers: int,
             load(args.warmup)
             load_avg = os.getloadavg()[0]
             text_before = scrape.scrape(server.url)
-            result, window = measure(server, workers, lambda: load(args.seconds))
+            conns: list[int] = []
+
+            def measured(load=load, conns=conns):
+                async def both():
+                    task = asyncio.create_task(asyncio.to_thread(load, args.seconds))
+                    await asyncio.sleep(min(1.0, args.seconds / 2))  # clients connected
+                    fronts = [p for p, r in roles(server, workers).items() if "front" in r]
+                    conns.extend(connections(fronts or [server.process.pid], server.port))
+                    return await task
+
+                return asyncio.run(both())
+
+            result, window = measure(server, workers, measured)
             text_after = scrape.scrape(server.url)
             n = max(result.completed, 1)
             front = sum(v for k, v in window.by_role.items() if k.startswith("front-end"))
@@ -169,6 +204,7 @@ def run_server(args, model_dir: Path, dims: tuple[int, int], lens, workers: int,
                     round(v / front, 2) for k, v in window.by_role.items()
                     if k.startswith("front-end")) if front else [],
                 "batch_mean": batch_mean(text_before, text_after),
+                "connections": conns,
                 "non_200": sum(c for s, c in result.statuses.items() if s != 200),
             })  # fmt: skip
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -255,8 +291,8 @@ def _mean(rows: list[dict], key: str, **match) -> float:
 def print_runs(rows: list[dict]) -> None:
     print("| D | T | workers | round | load avg | req/s | p50 ms | p99 ms | server CPU ms/req | "
           "front-ends | engine | supervisor + tracker | client CPU ms/req | front-end CPU split "
-          "| mean batch | non-200 |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+          "| connections per front-end | mean batch | non-200 |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     for r in rows:
         split = " / ".join(f"{s:.0%}" for s in r["frontend_split"]) if r["workers"] > 1 else "-"
         print(
@@ -264,6 +300,7 @@ def print_runs(rows: list[dict]) -> None:
             f"{r['req_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
             f"{r['server_cpu_ms']:.2f} | {r['frontend_cpu_ms']:.2f} | {r['engine_cpu_ms']:.2f} | "
             f"{r['rest_cpu_ms']:.2f} | {r['client_cpu_ms']:.2f} | {split} | "
+            f"{' / '.join(map(str, r.get('connections', []))) or '-'} | "
             f"{r['batch_mean']:.1f} | {r['non_200']} |"
         )
 
