@@ -28,9 +28,8 @@ import functools
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -44,6 +43,9 @@ from prometheus_client import (
     platform_collector,
     process_collector,
 )
+
+if TYPE_CHECKING:  # torch only where CUDA gauges are added: the supervisor of --workers
+    import torch  # imports this module and holds no model
 
 # Buckets are chosen for this workload. Latency: a T=16 forward takes ~0.2 ms on CPU, a full
 # batch of long sequences seconds; requests add queue wait (default batch delay 2 ms) and HTTP.
@@ -244,6 +246,8 @@ class Metrics:
         if MULTIPROCESS:
             _cuda_gauges_skipped()
             return
+        import torch
+
         if not self._cuda:
             self._cuda["allocated"] = Gauge(
                 "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
