@@ -1,24 +1,35 @@
-"""Prometheus metrics (prefix `mha_`), one registry per app, plus the process collectors.
+"""Prometheus metrics (prefix `mha_`): one registry per app plus the process collectors, or
+with `--workers` one exposition merged over the server's processes.
 
 Labels stay low-cardinality: model and version (every per-model series carries both, so
 queries by `model` alone still match, summing over versions), endpoint, protocol, HTTP status
 code (or its class), failure reason, batch outcome. Request families carry `protocol` ("http"
 or "grpc"); a gRPC call's `status` is the HTTP status of the same outcome
-(service.grpc.status), so status-class panels and alerts cover both listeners. One uvicorn
-worker per device is the deployment model (one batcher per model version, one copy of its
-weights), so a plain per-process registry is exact. If several uvicorn
-workers per device are ever allowed, this must switch to prometheus-client's multiprocess mode
-(PROMETHEUS_MULTIPROC_DIR, a MultiProcessCollector registry, and explicit gauge modes), or
-each scrape would see one random worker.
+(service.grpc.status), so status-class panels and alerts cover both listeners.
+
+One process (the default) uses a plain per-process registry. With `--workers N` (one engine
+process, N front-ends) the supervisor sets PROMETHEUS_MULTIPROC_DIR for every child, and
+prometheus-client's multiprocess mode takes over: each process writes its values to files
+there, and a scrape of any front-end merges them (MultiProcessCollector), so /metrics shows
+the whole server: counters and histograms summed over processes, gauges per their
+`multiprocess_mode` (chosen per family below). What that mode lacks: the process_*, python_gc_*
+and python_info families (each describes one process, and a scrape would show whichever
+front-end answered), the `*_created` series, and the CUDA memory gauges (read at scrape time
+in the engine process, which no scrape reaches). The supervisor calls `mark_process_dead` for
+each child that exits, so the live* gauges of dead processes vanish; their counters stay
+counted. One `Metrics` object per process there (its `for_model` views are fine): two objects
+with the same series in one process would overwrite each other's values.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import logging
+import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -28,9 +39,13 @@ from prometheus_client import (
     Info,
     gc_collector,
     generate_latest,
+    multiprocess,
     platform_collector,
     process_collector,
 )
+
+if TYPE_CHECKING:  # torch only where CUDA gauges are added: the supervisor of --workers
+    import torch  # imports this module and holds no model
 
 # Buckets are chosen for this workload. Latency: a T=16 forward takes ~0.2 ms on CPU, a full
 # batch of long sequences seconds; requests add queue wait (default batch delay 2 ms) and HTTP.
@@ -56,6 +71,18 @@ FAILURE_REASONS = (
     "unavailable", "unauthorized", "forbidden",
 )  # fmt: skip
 PROTOCOLS = ("http", "grpc")  # the `protocol` label of the request families
+# The keys of the mha_model_info series besides model and version (service.loading.model_info
+# builds them); fixed because a multiprocess gauge's label names are.
+MODEL_INFO_LABELS = (
+    "name", "architecture", "embed_dim", "num_heads", "num_layers", "dtype", "device",
+    "sdpa_backend",
+)  # fmt: skip
+
+# Set by the --workers supervisor for each child before it imports anything (prometheus-client
+# reads it at import too).
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+log = logging.getLogger(__name__)
 
 
 class Metrics:
@@ -67,9 +94,10 @@ class Metrics:
         self.version = version
         self.registry = CollectorRegistry()
         r = self.registry
-        process_collector.ProcessCollector(registry=r)
-        platform_collector.PlatformCollector(registry=r)
-        gc_collector.GCCollector(registry=r)
+        if not MULTIPROCESS:  # per-process facts: see the module docstring
+            process_collector.ProcessCollector(registry=r)
+            platform_collector.PlatformCollector(registry=r)
+            gc_collector.GCCollector(registry=r)
 
         self.requests = Counter(
             "mha_requests", "Requests answered, by endpoint, status code and protocol.",
@@ -121,33 +149,54 @@ class Metrics:
             "Padded tokens / computed tokens per forward (the engine packs sequences, so 0).",
             ["model", "version"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        # Gauge modes matter only in multiprocess mode; live* drop a process's value once
+        # mark_process_dead(pid) runs. Every process zeroes its series (_zero_series), which
+        # neither sums nor maxima notice.
+        # Only the process holding the batcher (the engine) sets a non-zero depth: summed.
         self.queue_depth_gauge = Gauge(
             "mha_queue_depth_sequences",
             "Sequences waiting in the batcher queue (and /v1/embeddings inputs being tokenized).",
-            ["model", "version"], registry=r,
+            ["model", "version"], registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+        # The same bound wherever it is set: the largest live one.
         self.queue_capacity = Gauge(
             "mha_queue_capacity_sequences", "The queue's bound (--max-queue).",
-            ["model", "version"], registry=r,
+            ["model", "version"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
+        # Each front-end counts the requests it handles: summed.
         self.in_flight = Gauge(
             "mha_requests_in_flight", "Inference requests being handled.",
-            ["model", "version"], registry=r,
+            ["model", "version"], registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+        # Only the engine process runs forwards (one engine thread per model version): summed.
         self.engine_busy = Gauge(
             "mha_engine_busy",
             "1 while the engine thread runs a forward.",
             ["model", "version"],
             registry=r,
+            multiprocess_mode="livesum",
         )
-        self.ready = Gauge("mha_ready", "1 when ready to serve.", ["model", "version"], registry=r)
-        self.info = Info(
-            "mha_model",
-            "A served model: name, architecture, embed_dim, num_heads, dtype, device, SDPA "
-            "backend.",
-            ["model", "version"],
-            registry=r,
+        # 1 when any live process says the model version is ready: the engine after warm-up,
+        # front-ends as they learn it; a front-end still at its start-up 0 does not hide the
+        # engine's 1, and a dead process's stale 1 vanishes (mark_process_dead). A sum would
+        # count processes; a minimum would stay 0 while any process has not published.
+        self.ready = Gauge(
+            "mha_ready", "1 when ready to serve.", ["model", "version"], registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        info_help = (
+            "A served model: name, architecture, embed_dim, num_heads, dtype, device, SDPA backend."
         )
+        if MULTIPROCESS:
+            # Info has no multiprocess support: the same series (name, labels, value 1, type
+            # gauge in this text format) from a gauge; the max, as several processes may set it,
+            # and live, so it goes with the process (the engine) that loaded the model.
+            self.info: Info | Gauge = Gauge(
+                "mha_model_info", info_help, ["model", "version", *MODEL_INFO_LABELS],
+                registry=r, multiprocess_mode="livemax",
+            )  # fmt: skip
+        else:
+            self.info = Info("mha_model", info_help, ["model", "version"], registry=r)
         self.sequences = Counter(
             "mha_sequences_processed", "Sequences computed.", ["model", "version"], registry=r
         )
@@ -194,6 +243,11 @@ class Metrics:
 
     def _add_cuda_gauges(self, device: torch.device) -> None:
         """Memory gauges of the model's CUDA device, read at scrape time (not on CPU runs)."""
+        if MULTIPROCESS:
+            _cuda_gauges_skipped()
+            return
+        import torch
+
         if not self._cuda:
             self._cuda["allocated"] = Gauge(
                 "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
@@ -213,8 +267,19 @@ class Metrics:
 
     # -- request side -----------------------------------------------------------------------
     def set_model_info(self, info: dict[str, Any]) -> None:
-        """Publish mha_model_info (with a `model` label to join on); on CUDA, add memory gauges."""
-        self.info.labels(self.model, self.version).info({k: str(v) for k, v in info.items()})
+        """Publish mha_model_info (with a `model` label to join on); on CUDA, add memory gauges.
+        `info` has exactly the MODEL_INFO_LABELS keys."""
+        if set(info) != set(MODEL_INFO_LABELS):
+            raise ValueError(
+                f"model info keys {sorted(info)} differ from MODEL_INFO_LABELS "
+                f"{sorted(MODEL_INFO_LABELS)}: change both together"
+            )
+        labels = {k: str(v) for k, v in info.items()}
+        if isinstance(self.info, Info):
+            self.info.labels(self.model, self.version).info(labels)
+        else:
+            values = [labels[k] for k in MODEL_INFO_LABELS]
+            self.info.labels(self.model, self.version, *values).set(1)
         device = str(info.get("device", ""))
         # Not verified on a GPU: the machines this was built on have none.
         if device.startswith("cuda") and torch.cuda.is_available():
@@ -290,4 +355,27 @@ class Metrics:
             wait.observe(work.started_at - work.enqueued_at)
 
     def exposition(self) -> tuple[bytes, str]:
+        """The text exposition: this process's registry, or in multiprocess mode every
+        process's values merged from PROMETHEUS_MULTIPROC_DIR (read afresh at each scrape)."""
+        if MULTIPROCESS:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int, directory: str | os.PathLike[str] | None = None) -> None:
+    """Drop the live* gauge values of exited process `pid` (the supervisor calls it per child);
+    `directory` defaults to PROMETHEUS_MULTIPROC_DIR, read now; a no-op when neither is set."""
+    directory = directory or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        multiprocess.mark_process_dead(pid, os.fspath(directory))
+
+
+@functools.cache
+def _cuda_gauges_skipped() -> None:
+    """Say once per process why the CUDA memory gauges are missing."""
+    log.warning(
+        "multiprocess metrics: mha_cuda_memory_* gauges are not exposed (they are read at "
+        "scrape time, in a process the scrape does not reach)"
+    )

@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import threading
@@ -188,7 +189,13 @@ class Engine:
                 if messages is None:
                     break
                 for message in messages:
-                    self._handle(conn, message)
+                    try:
+                        self._handle(conn, message)
+                    except Exception:  # a bug, not the front-end's fault: fail that one request
+                        log.exception("front-end %d: cannot handle %r", conn.index, message[0])
+                        if message[0] in ("submit", "exclusive"):
+                            failed = InferenceError("inference failed for this request")
+                            conn.send(("done", message[1], "err", failed))
         except OSError:
             pass
         finally:
@@ -279,9 +286,10 @@ async def _load(settings: Settings) -> dict[Key, ModelEntry]:
     return entries
 
 
-def run(settings: Settings, path: str) -> None:
-    """Engine process main: load, warm up, listen on `path`; on SIGTERM drain (the grace, then
-    503 for what has not started) and exit once every front-end has gone."""
+def run(settings: Settings, path: str, ready: Any = None) -> None:
+    """Engine process main: load, warm up, listen on `path` (then set the `ready` event); on
+    SIGTERM drain (the grace, then 503 for what has not started) and exit once every front-end
+    has gone."""
     import torch
 
     with contextlib.suppress(RuntimeError):
@@ -301,7 +309,10 @@ def run(settings: Settings, path: str) -> None:
     listener.listen(64)
     listener.settimeout(0.2)
     log.info("engine ready: %s", ", ".join(f"{n}/{v}" for n, v in entries))
+    if ready is not None:
+        ready.set()
     grace: threading.Timer | None = None
+    orphaned = False
     try:
         while True:
             if stopping.is_set() and grace is None:
@@ -311,9 +322,10 @@ def run(settings: Settings, path: str) -> None:
                 grace.start()
             if grace is not None and not engine.connections:
                 break  # every front-end has drained and gone
-            if os.getppid() != parent:
-                log.error("the supervisor is gone; stopping")
-                break
+            if os.getppid() != parent and not orphaned:
+                log.error("the supervisor is gone; draining, then removing its directory")
+                orphaned = True
+                stopping.set()  # the front-ends drain too (service.workers.frontend)
             try:
                 sock, _ = listener.accept()
             except TimeoutError:
@@ -331,4 +343,6 @@ def run(settings: Settings, path: str) -> None:
             grace.cancel()
         engine.end_grace()
         engine.stop()
+        if orphaned:  # nobody else is left to remove the socket and metrics directory
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         log.info("engine stopped")

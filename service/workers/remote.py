@@ -67,7 +67,10 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         for message in self.buffer.feed(data):
-            self.link.dispatch(message)
+            try:
+                self.link.dispatch(message)
+            except Exception:  # a bug: one reply lost (its request fails), not the channel
+                log.exception("front-end %d: cannot handle %r", self.link.index, message[0])
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.link.lost()
@@ -90,6 +93,7 @@ class EngineLink:
         self._welcome: asyncio.Future | None = None
         self._closed: asyncio.Future | None = None
         self._stopping = False
+        self._out: list[bytes] = []  # frames to write at the end of this loop turn
 
     @property
     def connected(self) -> bool:
@@ -181,6 +185,7 @@ class EngineLink:
         """The engine went: everything waiting on it gets 503; the slab is dropped (a new
         engine gets a new one, so nothing can write into regions handed out again)."""
         self.transport = None
+        self._out = []  # frames for the engine that went (their slab regions die with it)
         pending, self.pending = self.pending, {}
         replies, self.replies = self.replies, {}
         for p in pending.values():
@@ -198,9 +203,18 @@ class EngineLink:
 
     # -- requests ---------------------------------------------------------------------------
     def send(self, message: tuple) -> None:
+        """Queue `message`; what one turn of the event loop sends goes out in one write (under
+        load many requests' submits and statistics share a syscall)."""
         if self.transport is None:
             raise _down()
-        self.transport.write(frame(message))
+        self._out.append(frame(message))
+        if len(self._out) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.transport is not None and out:
+            self.transport.write(b"".join(out))
 
     async def ask(self, message: tuple) -> Any:
         """Send `message` with a fresh reply id after its op; await the engine's answer."""

@@ -36,12 +36,12 @@ QUICK_EXIT_S = 10.0  # a process that dies sooner than this after starting is cr
 MAX_BACKOFF_S = 10.0
 
 
-def engine_main(settings: Settings, path: str) -> None:
-    """Target of the engine process."""
+def engine_main(settings: Settings, path: str, ready: Any) -> None:
+    """Target of the engine process; sets `ready` once it serves."""
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
     from service.workers import engine
 
-    engine.run(settings, path)
+    engine.run(settings, path, ready)
 
 
 def frontend_main(settings: Settings, listener: socket.socket, path: str, index: int) -> None:
@@ -98,7 +98,7 @@ def supervise(settings: Settings) -> int:
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports the client
-    from prometheus_client.multiprocess import mark_process_dead
+    from service.metrics import mark_process_dead  # after the env var: multiprocess mode
 
     path = os.path.join(workdir, "engine.sock")
     try:
@@ -109,7 +109,8 @@ def supervise(settings: Settings) -> int:
         return 1
     host, port = listener.getsockname()[:2]
     context = multiprocessing.get_context("spawn")
-    engine = Child("mha-engine", engine_main, (settings, path))
+    engine_ready = context.Event()  # set by the first engine that serves
+    engine = Child("mha-engine", engine_main, (settings, path, engine_ready))
     frontends = [
         Child(f"mha-frontend-{i}", frontend_main, (settings, listener, path, i))
         for i in range(settings.workers)
@@ -130,6 +131,12 @@ def supervise(settings: Settings) -> int:
             child.start(context)
         while not stop:
             _watch(children, context, mark_process_dead, stop)
+            if engine.restart_at is not None and not engine_ready.is_set():
+                # It never came up (a model that does not load, no memory): restarting would
+                # only repeat it. Stop, as one process would.
+                log.error("the engine process failed before it could serve; stopping")
+                _drain(settings, engine, frontends, mark_process_dead)
+                return 3
         log.info("stopping: draining %d front-ends and the engine", len(frontends))
         # Nothing restarts now: let go of the listening socket, so that once the front-ends
         # close theirs new connections are refused (as by one process), not left in the backlog.
