@@ -286,10 +286,9 @@ async def _load(settings: Settings) -> dict[Key, ModelEntry]:
     return entries
 
 
-def run(settings: Settings, path: str, ready: Any = None) -> None:
-    """Engine process main: load, warm up, listen on `path` (then set the `ready` event); on
-    SIGTERM drain (the grace, then 503 for what has not started) and exit once every front-end
-    has gone."""
+def run(settings: Settings, path: str) -> None:
+    """Engine process main: load, warm up, listen on `path`; on SIGTERM drain (the grace, then
+    503 for what has not started) and exit once every front-end has gone."""
     import torch
 
     with contextlib.suppress(RuntimeError):
@@ -309,8 +308,6 @@ def run(settings: Settings, path: str, ready: Any = None) -> None:
     listener.listen(64)
     listener.settimeout(0.2)
     log.info("engine ready: %s", ", ".join(f"{n}/{v}" for n, v in entries))
-    if ready is not None:
-        ready.set()
     grace: threading.Timer | None = None
     orphaned = False
     try:

@@ -36,12 +36,12 @@ QUICK_EXIT_S = 10.0  # a process that dies sooner than this after starting is cr
 MAX_BACKOFF_S = 10.0
 
 
-def engine_main(settings: Settings, path: str, ready: Any) -> None:
-    """Target of the engine process; sets `ready` once it serves."""
+def engine_main(settings: Settings, path: str) -> None:
+    """Target of the engine process; it creates its socket at `path` once it serves."""
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
     from service.workers import engine
 
-    engine.run(settings, path, ready)
+    engine.run(settings, path)
 
 
 def frontend_main(settings: Settings, listener: socket.socket, path: str, index: int) -> None:
@@ -109,8 +109,10 @@ def supervise(settings: Settings) -> int:
         return 1
     host, port = listener.getsockname()[:2]
     context = multiprocessing.get_context("spawn")
-    engine_ready = context.Event()  # set by the first engine that serves
-    engine = Child("mha-engine", engine_main, (settings, path, engine_ready))
+    # Whether an engine ever served: its socket exists. (Not a multiprocessing.Event: that is
+    # named semaphores in /dev/shm, which a killed supervisor would leave behind.)
+    engine_served = False
+    engine = Child("mha-engine", engine_main, (settings, path))
     frontends = [
         Child(f"mha-frontend-{i}", frontend_main, (settings, listener, path, i))
         for i in range(settings.workers)
@@ -131,7 +133,8 @@ def supervise(settings: Settings) -> int:
             child.start(context)
         while not stop:
             _watch(children, context, mark_process_dead, stop)
-            if engine.restart_at is not None and not engine_ready.is_set():
+            engine_served = engine_served or os.path.exists(path)
+            if engine.restart_at is not None and not engine_served:
                 # It never came up (a model that does not load, no memory): restarting would
                 # only repeat it. Stop, as one process would.
                 log.error("the engine process failed before it could serve; stopping")

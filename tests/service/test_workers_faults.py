@@ -137,8 +137,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, tmpdir_env: Path) -> Iterat
     args = ("--workers", "2", "--max-batch-size", "1", "--max-batch-delay-ms", "0",
             "--grpc-port", str(grpc_port))  # fmt: skip
     env = {"TMPDIR": str(tmpdir_env)}
+    shm_before = set(os.listdir("/dev/shm"))
     with run_server(tmp_path_factory.mktemp("faults"), *args, env=env) as server:
         server.grpc_port = grpc_port  # type: ignore[attr-defined]
+        server.shm_before = shm_before  # type: ignore[attr-defined]
         wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
         yield server
 
@@ -288,14 +290,15 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
 def test_supervisor_killed_takes_its_children_down(server: Server, tmpdir_env: Path) -> None:
     """kill -9 of the supervisor: the engine and front-ends notice and exit by themselves (only
     the small temp dir, a socket and metrics files, stays: no one is left to remove it)."""
-    shm_before = set(os.listdir("/dev/shm"))
     children = child_pids(server.process.pid)
     assert len(children) >= 3, children
+    for pid in children:  # tensors go through memfd slabs: no named shared memory at all
+        assert shm_paths(pid) == [], shm_paths(pid)
     server.process.kill()
     server.process.wait(10)
     for pid in children:
         wait_for(lambda pid=pid: not alive(pid), 15, f"child {pid} exited")
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert set(os.listdir("/dev/shm")) <= server.shm_before  # type: ignore[attr-defined]
     for leftover in tmpdir_env.glob("mha-serve-*"):
         shutil.rmtree(leftover)
 
@@ -387,3 +390,25 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
     shed = re.search(r"drain grace over: (\d+) queued requests answered 503, not computed", log)
     assert shed and int(shed.group(1)) == statuses.count(503), log[-3000:]
     assert "Traceback" not in log and " 500" not in log, log[-3000:]
+
+
+def test_an_engine_that_never_serves_stops_the_server(tmp_path: Path) -> None:
+    """A model that cannot load: the supervisor stops (status 3) rather than restart the engine
+    forever, and leaves no process, temp dir or /dev/shm entry behind."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architecture": "multihead_attention"}')  # no weights
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    shm_before = set(os.listdir("/dev/shm"))
+    args = ("--workers", "2", "--model-dir", str(broken))
+    with run_server(tmp_path, *args, env={"TMPDIR": str(tmpdir)}, wait=False) as server:
+        children = wait_for(lambda: child_pids(server.process.pid), 30, "children started")
+        code = server.process.wait(60)
+        log = server.log()
+    assert code == 3, (code, log[-3000:])
+    assert "the engine process failed before it could serve; stopping" in log, log[-3000:]
+    for pid in children:  # type: ignore[union-attr]
+        wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
+    assert list(tmpdir.iterdir()) == []
+    assert set(os.listdir("/dev/shm")) <= shm_before
