@@ -113,6 +113,8 @@ class _Remote:
             return
         self._done = True
         self.conn.items.pop(self.ident, None)
+        if not self.conn.alive:  # its front-end is gone (and its slab may be unmapped)
+            return
         try:
             if error is not None:
                 self.conn.send(("done", self.ident, "err", error))
