@@ -18,11 +18,9 @@ from service import __version__, docs
 from service.errors import ServiceError, error_body
 from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
 from service.grpc.server import GrpcListener
-from service.loading import load_entry, warm_up_model
-from service.metrics import Metrics
+from service.loading import load_entries, warm_up_model
 from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
 from service.model_control import ModelControl
-from service.repository import model_sources
 from service.routes import (
     config_stats,
     debug,
@@ -36,7 +34,7 @@ from service.routes import (
     tei_rank,
 )
 from service.settings import Settings
-from service.state import ModelEntry, ServiceState
+from service.state import ServiceState
 from service.workers.frontend import frontend_lifespan
 from service.workers.remote import EngineLink
 
@@ -67,13 +65,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        sources = model_sources(settings)
-        first = [s for s in sources if s.name == sources[0].name][-1]  # state.default
-        metrics = Metrics(first.name, first.version)
-        versions: dict[str, dict[str, ModelEntry]] = {}
-        for source in sources:
-            entry = await load_entry(settings, metrics, source)
-            versions.setdefault(source.name, {})[source.version] = entry
+        metrics, versions = await load_entries(settings)
         state = ServiceState(settings, metrics, versions)
         state.loop = asyncio.get_running_loop()
         app.state.service = state

@@ -16,7 +16,7 @@ from service.batcher import DynamicBatcher
 from service.forward import hidden_states
 from service.inputs import ModelLimits, Payload
 from service.metrics import Metrics
-from service.repository import ModelSource, model_settings
+from service.repository import ModelSource, model_settings, model_sources
 from service.settings import Settings
 from service.state import ModelEntry
 from service.stats import ModelStats, Observers
@@ -68,6 +68,19 @@ async def warm_up_model(entry: ModelEntry) -> None:
         await work.future
     entry.stats.counting = True  # statistics count client requests, not the warm-up
     entry.warm = True
+
+
+async def load_entries(settings: Settings) -> tuple[Metrics, dict[str, dict[str, ModelEntry]]]:
+    """Every served model version (name -> version -> entry, batchers not started) and the
+    metrics, whose default labels are the default model's (its highest version)."""
+    sources = model_sources(settings)
+    first = [s for s in sources if s.name == sources[0].name][-1]  # ServiceState.default
+    metrics = Metrics(first.name, first.version)
+    versions: dict[str, dict[str, ModelEntry]] = {}
+    for source in sources:
+        entry = await load_entry(settings, metrics, source)
+        versions.setdefault(source.name, {})[source.version] = entry
+    return metrics, versions
 
 
 async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) -> ModelEntry:

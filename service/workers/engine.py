@@ -25,11 +25,9 @@ from typing import Any
 
 from service.batcher import DynamicBatcher
 from service.errors import InferenceError, ServiceError
-from service.loading import load_entry, warm_up_model
-from service.metrics import Metrics
-from service.repository import model_sources
+from service.loading import load_entries, warm_up_model
 from service.settings import Settings
-from service.state import ModelEntry
+from service.state import ModelEntry, ServiceState
 from service.work import Exclusive, QueueItem, Work
 from service.workers.channel import FrameBuffer, frame, recv_message
 from service.workers.slab import Slab
@@ -140,9 +138,9 @@ class RemoteExclusive(_Remote, Exclusive):
 class Engine:
     """The models, their batchers, and the front-ends' connections."""
 
-    def __init__(self, settings: Settings, entries: dict[Key, ModelEntry]) -> None:
-        self.settings = settings
-        self.entries = entries
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+        self.entries: dict[Key, ModelEntry] = {(e.name, e.version): e for e in state.entries()}
         self.connections: set[Connection] = set()
         self.draining = False
         self._lock = threading.Lock()
@@ -263,29 +261,20 @@ class Engine:
             item.resolve(error=exc)
 
     # -- the process ------------------------------------------------------------------------
-    def end_grace(self) -> None:
-        shed = sum(entry.batcher.close() for entry in self.entries.values())
-        if shed:
-            log.info("drain grace over: %d queued requests answered 503, not computed", shed)
-
     def stop(self) -> None:
         for entry in self.entries.values():
-            entry.batcher.stop(self.settings.drain_grace_s)
+            entry.batcher.stop(self.state.settings.drain_grace_s)
 
 
-async def _load(settings: Settings) -> dict[Key, ModelEntry]:
-    """Load, start and warm up every model version (service.app does the same in one process)."""
-    sources = model_sources(settings)
-    first = [s for s in sources if s.name == sources[0].name][-1]
-    metrics = Metrics(first.name, first.version)
-    entries: dict[Key, ModelEntry] = {}
-    for source in sources:
-        entries[(source.name, source.version)] = await load_entry(settings, metrics, source)
-    for entry in entries.values():
+async def _load(settings: Settings) -> ServiceState:
+    """Load, start and warm up every model version, as service.app does in one process."""
+    metrics, versions = await load_entries(settings)
+    state = ServiceState(settings, metrics, versions)
+    for entry in state.entries():
         entry.batcher.start()
-    for entry in entries.values():
+    for entry in state.entries():
         await warm_up_model(entry)
-    return entries
+    return state
 
 
 def run(settings: Settings, path: str) -> None:
@@ -299,8 +288,8 @@ def run(settings: Settings, path: str) -> None:
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards Ctrl-C as SIGTERM
-    entries = asyncio.run(_load(settings))
-    engine = Engine(settings, entries)
+    state = asyncio.run(_load(settings))
+    engine = Engine(state)
     gc.collect()
     gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -309,14 +298,14 @@ def run(settings: Settings, path: str) -> None:
     listener.bind(path)
     listener.listen(64)
     listener.settimeout(0.2)
-    log.info("engine ready: %s", ", ".join(f"{n}/{v}" for n, v in entries))
+    log.info("engine ready: %s", ", ".join(f"{n}/{v}" for n, v in engine.entries))
     grace: threading.Timer | None = None
     orphaned = False
     try:
         while True:
             if stopping.is_set() and grace is None:
                 engine.draining = True
-                grace = threading.Timer(settings.drain_grace_s, engine.end_grace)
+                grace = threading.Timer(settings.drain_grace_s, state.end_grace)
                 grace.daemon = True
                 grace.start()
             if grace is not None and not engine.connections:
@@ -340,7 +329,7 @@ def run(settings: Settings, path: str) -> None:
         listener.close()
         if grace is not None:
             grace.cancel()
-        engine.end_grace()
+        state.end_grace()
         engine.stop()
         if orphaned:  # nobody else is left to remove the socket and metrics directory
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
