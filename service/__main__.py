@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import sys
 from typing import Any, NoReturn
 
@@ -45,14 +46,32 @@ def serve(settings: Settings) -> None:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if settings.workers > 1:
+        # By its importable name: run as `python -m service` this module is `__main__`, which a
+        # spawned child cannot import a function from.
+        from service.__main__ import run_frontend as frontend
         from service.workers.supervisor import supervise
 
-        raise SystemExit(supervise(settings))
+        raise SystemExit(supervise(settings, frontend))
     from service.app import create_app
     from service.server import run_uvicorn, set_interop_threads
 
     set_interop_threads()
     run_uvicorn(settings, create_app(settings))
+
+
+def run_frontend(settings: Settings, listener: socket.socket, path: str, index: int) -> None:
+    """A --workers front-end process: the app, its models in the engine process at `path`,
+    served on the listening socket the supervisor bound."""
+    configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
+    import torch
+
+    torch.set_num_threads(1)  # a front-end never computes: no OpenMP pool per front-end
+    from service.app import create_app
+    from service.server import run_uvicorn
+    from service.workers.remote import EngineLink
+
+    link = EngineLink(path, index, settings.worker_slab_bytes)
+    run_uvicorn(settings, create_app(settings, engine=link), sock=listener)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,20 +43,6 @@ def engine_main(settings: Settings, path: str) -> None:
     from service.workers import engine
 
     engine.run(settings, path)
-
-
-def frontend_main(settings: Settings, listener: socket.socket, path: str, index: int) -> None:
-    """Target of front-end process `index`."""
-    configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
-    import torch
-
-    torch.set_num_threads(1)  # a front-end never computes: no OpenMP pool per front-end
-    from service.app import create_app
-    from service.server import run_uvicorn
-    from service.workers.remote import EngineLink
-
-    link = EngineLink(path, index, settings.worker_slab_bytes)
-    run_uvicorn(settings, create_app(settings, engine=link), sock=listener)
 
 
 @dataclass
@@ -89,8 +76,10 @@ def _bind(settings: Settings) -> socket.socket:
     return sock
 
 
-def supervise(settings: Settings) -> int:
-    """Run the engine and the front-ends until SIGTERM/SIGINT; the exit status."""
+def supervise(settings: Settings, frontend_main: Callable[..., None]) -> int:
+    """Run the engine and the front-ends until SIGTERM/SIGINT; the exit status.
+    `frontend_main(settings, listener, engine_path, index)` runs a front-end process (the
+    composition root's, service.__main__.run_frontend: it builds the app)."""
     if not sys.platform.startswith("linux"):
         log.error("--workers > 1 needs Linux (memfd shared memory); use --workers 1")
         return 2
