@@ -58,8 +58,7 @@ Per-model overrides (`max_batch_size`, `max_batch_tokens`, `max_batch_delay_ms`,
 torch's threads (`OMP_WAIT_POLICY`, `TOKENIZERS_PARALLELISM`) are described in
 [Batching, threads and workers](batching.md#cpu-threads).
 
-| flag | environment | type | default | bounds | meaning |
-|---|---|---|---|---|---|
+Each option below: its flag, environment variable, type, default and bounds, then what it does.
 """.replace(
     "{bad_value}",
     "mha-serve: error: --max-queue / MHA_MAX_QUEUE: '0' is not valid: "
@@ -81,10 +80,10 @@ def type_name(annotation: Any) -> str:
     if origin is typing.Annotated:
         return type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
-        return " \\| ".join(f"`{v}`" for v in typing.get_args(annotation))
+        return " | ".join(f"`{v}`" for v in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return " \\| ".join(type_name(a) for a in inner)
+        return " | ".join(type_name(a) for a in inner)
     if origin is list:
         return f"{type_name(typing.get_args(annotation)[0])}, repeatable or comma-separated"
     if annotation is SecretStr:
@@ -126,10 +125,21 @@ def bounds(field: FieldInfo) -> str:
     return ", ".join(parts)
 
 
-def cell(text: str) -> str:
-    """Table-safe text: one line, pipes and angle brackets escaped (`<model>` is not HTML)."""
-    text = text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
-    return " ".join(text.split())
+def text(description: str) -> str:
+    """Markdown-safe prose: one paragraph, angle brackets escaped (`<model>` is not HTML)."""
+    return " ".join(description.replace("<", "&lt;").replace(">", "&gt;").split())
+
+
+def section(name: str, field: FieldInfo, prefix: str) -> str:
+    """One option: a heading with its flag, a line of facts, its description."""
+    facts = [
+        f"`{prefix}{name.upper()}`",
+        type_name(field.annotation),
+        f"default {default(name, field)}",
+    ]
+    if limits := bounds(field):
+        facts.append(limits)
+    return f"### {flag(name, field)}\n\n{' · '.join(facts)}\n\n{text(field.description or '')}\n"
 
 
 def render() -> str:
@@ -137,23 +147,8 @@ def render() -> str:
     from service.settings import Settings
 
     prefix = Settings.model_config.get("env_prefix", "")
-    rows = []
-    for name, field in Settings.model_fields.items():
-        rows.append(
-            "| "
-            + " | ".join(
-                [
-                    flag(name, field),
-                    f"`{prefix}{name.upper()}`",
-                    type_name(field.annotation),
-                    default(name, field),
-                    bounds(field),
-                    cell(field.description or ""),
-                ]
-            )
-            + " |"
-        )
-    return HEADER + "\n".join(rows) + "\n"
+    sections = [section(name, field, prefix) for name, field in Settings.model_fields.items()]
+    return HEADER + "\n## Options\n\n" + "\n".join(sections)
 
 
 def main() -> int:
