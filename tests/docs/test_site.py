@@ -79,3 +79,13 @@ def test_the_detectors_catch_external_assets() -> None:
     assert CSS_URL.search("src: url(https://fonts.gstatic.com/a.woff2)")
     assert not ASSET.search('<a href="https://locust.io">Locust</a>')
     assert not ASSET.search('<link rel="stylesheet" href="assets/main.css">')
+
+
+def test_readme_links_resolve() -> None:
+    """README.md is a map into docs/: every relative link in it names a file that exists."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if not re.match(r"[a-z]+:", link)]
+    assert len(local) >= 15
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
