@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from tests.support import ROOT
 
@@ -20,21 +15,6 @@ ASSET = re.compile(
 )
 CSS_URL = re.compile(r"url\(\s*[\"']?\s*(?:https?:)?//", re.I)
 IMPORT = re.compile(r"@import\s+[\"']?(?:url\()?\s*[\"']?(?:https?:)?//", re.I)
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
-    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stderr[-6000:]}"
-    return out
 
 
 def test_every_page_in_the_nav_is_built(site: Path) -> None:
