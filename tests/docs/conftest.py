@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# `browser`: the debug page's fixture, Debian's chromium through Playwright (skips, saying why,
+# without either), for test_site_browser.py
+from tests.service.test_debug_page_browser import browser  # noqa: F401
 from tests.support import ROOT
 
 

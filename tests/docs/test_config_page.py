@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
+import runpy
+from types import SimpleNamespace
 
 from tests.support import ROOT
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("config_page", ROOT / "tools" / "config_page.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("config_page", module)
-    spec.loader.exec_module(module)
-    return module
+def _generator() -> SimpleNamespace:
+    """tools/config_page.py's functions (run as a module, not as the script)."""
+    return SimpleNamespace(**runpy.run_path(str(ROOT / "tools" / "config_page.py")))
 
 
 def _sections(page: str) -> dict[str, str]:

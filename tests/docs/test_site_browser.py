@@ -6,14 +6,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-CHROMIUM = Path(shutil.which("chromium") or "/usr/bin/chromium")
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +30,6 @@ def site_url(site: Path) -> Iterator[str]:
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed: pip install -e '.[test]'")
-    with sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 def test_pages_fetch_nothing_from_outside(site: Path, site_url: str, browser) -> None:
