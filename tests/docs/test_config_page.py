@@ -28,7 +28,7 @@ def test_committed_page_is_what_the_settings_generate() -> None:
 
 
 def test_every_setting_has_its_flag_env_var_and_description() -> None:
-    from service.settings import Settings
+    from service.runtime.settings import Settings
 
     sections = _sections(_generator().render())
     assert len(sections) == len(Settings.model_fields)

@@ -69,3 +69,16 @@ def test_readme_links_resolve() -> None:
     assert len(local) >= 15
     missing = [link for link in local if not (ROOT / link).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_paths_named_in_the_docs_exist() -> None:
+    """A file or folder of this repository named in README.md or a page (`service/oip/codecs.py`)
+    exists: the docs follow the code when modules move."""
+    folders = "service|mha_engine|tests|tools|benchmarks|loadtest|deploy"
+    named = re.compile(rf"`((?:{folders})/[\w./-]*)`")
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for path in named.findall(page.read_text()):
+            if not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
