@@ -19,7 +19,7 @@ from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
 from .quantize import is_int8
-from .varlen import cumulative, lengths, make_plan, pack_varlen
+from .varlen import cumulative, lengths, make_plan, pack_varlen, pad_rows
 
 
 class EngineModel(nn.Module):
@@ -263,7 +263,10 @@ class MultiheadAttentionModel(EngineModel):
             kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
             kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
         plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, self.device, bucket_padding)
-        return self.attn.forward_packed(q, plan, k, v)  # (N, E)
+        q_pad = pad_rows(q)  # small batches padded: see varlen.MIN_GEMM_ROWS
+        k_pad = q_pad if k is q else pad_rows(k)
+        v_pad = k_pad if v is k else pad_rows(v)
+        return self.attn.forward_packed(q_pad, plan, k_pad, v_pad)[: q.shape[0]]  # (N, E)
 
 
 class TransformerEncoderModel(EngineModel):
@@ -344,7 +347,7 @@ class TransformerEncoderModel(EngineModel):
         check_packed(x, self.embed_dim, "query")
         lens = lengths(cu_seqlens, x.shape[0])
         plan = make_plan(lens, lens, is_causal, key_padding_mask, self.device, bucket_padding)
-        return self.encoder(x, plan=plan)[0]  # (N, E)
+        return self.encoder(pad_rows(x), plan=plan)[0][: x.shape[0]]  # (N, E)
 
 
 def check_packed(x: Tensor, width: int, name: str) -> None:

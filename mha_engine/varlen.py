@@ -46,8 +46,9 @@ MIN_GEMM_ROWS = 12
 
 def pad_rows(x: Tensor, rows: int = MIN_GEMM_ROWS) -> Tensor:
     """x (N, E) with zero rows appended up to `rows` (x itself when it has enough): per-token
-    ops give the real rows the bits they get in any larger batch; callers slice [:N] back."""
-    if x.shape[0] >= rows:
+    ops give the real rows the bits they get in any larger batch; callers slice [:N] back.
+    CPU only: CUDA's jagged path needs exact rows (GPU GEMM invariance is unverified)."""
+    if x.shape[0] >= rows or x.is_cuda:
         return x
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])  # (rows, E)
 
