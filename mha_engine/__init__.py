@@ -24,6 +24,8 @@ from .config import (
 from .decoder_blocks import DecoderLayer, DecoderStack
 from .decoder_models import TransformerDecoderModel, TransformerModel
 from .demo import build_demo_model, demo_module
+from .devices import check_device
+from .errors import DeviceError
 from .heads import ClassifierInfo, TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .protocol import ServedClassifierModel, ServedModel, ServedTextModel
@@ -37,6 +39,7 @@ __all__ = [
     "ClassifierInfo",
     "DecoderLayer",
     "DecoderStack",
+    "DeviceError",
     "EncoderLayer",
     "EncoderStack",
     "EngineConfig",
@@ -60,6 +63,7 @@ __all__ = [
     "TransformerEncoderModel",
     "TransformerModel",
     "build_demo_model",
+    "check_device",
     "config_from_dict",
     "demo_module",
     "load_model",
