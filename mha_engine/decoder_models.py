@@ -10,10 +10,12 @@ targets and memories (two cu_seqlens, padding simply absent), batch invariant bi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import introspect
 from .attention import FusedAttention
 from .config import TransformerConfig, TransformerDecoderConfig
 from .decoder_blocks import DecoderMasks, DecoderPlans, DecoderStack, TransformerCore
@@ -39,6 +41,16 @@ class _DecoderBase(EngineModel):
         return [
             a for layer in self._stack().layers for a in (layer.self_attn, layer.multihead_attn)
         ]
+
+    def head_importance(self) -> list[dict[str, Any]]:
+        """Per decoder layer: its self-attention heads' shares of out_proj (as an encoder's),
+        with the cross-attention's under "cross_attn"."""
+        layers = self._stack().layers
+        report = introspect.head_importance([layer.self_attn for layer in layers])
+        cross = introspect.head_importance([layer.multihead_attn for layer in layers])
+        for entry, other in zip(report, cross, strict=True):
+            entry["cross_attn"] = {k: v for k, v in other.items() if k != "layer"}
+        return report
 
     def _dense(self, name: str, x: Tensor | None, batched: bool | None) -> Tensor | None:
         """Cast a padded (B, L, E) input (or (L, E) unbatched) to (B, L, E), checking its width."""
@@ -328,9 +340,9 @@ class TransformerModel(_DecoderBase):
         layer: int | None = None,
         average_attn_weights: bool = False,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Output plus {"encoder_self_attn": [Le,] B, H, S, S; "self_attn": [Ld,] B, H, T, T;
-        "cross_attn": [Ld,] B, H, T, S}; `layer` indexes the decoder layers (the encoder's
-        weights are then its last layer's)."""
+        """Output plus {"self_attn": [Ld,] B, H, T, T; "cross_attn": [Ld,] B, H, T, S;
+        "encoder_self_attn": Le, B, H, S, S}; `layer` picks one decoder layer (the encoder's
+        weights keep every layer)."""
         _check_layer(layer, self.config.num_decoder_layers)
         src_masks = dict(
             src_mask=None, src_key_padding_mask=src_key_padding_mask, src_is_causal=False
@@ -341,11 +353,8 @@ class TransformerModel(_DecoderBase):
             tgt_is_causal=tgt_is_causal,
         )
         out, weights = self._run(src, tgt, src_masks, masks, need_weights=True)
-        picked = {
-            k: _stacked(w, layer, average_attn_weights) for k, w in weights.items() if k != ENCODER
-        }
-        enc_layer = None if layer is None else -1
-        picked[ENCODER] = _stacked(weights[ENCODER], enc_layer, average_attn_weights)
+        picked = {ENCODER: _stacked(weights.pop(ENCODER), None, average_attn_weights)}
+        picked.update({k: _stacked(w, layer, average_attn_weights) for k, w in weights.items()})
         return out, picked
 
     @torch.inference_mode()
