@@ -108,8 +108,10 @@ def _offsets(lens: list[int]) -> list[int]:
 
 
 def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:
-    if len(offsets) == 1:
-        return slice(offsets[0], offsets[0] + length)
+    """Packed rows of sequences of `length` starting at `offsets`: a slice when they lie back to
+    back (one sequence, or a uniform batch: views, no gather), else an index tensor."""
+    if all(o == offsets[0] + i * length for i, o in enumerate(offsets)):
+        return slice(offsets[0], offsets[0] + len(offsets) * length)
     starts = torch.tensor(offsets, dtype=torch.long, device=device)
     return (starts[:, None] + torch.arange(length, device=device)).reshape(-1)  # (G*T,)
 
