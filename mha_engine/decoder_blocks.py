@@ -117,20 +117,12 @@ class DecoderLayer(EncoderLayer):
         return LayerOutput(x, self_w, cross_w)
 
 
-class DecoderStack(nn.Module):
+class DecoderStack(EncoderStack):
     """num_layers DecoderLayers plus the optional final LayerNorm (nn.TransformerDecoder.norm)."""
 
-    def __init__(self, config: LayerStackConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
-            if config.final_norm
-            else None
-        )
+    layer_class = DecoderLayer
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         x: Tensor,
         memory: Tensor,

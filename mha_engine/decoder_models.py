@@ -65,16 +65,26 @@ class _DecoderBase(EngineModel):
             )
         return x if batched else x.unsqueeze(0)
 
-    def _masks(self, batched: bool, **masks) -> DecoderMasks:
+    def _masks(self, batched: bool, masks: DecoderMasks) -> DecoderMasks:
         """PyTorch's masks cast to the model; unbatched padding masks get their batch dim."""
-        out = {}
-        for name, m in masks.items():
-            if isinstance(m, bool) or m is None:
-                out[name] = m
-                continue
-            m = self._cast(m)
-            out[name] = m.unsqueeze(0) if not batched and name.endswith("padding_mask") else m
-        return DecoderMasks(**out)
+        cast = {}
+        for name, m in masks._asdict().items():
+            if isinstance(m, Tensor):
+                m = self._cast(m)
+                m = m.unsqueeze(0) if not batched and name.endswith("padding_mask") else m
+            cast[name] = m
+        return DecoderMasks(**cast)
+
+    def _varlen(self, first, second, tgt_lens, tgt_is_causal) -> list[Tensor]:
+        """forward_varlen of both models: two lists packed, forward_packed, split by tgt."""
+        out = self.forward_packed(
+            torch.cat(first),
+            cumulative([x.shape[0] for x in first]),
+            torch.cat(second),
+            cumulative([x.shape[0] for x in second]),
+            tgt_is_causal=tgt_is_causal,
+        )
+        return list(out.split(tgt_lens))
 
     def _decoder_plans(
         self,
@@ -141,14 +151,14 @@ class TransformerDecoderModel(_DecoderBase):
     def _stack(self) -> DecoderStack:
         return self.decoder
 
-    def _run(self, tgt, memory, masks: dict, need_weights: bool):
+    def _run(self, tgt, memory, masks: DecoderMasks, need_weights: bool):
         batched = tgt.dim() == 3
         x = self._dense("tgt", tgt, batched)  # (B, T, E)
         mem = self._dense("memory", memory, batched)  # (B, S, E)
         if mem.shape[0] != x.shape[0]:
             raise ValueError(f"tgt has batch size {x.shape[0]} but memory has {mem.shape[0]}")
         out, self_ws, cross_ws = self.decoder(
-            x, mem, self._masks(batched, **masks), None, need_weights
+            x, mem, self._masks(batched, masks), None, need_weights
         )
         return _unbatch(out, {SELF: self_ws, CROSS: cross_ws}, batched)
 
@@ -166,13 +176,13 @@ class TransformerDecoderModel(_DecoderBase):
     ) -> Tensor:
         """Like nn.TransformerDecoder(batch_first=True).forward: tgt (B, T, E), memory (B, S, E)
         (or unbatched (T, E), (S, E)); tgt_is_causal alone (no tgt_mask) is a causal mask."""
-        masks = dict(
-            tgt_mask=tgt_mask,
-            memory_mask=memory_mask,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=memory_key_padding_mask,
-            tgt_is_causal=tgt_is_causal,
-            memory_is_causal=memory_is_causal,
+        masks = DecoderMasks(
+            tgt_mask,
+            memory_mask,
+            tgt_key_padding_mask,
+            memory_key_padding_mask,
+            tgt_is_causal,
+            memory_is_causal,
         )
         return self._run(tgt, memory, masks, need_weights=False)[0]
 
@@ -192,12 +202,8 @@ class TransformerDecoderModel(_DecoderBase):
         """Output plus {"self_attn": [L,] B, H, T, T; "cross_attn": [L,] B, H, T, S}, each
         equal to nn.MultiheadAttention's need_weights=True, average_attn_weights=False."""
         _check_layer(layer, self.num_layers)
-        masks = dict(
-            tgt_mask=tgt_mask,
-            memory_mask=memory_mask,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=memory_key_padding_mask,
-            tgt_is_causal=tgt_is_causal,
+        masks = DecoderMasks(
+            tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal
         )
         out, weights = self._run(tgt, memory, masks, need_weights=True)
         return out, {k: _stacked(w, layer, average_attn_weights) for k, w in weights.items()}
@@ -244,15 +250,7 @@ class TransformerDecoderModel(_DecoderBase):
         tgt_is_causal: list[bool] | bool = False,
     ) -> list[Tensor]:
         """Lists of (T_i, E) targets and (S_i, E) memories: a thin forward_packed wrapper."""
-        t_lens = [t.shape[0] for t in tgt]
-        out = self.forward_packed(
-            torch.cat(tgt),
-            cumulative(t_lens),
-            torch.cat(memory),
-            cumulative([m.shape[0] for m in memory]),
-            tgt_is_causal=tgt_is_causal,
-        )
-        return list(out.split(t_lens))
+        return self._varlen(tgt, memory, [t.shape[0] for t in tgt], tgt_is_causal)
 
 
 class TransformerModel(_DecoderBase):
@@ -275,7 +273,7 @@ class TransformerModel(_DecoderBase):
         encoder = [layer.self_attn for layer in self.transformer.encoder.layers]
         return encoder + super().attention_layers()
 
-    def _run(self, src, tgt, src_masks: dict, masks: dict, need_weights: bool):
+    def _run(self, src, tgt, src_masks: dict, masks: DecoderMasks, need_weights: bool):
         batched = tgt.dim() == 3
         s = self._dense("src", src, batched)  # (B, S, E)
         x = self._dense("tgt", tgt, batched)  # (B, T, E)
@@ -293,7 +291,7 @@ class TransformerModel(_DecoderBase):
             need_weights,
         )  # (B, S, E)
         out, self_ws, cross_ws = self.transformer.decoder(
-            x, memory, self._masks(batched, **masks), None, need_weights
+            x, memory, self._masks(batched, masks), None, need_weights
         )
         return _unbatch(out, {ENCODER: enc_ws, SELF: self_ws, CROSS: cross_ws}, batched)
 
@@ -318,13 +316,13 @@ class TransformerModel(_DecoderBase):
             src_key_padding_mask=src_key_padding_mask,
             src_is_causal=src_is_causal,
         )
-        masks = dict(
-            tgt_mask=tgt_mask,
-            memory_mask=memory_mask,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=memory_key_padding_mask,
-            tgt_is_causal=tgt_is_causal,
-            memory_is_causal=memory_is_causal,
+        masks = DecoderMasks(
+            tgt_mask,
+            memory_mask,
+            tgt_key_padding_mask,
+            memory_key_padding_mask,
+            tgt_is_causal,
+            memory_is_causal,
         )
         return self._run(src, tgt, src_masks, masks, need_weights=False)[0]
 
@@ -347,10 +345,8 @@ class TransformerModel(_DecoderBase):
         src_masks = dict(
             src_mask=None, src_key_padding_mask=src_key_padding_mask, src_is_causal=False
         )
-        masks = dict(
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=memory_key_padding_mask,
-            tgt_is_causal=tgt_is_causal,
+        masks = DecoderMasks(
+            None, None, tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal
         )
         out, weights = self._run(src, tgt, src_masks, masks, need_weights=True)
         picked = {ENCODER: _stacked(weights.pop(ENCODER), None, average_attn_weights)}
@@ -402,12 +398,4 @@ class TransformerModel(_DecoderBase):
         tgt_is_causal: list[bool] | bool = False,
     ) -> list[Tensor]:
         """Lists of (S_i, E) sources and (T_i, E) targets: a thin forward_packed wrapper."""
-        t_lens = [t.shape[0] for t in tgt]
-        out = self.forward_packed(
-            torch.cat(src),
-            cumulative([s.shape[0] for s in src]),
-            torch.cat(tgt),
-            cumulative(t_lens),
-            tgt_is_causal=tgt_is_causal,
-        )
-        return list(out.split(t_lens))
+        return self._varlen(src, tgt, [t.shape[0] for t in tgt], tgt_is_causal)

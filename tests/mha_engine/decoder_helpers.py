@@ -73,3 +73,22 @@ def make_transformer(
 def trailing_padding(lengths: list[int], total: int) -> torch.Tensor:
     """(B, total) bool key padding mask, True after each item's length."""
     return torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]
+
+
+def pytorch_layer_weights(layers, x, mem, tgt_mask, memory_kpm):
+    """Each PyTorch decoder layer's (self, cross) weights from its own MHAs, need_weights=True
+    per head, following the layer's residual path (norm_first or not)."""
+    found = []
+    h = x
+    with torch.no_grad():
+        for layer in layers:
+            pre = layer.norm1(h) if layer.norm_first else h
+            sa, sw = layer.self_attn(pre, pre, pre, attn_mask=tgt_mask, average_attn_weights=False)
+            mid = h + sa if layer.norm_first else layer.norm1(h + sa)
+            q = layer.norm2(mid) if layer.norm_first else mid
+            _, cw = layer.multihead_attn(
+                q, mem, mem, key_padding_mask=memory_kpm, average_attn_weights=False
+            )
+            found.append((sw, cw))
+            h = layer(h, mem, tgt_mask=tgt_mask, memory_key_padding_mask=memory_kpm)
+    return found

@@ -12,7 +12,12 @@ import random
 
 import pytest
 import torch
-from decoder_helpers import make_decoder, make_transformer, trailing_padding
+from decoder_helpers import (
+    make_decoder,
+    make_transformer,
+    pytorch_layer_weights,
+    trailing_padding,
+)
 from engine_helpers import FP32, engine_from
 from torch import nn
 
@@ -141,24 +146,6 @@ def test_random_configurations_match_pytorch(seed):
     torch.testing.assert_close(engine_from(tr)(mem, x, tgt_is_causal=True), want, **FP32)
 
 
-def _pytorch_weights(dec: nn.TransformerDecoder, x, mem, tgt_mask, memory_kpm):
-    """Each layer's (self, cross) weights from PyTorch's own MHAs, need_weights=True per head."""
-    found = []
-    h = x
-    with torch.no_grad():
-        for layer in dec.layers:
-            pre = layer.norm1(h) if layer.norm_first else h
-            sa, sw = layer.self_attn(pre, pre, pre, attn_mask=tgt_mask, average_attn_weights=False)
-            mid = h + sa if layer.norm_first else layer.norm1(h + sa)
-            q = layer.norm2(mid) if layer.norm_first else mid
-            _, cw = layer.multihead_attn(
-                q, mem, mem, key_padding_mask=memory_kpm, average_attn_weights=False
-            )
-            found.append((sw, cw))
-            h = layer(h, mem, tgt_mask=tgt_mask, memory_key_padding_mask=memory_kpm)
-    return found
-
-
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_attention_weights_per_head_match_pytorch(norm_first):
     dec = make_decoder(D, H, num_layers=2, norm_first=norm_first, final_norm=True)
@@ -169,7 +156,7 @@ def test_attention_weights_per_head_match_pytorch(norm_first):
     _, weights = model.attention_weights(
         x, mem, tgt_is_causal=True, memory_key_padding_mask=mem_kpm
     )
-    for i, (sw, cw) in enumerate(_pytorch_weights(dec, x, mem, causal, mem_kpm)):
+    for i, (sw, cw) in enumerate(pytorch_layer_weights(dec.layers, x, mem, causal, mem_kpm)):
         torch.testing.assert_close(weights["self_attn"][i], sw, **FP32)
         torch.testing.assert_close(weights["cross_attn"][i], cw, **FP32)
     _, one = model.attention_weights(x, mem, layer=1, average_attn_weights=True)
@@ -190,7 +177,9 @@ def test_transformer_attention_weights_cover_encoder_and_decoder():
     with torch.no_grad():
         memory = ref.encoder(src)
     causal = nn.Transformer.generate_square_subsequent_mask(T)
-    for i, (sw, cw) in enumerate(_pytorch_weights(ref.decoder, tgt, memory, causal, None)):
+    for i, (sw, cw) in enumerate(
+        pytorch_layer_weights(ref.decoder.layers, tgt, memory, causal, None)
+    ):
         torch.testing.assert_close(weights["self_attn"][i], sw, **FP32)
         torch.testing.assert_close(weights["cross_attn"][i], cw, **FP32)
     torch.testing.assert_close(out, model(src, tgt, tgt_is_causal=True), **FP32)

@@ -15,30 +15,23 @@ from torch import nn
 
 import mha_engine
 from tests.inprocess import asgi_client
+from tests.mha_engine.decoder_helpers import perturb_norms, pytorch_layer_weights
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 D, H = 16, 4
-
-
-def _perturbed(module: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    return module.eval()
 
 
 @pytest.fixture(scope="module")
 def decoder() -> nn.TransformerDecoder:
     torch.manual_seed(3)
     layer = nn.TransformerDecoderLayer(D, H, 32, batch_first=True, norm_first=True)
-    return _perturbed(nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(D)))
+    return perturb_norms(nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(D)))
 
 
 @pytest.fixture(scope="module")
 def transformer() -> nn.Transformer:
     torch.manual_seed(4)
-    return _perturbed(nn.Transformer(D, H, 1, 2, 32, batch_first=True))
+    return perturb_norms(nn.Transformer(D, H, 1, 2, 32, batch_first=True))
 
 
 @pytest.fixture(scope="module")
@@ -211,24 +204,6 @@ def test_bad_transformer_inputs_and_causal_parameter(model_dirs):
     call(model_dirs["tr"], check)
 
 
-def _pytorch_layer_weights(layers, x, mem, tgt_mask, mem_kpm):
-    """Each PyTorch decoder layer's (self, cross) weights, need_weights=True per head."""
-    found = []
-    h = x
-    with torch.no_grad():
-        for layer in layers:
-            pre = layer.norm1(h) if layer.norm_first else h
-            sa, sw = layer.self_attn(pre, pre, pre, attn_mask=tgt_mask, average_attn_weights=False)
-            mid = h + sa if layer.norm_first else layer.norm1(h + sa)
-            q = layer.norm2(mid) if layer.norm_first else mid
-            _, cw = layer.multihead_attn(
-                q, mem, mem, key_padding_mask=mem_kpm, average_attn_weights=False
-            )
-            found.append((sw, cw))
-            h = layer(h, mem, tgt_mask=tgt_mask, memory_key_padding_mask=mem_kpm)
-    return found
-
-
 def test_debug_weights_equal_pytorch_self_and_cross(model_dirs, decoder):
     async def check(dec_client) -> None:
         tgt, mem = rand(2, 4, D, seed=5), rand(2, 6, D, seed=6)
@@ -243,7 +218,7 @@ def test_debug_weights_equal_pytorch_self_and_cross(model_dirs, decoder):
         assert got["attention_weights"].shape == (2, 2, H, 4, 4)  # (L, B, H, T, T)
         assert got["cross_attention_weights"].shape == (2, 2, H, 4, 6)  # (L, B, H, T, S)
         causal = nn.Transformer.generate_square_subsequent_mask(4)
-        want = _pytorch_layer_weights(
+        want = pytorch_layer_weights(
             decoder.layers,
             torch.from_numpy(tgt),
             torch.from_numpy(mem),
@@ -288,7 +263,7 @@ def test_transformer_debug_weights_and_output(model_dirs, transformer):
             )
             memory = transformer.encoder(torch.from_numpy(src))
         torch.testing.assert_close(torch.from_numpy(got["output"]), want, **FP32_TOL)
-        layers = _pytorch_layer_weights(
+        layers = pytorch_layer_weights(
             transformer.decoder.layers, torch.from_numpy(tgt), memory, causal, None
         )
         torch.testing.assert_close(

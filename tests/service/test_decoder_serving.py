@@ -16,26 +16,19 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
+from tests.mha_engine.decoder_helpers import perturb_norms
 from tests.support import Server, free_port, run_server
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 D, H = 32, 4
 
 
-def _perturbed(module: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    return module.eval()
-
-
 @pytest.fixture(scope="module")
 def modules() -> dict[str, nn.Module]:
     torch.manual_seed(21)
     layer = nn.TransformerDecoderLayer(D, H, 64, batch_first=True, activation="gelu")
-    dec = _perturbed(nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(D)))
-    tr = _perturbed(nn.Transformer(D, H, 2, 1, 48, batch_first=True, norm_first=True))
+    dec = perturb_norms(nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(D)))
+    tr = perturb_norms(nn.Transformer(D, H, 2, 1, 48, batch_first=True, norm_first=True))
     return {"dec": dec, "tr": tr}
 
 
