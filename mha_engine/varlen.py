@@ -37,6 +37,20 @@ if TYPE_CHECKING:
     from .attention import FusedAttention
 
 Rows = Tensor | slice
+# Measured on torch 2.13 CPU (MKL sgemm and oneDNN bf16, AVX-512): a GEMM over M < 12 rows
+# (except 4 and 8) rounds differently from the same rows inside a GEMM over M >= 12 rows, at
+# every offset; from 12 rows on, a row's bits do not depend on M. Padding small packed batches
+# to MIN_GEMM_ROWS keeps a short request alone bit-equal to it inside a larger batch.
+MIN_GEMM_ROWS = 12
+
+
+def pad_rows(x: Tensor, rows: int = MIN_GEMM_ROWS) -> Tensor:
+    """x (N, E) with zero rows appended up to `rows` (x itself when it has enough): per-token
+    ops give the real rows the bits they get in any larger batch; callers slice [:N] back.
+    CPU only: CUDA's jagged path needs exact rows (GPU GEMM invariance is unverified)."""
+    if x.shape[0] >= rows or x.is_cuda:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])  # (rows, E)
 
 
 @dataclass
@@ -94,8 +108,10 @@ def _offsets(lens: list[int]) -> list[int]:
 
 
 def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:
-    if len(offsets) == 1:
-        return slice(offsets[0], offsets[0] + length)
+    """Packed rows of sequences of `length` starting at `offsets`: a slice when they lie back to
+    back (one sequence, or a uniform batch: views, no gather), else an index tensor."""
+    if all(o == offsets[0] + i * length for i, o in enumerate(offsets)):
+        return slice(offsets[0], offsets[0] + len(offsets) * length)
     starts = torch.tensor(offsets, dtype=torch.long, device=device)
     return (starts[:, None] + torch.arange(length, device=device)).reshape(-1)  # (G*T,)
 
