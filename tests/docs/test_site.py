@@ -83,3 +83,14 @@ def test_paths_named_in_the_docs_exist() -> None:
             if not (ROOT / path).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_root_benchmarks_and_reliability_are_pointers() -> None:
+    """The figures live in the site; the root files only point there (append to docs/*.md)."""
+    for root, page in (
+        ("BENCHMARKS.md", "docs/benchmarks.md"),
+        ("RELIABILITY.md", "docs/reliability.md"),
+    ):
+        text = (ROOT / root).read_text()
+        assert f"]({page})" in text
+        assert len(text) < 1024, f"{root} holds figures: move them to the end of {page}"
