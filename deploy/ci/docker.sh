@@ -79,13 +79,12 @@ if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     "$ROOTFS" "$BASE_IMAGE" >/dev/null || fail "docker import of $ROOTFS failed"
 fi
 
+# Built every time: the layer cache makes an unchanged one a no-op, a changed one is rebuilt.
 for name in nginx prometheus; do
-  if ! "$DOCKER" image inspect "mha-serve-ci/$name" >/dev/null 2>&1; then
-    step "building mha-serve-ci/$name (Debian's package on $BASE_IMAGE)"
-    DOCKER_BUILDKIT=1 "$DOCKER" build -q --network host --build-arg "BASE=$BASE_IMAGE" \
-      -t "mha-serve-ci/$name" -f "deploy/ci/$name.Dockerfile" deploy/ci >/dev/null \
-      || fail "could not build mha-serve-ci/$name from deploy/ci/$name.Dockerfile"
-  fi
+  step "building mha-serve-ci/$name (Debian's package on $BASE_IMAGE)"
+  DOCKER_BUILDKIT=1 "$DOCKER" build -q --network host --build-arg "BASE=$BASE_IMAGE" \
+    -t "mha-serve-ci/$name" -f "deploy/ci/$name.Dockerfile" deploy/ci >/dev/null \
+    || fail "could not build mha-serve-ci/$name from deploy/ci/$name.Dockerfile"
 done
 
 step "ready: $("$DOCKER" version --format 'docker {{.Server.Version}}'), $(docker-compose version --short 2>/dev/null | sed 's/^/docker-compose /'), base $BASE_IMAGE"

@@ -3,7 +3,7 @@
 # Like the official image, it renders /etc/nginx/templates/*.template into /etc/nginx/conf.d/ at
 # start-up with envsubst, over the variables NGINX_ENVSUBST_FILTER matches (nginx-entrypoint.sh).
 ARG BASE=mha-serve-ci/python:3.11-bookworm
-# DL3006: the base is a local image made by deploy/ci/docker.sh, tagged by its recipe.
+# DL3006 (tag the image): the base is a local image deploy/ci/docker.sh makes and names.
 # hadolint ignore=DL3006
 FROM ${BASE}
 # DL3008 (pin apt versions): the pin is the base image's Debian release (bookworm).

@@ -3,7 +3,7 @@
 # it). Same contract as that image: the binary is the entrypoint, the config comes from
 # /etc/prometheus, the TSDB lives in /prometheus, and it runs as an unprivileged user.
 ARG BASE=mha-serve-ci/python:3.11-bookworm
-# DL3006: the base is a local image made by deploy/ci/docker.sh, tagged by its recipe.
+# DL3006 (tag the image): the base is a local image deploy/ci/docker.sh makes and names.
 # hadolint ignore=DL3006
 FROM ${BASE}
 # DL3008 (pin apt versions): the pin is the base image's Debian release (bookworm).
@@ -13,8 +13,9 @@ RUN printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin
     && apt-get update \
     && apt-get install -y --no-install-recommends prometheus \
     && rm -rf /var/lib/apt/lists/* \
-    && mkdir /prometheus && chown prometheus:prometheus /prometheus
-USER prometheus
+    && mkdir /prometheus && chown 65534:65534 /prometheus
+# nobody, as in prom/prometheus: numeric, so runAsNonRoot-style checks need no passwd lookup.
+USER 65534:65534
 WORKDIR /prometheus
 EXPOSE 9090
 ENTRYPOINT ["/usr/bin/prometheus"]

@@ -237,7 +237,7 @@ def test_autoscaling_metrics_are_exported(rendered, demo_server) -> None:
     queries = [rule["seriesQuery"] for rule in adapter_rules().values()]
     queries += [rule["metricsQuery"] for rule in adapter_rules().values()]
     queries += [rule["name"]["matches"] for rule in adapter_rules().values()]
-    for name, objects in rendered.items():
+    for objects in rendered.values():
         if "ScaledObject" in objects:
             queries += [t["metadata"]["query"] for t in objects["ScaledObject"]["spec"]["triggers"]]
     names = {found for query in queries for found in METRIC.findall(query)}

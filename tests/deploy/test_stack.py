@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.docker import Built, Container, docker, require_image
+from tests.deploy.docker import Built, Container, require_image
 from tests.observability.monitoring import dashboard_queries, load_dashboard, substitute
 from tests.support import ROOT, free_port
 
