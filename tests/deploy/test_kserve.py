@@ -1,8 +1,11 @@
 """deploy/kserve: the ServingRuntime and InferenceServices agree with each other and with the
 server they start.
 
-No cluster or KServe CRD schemas here, so validation is offline: the runtime's container is
-validated strictly as a core/v1 Container (inside a Pod) against Kubernetes' schemas; its args
+No cluster here, so validation is offline: both kinds against KServe's API types as its pinned
+SDK (kserve==0.21.0) generates them from the Go types its CRDs come from (strict: unknown
+fields, wrong types and missing required fields fail; tests/deploy/openapi_models.py); the
+runtime's container also strictly as a core/v1 Container (inside a Pod) against Kubernetes'
+schemas; its args
 go through mha-serve's own flag parser (a flag that does not exist fails); the ports KServe
 routes to (HTTP, the h2c port of the gRPC InferenceService, the Prometheus annotation) and the
 readiness probe are those the parsed settings listen on; each InferenceService names the
@@ -18,6 +21,7 @@ import yaml
 from service.__main__ import parse_settings
 from service.app import create_app
 from service.repository import model_sources
+from tests.deploy.openapi_models import errors
 from tests.support import ROOT
 
 KSERVE = ROOT / "deploy" / "kserve"
@@ -68,6 +72,36 @@ def test_runtime_kinds_and_container_validate() -> None:
     broken = {**pod, "spec": {"containers": [{**container(), "argz": []}]}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
+KINDS = {"ServingRuntime": "V1alpha1ServingRuntime", "InferenceService": "V1beta1InferenceService"}
+
+
+@pytest.mark.parametrize("name", ["servingruntime.yaml", *SERVICES])
+def test_manifests_validate_against_kserve_api_types(name: str) -> None:
+    doc = load(name)
+    assert errors(doc, KINDS[doc["kind"]]) == []
+
+
+def test_kserve_validation_is_strict() -> None:
+    """A misspelt field, a wrong type and a missing required field are each caught."""
+    service = load("inferenceservice.yaml")
+    model = service["spec"]["predictor"]["model"]
+    broken = {**service, "spec": {"predictor": {"model": {**model, "protocolVersio": "v2"}}}}
+    assert any(
+        "protocolVersio: unknown field" in e for e in errors(broken, KINDS["InferenceService"])
+    )
+    broken = {**service, "spec": {"predictor": {"minReplicas": "two", "model": model}}}
+    assert any("minReplicas: expected int" in e for e in errors(broken, KINDS["InferenceService"]))
+    runtime = {**RUNTIME, "spec": {k: v for k, v in RUNTIME["spec"].items() if k != "containers"}}
+    assert errors(runtime, KINDS["ServingRuntime"]) == [
+        ".spec.containers: required by V1alpha1ServingRuntimeSpec"
+    ]
+    container_without_name = {k: v for k, v in container().items() if k != "name"}
+    runtime = {**RUNTIME, "spec": {**RUNTIME["spec"], "containers": [container_without_name]}}
+    assert errors(runtime, KINDS["ServingRuntime"]) == [
+        ".spec.containers[0].name: required by V1Container"
+    ]
 
 
 @pytest.mark.parametrize("name", list(SERVICES))
