@@ -281,9 +281,11 @@ class Metrics:
             values = [labels[k] for k in MODEL_INFO_LABELS]
             self.info.labels(self.model, self.version, *values).set(1)
         device = str(info.get("device", ""))
-        # Not verified on a GPU: the machines this was built on have none.
-        if device.startswith("cuda") and torch.cuda.is_available():
-            self._add_cuda_gauges(torch.device(device))
+        if device.startswith("cuda"):  # unverified on a GPU; run on CPU by test_cuda_branches
+            import torch  # here, not at module level: the --workers supervisor has no torch
+
+            if torch.cuda.is_available():
+                self._add_cuda_gauges(torch.device(device))
 
     def set_ready(self, ready: bool) -> None:
         self.child(self.ready, self.model, self.version).set(1 if ready else 0)
