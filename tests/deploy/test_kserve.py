@@ -20,7 +20,7 @@ import yaml
 
 from service.__main__ import parse_settings
 from service.app import create_app
-from service.repository import model_sources
+from service.runtime.repository import model_sources
 from tests.deploy.openapi_models import errors
 from tests.support import ROOT
 
