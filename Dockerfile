@@ -66,15 +66,24 @@ RUN python3 -m venv /opt/venv \
     --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" \
     ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY mha_engine ./mha_engine
-COPY service ./service
 # Optional extras of pyproject.toml, comma-separated: `embeddings` (tokenizers, for
 # /v1/embeddings on text models) by default; add `debug` for PNG attention heatmaps
 # (matplotlib), or pass EXTRAS="" for the tensor API alone.
 ARG EXTRAS=embeddings
+# The dependencies first, read from pyproject.toml alone: this layer is rebuilt only when they
+# change, not on every source edit (the next one is, in seconds).
+COPY pyproject.toml ./
+RUN /opt/venv/bin/python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = [e for e in sys.argv[1].split(',') if e]; print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" "$EXTRAS" > /tmp/requirements.txt \
+    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+COPY README.md ./
+COPY mha_engine ./mha_engine
+COPY service ./service
 # Not editable: the package is copied into the venv, and /src stays behind in this stage.
-RUN /opt/venv/bin/pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+# No build isolation: the build backend (setuptools) is already in the venv, as torch needs it,
+# so nothing is downloaded here. `pip check`: the layer above brought every dependency.
+RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".${EXTRAS:+[$EXTRAS]}" \
+    && /opt/venv/bin/pip check \
     && /opt/venv/bin/python -c "import service, mha_engine"
 
 # ---- loadtest: Locust workers/master for `docker compose --profile loadtest up` -----------------
