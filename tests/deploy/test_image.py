@@ -108,7 +108,7 @@ def test_sigterm_drains_accepted_requests_and_exits_0(built_image: Built) -> Non
     right numbers, then the process exits 0. A long batch delay holds the requests queued, so
     they are all accepted before the signal, whatever the machine's speed."""
     requests = 6
-    hold = ("-e", "MHA_MAX_BATCH_DELAY_MS=10000", "-e", "MHA_MAX_BATCH_SIZE=64")
+    hold = ("-e", "MHA_MAX_BATCH_DELAY_MS=20000", "-e", "MHA_MAX_BATCH_SIZE=64")
     module = mha_engine.demo_module().eval()
     rng = np.random.default_rng(5)
     inputs = [rng.standard_normal((1, 8, 512), dtype=np.float32) for _ in range(requests)]
@@ -129,7 +129,7 @@ def test_sigterm_drains_accepted_requests_and_exits_0(built_image: Built) -> Non
         threads = [threading.Thread(target=send, args=(i,)) for i in range(requests)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 9  # before the batch delay (10 s) lets them run
+        deadline = time.monotonic() + 15  # well inside the batch delay (20 s) holding them
         while scrape.value(scrape.scrape(url), "mha_requests_in_flight", default=0) < requests:
             assert time.monotonic() < deadline, "the requests never all reached the server"
             time.sleep(0.1)
