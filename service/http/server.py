@@ -15,8 +15,6 @@ from service.http.connections import connection_cap, protocol_class
 from service.runtime.settings import Settings
 from service.runtime.startup import StartupError, unexpected
 
-log = logging.getLogger("service")
-
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT, fail readiness and refuse new work before uvicorn's graceful stop."""
@@ -60,8 +58,7 @@ class StartupFailures:
         try:
             await self.app(scope, receive, quiet)
         except BaseException as exc:
-            self.error = exc
-            log.debug("start-up failed", exc_info=exc)
+            self.error = exc  # its traceback: service.__main__ logs it at debug level
             logging.getLogger("uvicorn.error").addFilter(_NoStartupFailedLine())
             raise
 
@@ -102,4 +99,6 @@ def run_uvicorn(settings: Settings, app, sock: socket.socket | None = None) -> N
         if guarded.error is None:
             raise
         error = guarded.error
-        raise (error if isinstance(error, StartupError) else unexpected(error)) from None
+        if isinstance(error, StartupError):
+            raise error from error.__cause__  # what it wraps stays for the debug traceback
+        raise unexpected(error) from error
