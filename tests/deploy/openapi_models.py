@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import re
+import subprocess
+import sys
 from typing import Any
 
 PRIMITIVES: dict[str, tuple[type, ...]] = {
@@ -80,3 +83,23 @@ def required(cls: type) -> frozenset[str]:
         if "must not be `None`" in inspect.getsource(setter):
             keys.add(key)
     return frozenset(keys)
+
+
+def errors_of(items: list[tuple[dict, str]]) -> list[list[str]]:
+    """`errors(doc, type_name)` for each item, computed in a fresh interpreter (see above)."""
+    from tests.support import ROOT
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.deploy.openapi_models"],
+        input=json.dumps(items),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+if __name__ == "__main__":
+    json.dump([errors(doc, type_name) for doc, type_name in json.load(sys.stdin)], sys.stdout)

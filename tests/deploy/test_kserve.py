@@ -21,7 +21,7 @@ import yaml
 from service.__main__ import parse_settings
 from service.app import create_app
 from service.runtime.repository import model_sources
-from tests.deploy.openapi_models import errors
+from tests.deploy.openapi_models import errors_of
 from tests.support import ROOT
 
 KSERVE = ROOT / "deploy" / "kserve"
@@ -77,31 +77,35 @@ def test_runtime_kinds_and_container_validate() -> None:
 KINDS = {"ServingRuntime": "V1alpha1ServingRuntime", "InferenceService": "V1beta1InferenceService"}
 
 
-@pytest.mark.parametrize("name", ["servingruntime.yaml", *SERVICES])
-def test_manifests_validate_against_kserve_api_types(name: str) -> None:
-    doc = load(name)
-    assert errors(doc, KINDS[doc["kind"]]) == []
+def test_manifests_validate_against_kserve_api_types() -> None:
+    docs = [load(name) for name in ("servingruntime.yaml", *SERVICES)]
+    assert errors_of([(doc, KINDS[doc["kind"]]) for doc in docs]) == [[]] * len(docs)
 
 
 def test_kserve_validation_is_strict() -> None:
     """A misspelt field, a wrong type and a missing required field are each caught."""
     service = load("inferenceservice.yaml")
     model = service["spec"]["predictor"]["model"]
-    broken = {**service, "spec": {"predictor": {"model": {**model, "protocolVersio": "v2"}}}}
-    assert any(
-        "protocolVersio: unknown field" in e for e in errors(broken, KINDS["InferenceService"])
+    misspelt = {**service, "spec": {"predictor": {"model": {**model, "protocolVersio": "v2"}}}}
+    wrong_type = {**service, "spec": {"predictor": {"minReplicas": "two", "model": model}}}
+    no_containers = {
+        **RUNTIME,
+        "spec": {k: v for k, v in RUNTIME["spec"].items() if k != "containers"},
+    }
+    unnamed = {k: v for k, v in container().items() if k != "name"}
+    no_name = {**RUNTIME, "spec": {**RUNTIME["spec"], "containers": [unnamed]}}
+    found = errors_of(
+        [
+            (misspelt, KINDS["InferenceService"]),
+            (wrong_type, KINDS["InferenceService"]),
+            (no_containers, KINDS["ServingRuntime"]),
+            (no_name, KINDS["ServingRuntime"]),
+        ]
     )
-    broken = {**service, "spec": {"predictor": {"minReplicas": "two", "model": model}}}
-    assert any("minReplicas: expected int" in e for e in errors(broken, KINDS["InferenceService"]))
-    runtime = {**RUNTIME, "spec": {k: v for k, v in RUNTIME["spec"].items() if k != "containers"}}
-    assert errors(runtime, KINDS["ServingRuntime"]) == [
-        ".spec.containers: required by V1alpha1ServingRuntimeSpec"
-    ]
-    container_without_name = {k: v for k, v in container().items() if k != "name"}
-    runtime = {**RUNTIME, "spec": {**RUNTIME["spec"], "containers": [container_without_name]}}
-    assert errors(runtime, KINDS["ServingRuntime"]) == [
-        ".spec.containers[0].name: required by V1Container"
-    ]
+    assert any("protocolVersio: unknown field" in e for e in found[0]), found[0]
+    assert any("minReplicas: expected int" in e for e in found[1]), found[1]
+    assert found[2] == [".spec.containers: required by V1alpha1ServingRuntimeSpec"]
+    assert found[3] == [".spec.containers[0].name: required by V1Container"]
 
 
 @pytest.mark.parametrize("name", list(SERVICES))
