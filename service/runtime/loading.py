@@ -19,6 +19,7 @@ from service.runtime.forward import hidden_states
 from service.runtime.metrics import Metrics
 from service.runtime.repository import ModelSource, model_settings, model_sources
 from service.runtime.settings import Settings
+from service.runtime.startup import load_failure
 from service.runtime.state import ModelEntry
 from service.runtime.statistics import ModelStats, Observers
 from service.runtime.work import Work
@@ -80,7 +81,10 @@ async def load_entries(settings: Settings) -> tuple[Metrics, dict[str, dict[str,
     metrics = Metrics(first.name, first.version)
     versions: dict[str, dict[str, ModelEntry]] = {}
     for source in sources:
-        entry = await load_entry(settings, metrics, source)
+        try:
+            entry = await load_entry(settings, metrics, source)
+        except Exception as exc:  # start-up stops here, in one line naming model and file
+            raise load_failure(source, exc) from exc
         versions.setdefault(source.name, {})[source.version] = entry
     return metrics, versions
 

@@ -1,7 +1,9 @@
 // The attention debug page: plain JavaScript, no libraries, no build step.
 // It calls the same JSON endpoints a script would (GET /debug/info, POST .../attention,
-// GET .../heads) and sends the pasted credentials on each of them: the API key (if the server
-// has --api-key) as "Authorization: Bearer", the debug token (--debug-token) as X-Debug-Token.
+// GET .../heads). On load it connects without credentials; only if the server answers 401 or
+// 403 does it show the credential form, and then sends what is pasted there on each call: the
+// API key (if the server has --api-key) as "Authorization: Bearer", the debug token
+// (--debug-token) as X-Debug-Token.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -31,7 +33,9 @@ async function api(path, options = {}) {
   }
   if (!response.ok) {
     const why = body && body.error ? body.error : response.statusText;
-    throw new Error(`${response.status}: ${why}`);
+    const error = new Error(`${response.status}: ${why}`);
+    error.status = response.status;
+    throw error;
   }
   return body;
 }
@@ -333,10 +337,13 @@ function selectHead(h) {
   renderImportance();
 }
 
+// With a submit event: the credentials pasted in the form. Without (on load): none at all.
 async function connect(event) {
-  event.preventDefault();
-  page.token = $("token").value.trim();
-  page.apiKey = $("api-key").value.trim();
+  if (event) {
+    event.preventDefault();
+    page.token = $("token").value.trim();
+    page.apiKey = $("api-key").value.trim();
+  }
   setStatus("Connecting…");
   try {
     const info = await api("/debug/info");
@@ -360,6 +367,12 @@ async function connect(event) {
     setStatus("Connected.");
     document.body.dataset.state = "connected";
   } catch (error) {
+    if (error.status === 401 || error.status === 403) {
+      $("connect-panel").hidden = false;  // the server wants credentials: ask for them
+      $("model-line").textContent =
+        "This server needs credentials: paste the debug token and the API key " +
+        "(each blank if the server has none) and connect.";
+    }
     setStatus(`Could not connect: ${error.message}`, true);
   }
 }
@@ -438,4 +451,5 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("heatmap").addEventListener("mousemove", showTooltip);
   $("heatmap").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+  connect(null);  // no credentials needed: connected at once, no form shown
 });
