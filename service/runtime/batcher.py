@@ -308,9 +308,11 @@ class DynamicBatcher:
             else:
                 works[0].resolve(error=InferenceError("inference failed for this request"))
             return
-        self._report_batch(works, time.perf_counter() - started, ok=True)
+        compute_s = time.perf_counter() - started
+        self._report_batch(works, compute_s, ok=True)
         self._update_drain_rate(works)
         for work, result in zip(works, results, strict=True):
+            work.infer_s = compute_s
             if isinstance(result, ServiceError):
                 work.resolve(error=result)
             else:

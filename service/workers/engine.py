@@ -118,7 +118,8 @@ class _Remote:
                 self.conn.send(("done", self.ident, "err", error))
             else:
                 wire = result_to_wire(self.conn.slab, self.out, result)
-                self.conn.send(("done", self.ident, *wire))
+                timing = (self.queue_s, self.infer_s)  # for the front-end's statistics
+                self.conn.send(("done", self.ident, timing, *wire))
         except Exception:  # e.g. a result that does not pickle: the request fails, not the batch
             log.exception("could not send a result to front-end %d", self.conn.index)
             failed = InferenceError("inference failed for this request")
@@ -244,9 +245,12 @@ class Engine:
             held = conn.held.pop(message[1], None)
             if held is not None:
                 held[0].release(held[1])
-        elif op == "stat":
-            _, key, kind, seconds = message
-            self.entries[key].stats.add(kind, seconds)
+        elif op == "executed":
+            _, key, timing = message
+            self.entries[key].stats.executed(timing)
+        elif op == "failed":
+            _, key, seconds = message
+            self.entries[key].stats.failed(seconds)
         elif op == "stats":
             _, reply_to, key = message
             conn.send(("reply", reply_to, self.entries[key].stats.as_dict()))

@@ -21,7 +21,7 @@ from service.oip.datatypes import DATATYPES
 from service.pipeline.errors import NotReady
 from service.runtime.batcher import SHUTTING_DOWN
 from service.runtime.forward import hidden_states
-from service.runtime.statistics import ModelStats
+from service.runtime.statistics import ModelStats, Timing
 from service.runtime.work import QueueItem, Work
 from service.workers.channel import FrameBuffer, frame
 from service.workers.slab import Slab
@@ -152,13 +152,16 @@ class EngineLink:
             kind = message[2]
             if kind == "err":
                 self._free(pending)
-                pending.item._deliver(None, message[3])
+                pending.item.deliver(None, message[3])
                 return
             try:
-                result = result_from_wire(pending.slab, pending.out, message[2:])
+                result = result_from_wire(pending.slab, pending.out, message[3:])
             finally:
                 self._free(pending)
-            pending.item._deliver(result, None)
+            item = pending.item
+            queue_s, item.infer_s = message[2]  # measured in the engine process
+            item.started_at = item.enqueued_at + queue_s
+            item.deliver(result, None)
         elif op == "cancelled":
             _, ident, withdrawn, reply_to = message
             if withdrawn:
@@ -189,7 +192,7 @@ class EngineLink:
         pending, self.pending = self.pending, {}
         replies, self.replies = self.replies, {}
         for p in pending.values():
-            p.item._deliver(None, _down())
+            p.item.deliver(None, _down())
         for future in replies.values():
             if not future.done():
                 future.set_exception(_down())
@@ -364,9 +367,13 @@ class RemoteStats(ModelStats):
         self.link = link
         self.key = (info.name, info.version)
 
-    def add(self, kind: str, seconds: float) -> None:
+    def executed(self, timing: Timing) -> None:
         if self.link.connected:
-            self.link.send(("stat", self.key, kind, seconds))
+            self.link.send(("executed", self.key, timing))
+
+    def failed(self, seconds: float) -> None:
+        if self.link.connected:
+            self.link.send(("failed", self.key, seconds))
 
     async def snapshot(self) -> dict[str, Any]:
         return await self.link.ask(("stats", self.key))

@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
+from service.http.body import read_object
 from service.http.routes.common import observed
 from service.pipeline.errors import (
     BadInput,
@@ -23,6 +25,8 @@ from service.text.work import check_chars, tokenize
 
 if TYPE_CHECKING:
     from service.runtime.state import ModelEntry, ServiceState
+
+M = TypeVar("M", bound=BaseModel)
 
 MAX_CLIENT_BATCH = 32  # TEI's default --max-client-batch-size
 Direction = Literal["Right", "Left"]  # TEI's truncation_direction values
@@ -116,3 +120,46 @@ async def encode_texts(
     if time.monotonic() >= deadline:
         raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
     return encoded
+
+
+def validate(model: type[M], data: Any) -> M:
+    """`data` as `model`, strictly (booleans are not numbers, "yes" is no boolean); 400
+    naming each problem."""
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in ('body', *e['loc']))}: {e['msg']}" for e in exc.errors()
+        )
+        raise BadInput(f"invalid request: {problems}") from None
+
+
+async def parse_body(request: Request, state: ServiceState, model: type[M]) -> M:
+    """A TEI route's body: read bounded (--max-body-bytes), parsed by the one JSON parser,
+    validated as `model`."""
+    return validate(model, await read_object(request, state.settings.max_body_bytes))
+
+
+def inlined(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its $defs substituted in place (the route's OpenAPI document
+    has no $defs section for them to point into)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+def json_body(*models: type[BaseModel]) -> dict:
+    """openapi_extra documenting a JSON request body of one of `models` (the route reads the
+    body itself, so FastAPI cannot infer it)."""
+    schemas = [inlined(m) for m in models]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
