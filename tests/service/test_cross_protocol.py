@@ -349,17 +349,13 @@ def check_error_shape(shape: str, body: object) -> str:
     return message
 
 
-def new_log(server: Server, start: int) -> str:
-    return server.log()[start:]
-
-
 @pytest.mark.parametrize("case", list(HTTP_CASES))
 def test_bad_http_request_is_a_4xx_in_the_protocol_shape(served, client, case) -> None:
     bad = HTTP_CASES[case]
     path, good_body, good_headers = good_request(bad.route)
     warm = client.post(path, content=good_body, headers=good_headers)
     assert warm.status_code == 200, warm.text
-    port, log_start = local_port(warm), len(served.http.log())
+    port = local_port(warm)
 
     content = bad.content() if callable(bad.content) else bad.content
     headers = {**JSON, **bad.headers}
@@ -376,13 +372,11 @@ def test_bad_http_request_is_a_4xx_in_the_protocol_shape(served, client, case) -
     after = client.post(path, content=good_body, headers=good_headers)
     assert after.status_code == 200, after.text[:500]
     assert local_port(after) == port, "the connection was not reused"
-    assert not LOG_ERRORS.search(new_log(served.http, log_start)), new_log(served.http, log_start)
 
 
 @pytest.mark.parametrize("case", list(GRPC_CASES))
 def test_bad_grpc_request_is_a_client_error_status(served, case) -> None:
     content, codes, words = GRPC_CASES[case]
-    log_start = len(served.http.log())
     with served.channel() as channel:
         call = channel.unary_unary(INFER)  # no (de)serializers: bytes in, bytes out
         assert call(GOOD, timeout=30)
@@ -392,7 +386,6 @@ def test_bad_grpc_request_is_a_client_error_status(served, case) -> None:
         assert words in (info.value.details() or "")
         answer = service_pb2.ModelInferResponse.FromString(call(GOOD, timeout=30))
         assert len(answer.raw_output_contents[0]) == 3 * E * 4  # the channel stays usable
-    assert not LOG_ERRORS.search(new_log(served.http, log_start)), new_log(served.http, log_start)
 
 
 # -- batch-mates: good requests beside the bad ones get exactly their own numbers -------------
@@ -509,6 +502,9 @@ def _grpc_output(served: Served) -> bytes:
 
 
 def test_no_traceback_or_error_in_the_server_log(served) -> None:
-    """Last: everything the cases above sent, as the server logged it."""
-    log = served.http.log()
-    assert not LOG_ERRORS.search(log), [line for line in log.splitlines() if "Error" in line][:20]
+    """Last: everything the cases above sent, as the server logged it. One check for all of
+    them: uvicorn logs an exception some milliseconds after its 500 went out, when the next
+    case may already be running, so a window per case could blame the wrong one."""
+    lines = served.http.log().splitlines()
+    errors = [i for i, line in enumerate(lines) if LOG_ERRORS.search(line)]
+    assert errors == [], "\n".join(lines[i] for i in errors[:30])
