@@ -18,6 +18,8 @@ from .config import (
     config_from_dict,
 )
 from .demo import build_demo_model, demo_module
+from .devices import check_device
+from .errors import DeviceError
 from .heads import ClassifierInfo, TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .protocol import ServedClassifierModel, ServedModel, ServedTextModel
@@ -29,6 +31,7 @@ from .text_model import TextEncoderModel
 __all__ = [
     "CheckpointError",
     "ClassifierInfo",
+    "DeviceError",
     "EncoderLayer",
     "EncoderStack",
     "EngineConfig",
@@ -48,6 +51,7 @@ __all__ = [
     "TransformerEncoderConfig",
     "TransformerEncoderModel",
     "build_demo_model",
+    "check_device",
     "config_from_dict",
     "demo_module",
     "load_model",

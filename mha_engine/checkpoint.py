@@ -26,50 +26,14 @@ from .config import (
     TransformerEncoderConfig,
     config_from_dict,
 )
+from .devices import resolve_device, resolve_precision
 from .errors import CheckpointError, check_state
 from .heads import TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
-from .quantize import Int8Unsupported, int8_unsupported_reason, quantize_int8
+from .quantize import quantize_int8
 from .text_model import TextEncoderModel, read_text_settings
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-INT8 = "int8"  # not a torch compute dtype: float32 weights quantized at load (quantize.py)
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """None means cuda when available, else cpu."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    """A torch floating dtype or one of the names float32 | bfloat16 | float16 (default float32)."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; use one of {list(DTYPES)}")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {[*DTYPES, INT8]}")
-    return DTYPES[dtype]
-
-
-def resolve_precision(
-    dtype: str | torch.dtype | None, device: torch.device
-) -> tuple[torch.dtype, bool]:
-    """(weights' dtype, quantize to int8?): "int8" loads float32 weights, then quantize_int8.
-
-    Raises Int8Unsupported for int8 where the device or build lacks the kernels.
-    """
-    if dtype != INT8:
-        return resolve_dtype(dtype), False
-    reason = int8_unsupported_reason(device)
-    if reason is not None:
-        raise Int8Unsupported(reason)
-    return torch.float32, True
 
 
 def parse_config(config: object) -> EngineConfig:

@@ -49,3 +49,8 @@ def check_state(
             raise CheckpointError(
                 f"{key}: expected shape {shape}, got {tuple(tensor.shape)} (from the {source})"
             )
+
+
+class DeviceError(ValueError):
+    """A device, or a dtype on a device, that this host or torch build cannot run; the message
+    says what would."""

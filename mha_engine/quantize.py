@@ -28,13 +28,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .errors import DeviceError
+
 ACT_LEVELS = 127  # activations: uint8 in [0, 127] per row (7 bits, see the module docstring)
 WEIGHT_MAX = 127  # weights: int8 in [-127, 127] per output channel
 TINY = torch.finfo(torch.float32).tiny
 UNSUPPORTED_HINT = "use --dtype float32 or --dtype bfloat16"
 
 
-class Int8Unsupported(RuntimeError):
+class Int8Unsupported(DeviceError):
     """This torch build or device cannot run the int8 path."""
 
 

@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp, CliSettingsSource
 
 from service import __version__
-from service.logs import configure_logging
-from service.repository import RepositoryError, model_sources
-from service.settings import Settings
+from service.runtime.logs import configure_logging
+from service.runtime.repository import SETTINGS_FILE, RepositoryError, model_settings, model_sources
+from service.runtime.settings import Settings
 
 PROG = "mha-serve"
 
@@ -40,8 +40,8 @@ def serve(settings: Settings) -> None:
     """Run the server until SIGTERM; accepted requests are answered before exit. With
     --workers N > 1: an engine process and N front-end processes (service.workers)."""
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
-    try:
-        model_sources(settings)  # a bad repository or name clash stops here, in one line
+    try:  # a bad repository, name clash, device or dtype stops here, in one line
+        check_devices(settings)
     except RepositoryError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -53,10 +53,33 @@ def serve(settings: Settings) -> None:
 
         raise SystemExit(supervise(settings, frontend))
     from service.app import create_app
-    from service.server import run_uvicorn, set_interop_threads
+    from service.http.server import run_uvicorn, set_interop_threads
 
     set_interop_threads()
     run_uvicorn(settings, create_app(settings))
+
+
+def check_devices(settings: Settings) -> None:
+    """Every model's device and dtype checked before anything starts: a device this host lacks
+    (cuda:7 on a one-GPU host, cudaX, CUDA on a CPU build) or a dtype it cannot run raises
+    RepositoryError naming the flag or settings file. Imports torch only when there is a choice
+    to check (--workers' supervisor stays torch-free by default)."""
+    for source in model_sources(settings):
+        chosen = model_settings(settings, source)
+        if chosen.device is None and chosen.dtype == "float32":
+            continue  # auto device in float32: runs wherever torch does
+        from mha_engine import DeviceError, check_device
+
+        try:
+            check_device(chosen.device, chosen.dtype)
+        except DeviceError as exc:
+            own = sorted({"device", "dtype"} & set(source.overrides))
+            where = (
+                f"model '{source.name}' {SETTINGS_FILE} ({', '.join(own)})"
+                if own
+                else "--device / --dtype (MHA_DEVICE / MHA_DTYPE)"
+            )
+            raise RepositoryError(f"{where}: {exc}") from None
 
 
 def run_frontend(settings: Settings, listener: socket.socket, path: str, index: int) -> None:
@@ -67,7 +90,7 @@ def run_frontend(settings: Settings, listener: socket.socket, path: str, index: 
 
     torch.set_num_threads(1)  # a front-end never computes: no OpenMP pool per front-end
     from service.app import create_app
-    from service.server import run_uvicorn
+    from service.http.server import run_uvicorn
     from service.workers.remote import EngineLink
 
     link = EngineLink(path, index, settings.worker_slab_bytes)

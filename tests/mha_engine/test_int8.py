@@ -119,7 +119,9 @@ def test_load_model_int8_and_the_demo_model():
             mha_engine.save_model(loaded, tmp)  # int8 is applied at load, never saved
 
 
-def test_int8_refuses_clearly_where_it_cannot_run():
+def test_int8_refuses_clearly_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host: the device is
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # fine, int8 on it is not
     with pytest.raises(Int8Unsupported, match=r"CPU only.*--dtype bfloat16"):
         mha_engine.build_demo_model(device="cuda", dtype="int8")
     bf16 = engine_from(mha_engine.demo_module(), torch.bfloat16)
