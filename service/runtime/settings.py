@@ -93,14 +93,16 @@ class Settings(BaseSettings):
     max_input_chars: int | None = Field(
         None,
         ge=1,
-        description="/v1/embeddings: longest input string, in characters, checked before "
+        description="Text routes (/v1/embeddings, TEI): longest input string, in characters, "
+        "checked before "
         "tokenizing (413). Unset: 64 x the model's max length in tokens (16384 for "
         "all-MiniLM-L6-v2), far past where inputs are truncated.",
     )
     max_request_chars: int | None = Field(
         None,
         ge=1,
-        description="/v1/embeddings: most characters in one request, all inputs together, "
+        description="Text routes (/v1/embeddings, TEI): most characters in one request, all "
+        "inputs together, "
         "checked before tokenizing (413). Unset: 64 x --max-input-chars.",
     )
     # -- connections (service/http/connections.py, service/http/flow.py; uvicorn's keep-alive) --
@@ -194,8 +196,9 @@ class Settings(BaseSettings):
     )
     api_key: SecretStr | None = Field(
         None,
-        description="When set, every route but health, metrics and docs needs "
-        "'Authorization: Bearer <key>' (401 without, 403 wrong).",
+        description="When set, every route but /v2/health/live, /v2/health/ready and /metrics "
+        "(/docs and the debug routes included) needs 'Authorization: Bearer <key>' (401 "
+        "without, 403 wrong).",
     )
     open_health_metrics: bool = Field(
         True,
@@ -238,13 +241,15 @@ class Settings(BaseSettings):
     # -- attention-weights debug endpoint (service/http/routes/debug.py); off unless asked for -----
     debug_endpoint: bool = Field(
         False,
-        description="Serve POST /v2/models/{name}/attention and GET .../heads (slow path that "
-        "materialises attention weights). Off: those routes do not exist (404).",
+        description="Serve POST /v2/models/{name}/attention, GET .../heads (slow path that "
+        "materialises attention weights) and the /debug page. Off: those routes do not exist "
+        "(404).",
     )
     debug_token: SecretStr | None = Field(
         None,
-        description="Bearer token the debug routes require (Authorization: Bearer <token>). "
-        "Unset: no auth, and a warning is logged at start.",
+        description="A second secret the debug routes require, on top of --api-key: "
+        "'X-Debug-Token: <token>', or 'Authorization: Bearer <token>' when there is no API key. "
+        "With neither set the debug routes are open, and a warning is logged at start.",
     )
     debug_max_seq_len: int = Field(
         512, ge=1, description="Longest sequence (T and S) the debug routes accept."

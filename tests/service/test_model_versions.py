@@ -25,9 +25,8 @@ from service.runtime.repository import ModelSource, RepositoryError, select_vers
 from service.runtime.settings import Settings
 from service.runtime.state import ServiceState
 from tests.inprocess import asgi_client
-from tests.support import Server, free_port, run_server
+from tests.support import FP32_TOL, Server, free_port, run_server
 
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 EMBED_DIM = 16
 # Different weights per version (seed = version), so a request routed to the wrong one fails.
 MODULES = {}

@@ -111,6 +111,16 @@ class ClientWatch:
             self._task.cancel()
 
 
+@contextmanager
+def watching(request: Request) -> Iterator[ClientWatch]:
+    """A ClientWatch for `request` (its body read), closed after."""
+    watch = ClientWatch(request)
+    try:
+        yield watch
+    finally:
+        watch.close()
+
+
 async def await_queued(
     batcher: DynamicBatcher,
     request: Request,

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES
+from service.http.routes.common import watching
 from service.http.routes.tei_common import (
     MAX_CLIENT_BATCH,
     Direction,
@@ -130,8 +131,9 @@ async def _run(
     truncate)."""
     state = get_state(request)
     deadline = time.monotonic() + state.settings.request_timeout_s
-    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline)
-    return await run_parts(state, entry, request, encoded, deadline - time.monotonic(), runner)
+    with watching(request) as gone:
+        encoded = await encode_texts(gone, state, entry, texts, truncate, direction, deadline)
+        return await run_parts(state, entry, gone, encoded, deadline - time.monotonic(), runner)
 
 
 def _normalized(vectors: list[np.ndarray]) -> list[np.ndarray]:
@@ -253,14 +255,15 @@ async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
         check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
         async with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
-            return await tokenize(
-                state,
-                entry,
-                request,
-                texts,
-                deadline,
-                lambda part: tokenizer.tokens(part, body.add_special_tokens),
-            )
+            with watching(request) as gone:
+                return await tokenize(
+                    state,
+                    entry,
+                    gone,
+                    texts,
+                    deadline,
+                    lambda part: tokenizer.tokens(part, body.add_special_tokens),
+                )
 
 
 @router.post("/decode", summary="Texts of token ids (TEI)", openapi_extra=json_body(DecodeRequest))

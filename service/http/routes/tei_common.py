@@ -20,6 +20,7 @@ from service.pipeline.errors import (
     ServiceError,
     WrongModelKind,
 )
+from service.pipeline.waiting import Gone
 from service.text.tokenizer import Encoded, Text, model_kind
 from service.text.work import check_chars, tokenize
 
@@ -89,7 +90,7 @@ def check_batch(count: int, field: str = "inputs") -> None:
 
 
 async def encode_texts(
-    request: Request,
+    gone: Gone,
     state: ServiceState,
     entry: ModelEntry,
     texts: list[Text],
@@ -110,7 +111,7 @@ async def encode_texts(
     check_chars(texts, entry.char_limits)
     async with entry.batcher.reserve(len(texts)):
         encode = (lambda part: tokenizer.encode(part, direction)) if direction != "Right" else None
-        encoded = await tokenize(state, entry, request, texts, deadline, encode)
+        encoded = await tokenize(state, entry, gone, texts, deadline, encode)
     cut = [i for i, e in enumerate(encoded) if e.truncated]
     if cut and not truncate:
         raise PayloadTooLarge(

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES
+from service.http.routes.common import watching
 from service.http.routes.tei_common import (
     Direction,
     check_batch,
@@ -94,10 +95,13 @@ async def _logits(
 ) -> list[np.ndarray]:
     """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher."""
     deadline = time.monotonic() + state.settings.request_timeout_s
-    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline, field)
-    return await run_parts(
-        state, entry, request, encoded, deadline - time.monotonic(), classify_runner, typed_payload
-    )
+    with watching(request) as gone:
+        encoded = await encode_texts(
+            gone, state, entry, texts, truncate, direction, deadline, field
+        )
+        return await run_parts(
+            state, entry, gone, encoded, deadline - time.monotonic(), classify_runner, typed_payload
+        )
 
 
 def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[Prediction]:
