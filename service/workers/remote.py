@@ -257,9 +257,8 @@ class EngineLink:
 
 
 class RemoteBatcher:
-    """The DynamicBatcher interface the routes use, forwarding to the engine process's batcher
-    of one model version: the queue, its limits and 429s are the engine's, shared by all
-    front-ends."""
+    """A Batcher (service.runtime.batcher) forwarding to the engine process's batcher of one
+    model version: the queue, its limits and 429s are the engine's, shared by all front-ends."""
 
     def __init__(self, link: EngineLink, info: EntryInfo) -> None:
         self.link = link

@@ -18,7 +18,7 @@ from service.pipeline.errors import ServiceError
 from service.pipeline.waiting import await_queued as pipeline_await
 
 if TYPE_CHECKING:
-    from service.runtime.batcher import DynamicBatcher
+    from service.runtime.batcher import Batcher
     from service.runtime.metrics import Metrics
     from service.runtime.state import ServiceState
 
@@ -122,7 +122,7 @@ def watching(request: Request) -> Iterator[ClientWatch]:
 
 
 async def await_queued(
-    batcher: DynamicBatcher,
+    batcher: Batcher,
     request: Request,
     result: asyncio.Future,
     items: list,
