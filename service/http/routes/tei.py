@@ -20,14 +20,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state
-from service.http.openapi import TEI_ERROR_RESPONSES
+from service.http.openapi import TEI_ERROR_RESPONSES, json_body
 from service.http.routes.common import watching
 from service.http.routes.tei_common import (
     MAX_CLIENT_BATCH,
     Direction,
     check_batch,
     encode_texts,
-    json_body,
     parse_body,
     text_entry,
     text_route,

@@ -139,28 +139,3 @@ async def parse_body(request: Request, state: ServiceState, model: type[M]) -> M
     """A TEI route's body: read bounded (--max-body-bytes), parsed by the one JSON parser,
     validated as `model`."""
     return validate(model, await read_object(request, state.settings.max_body_bytes))
-
-
-def inlined(model: type[BaseModel]) -> dict:
-    """A model's JSON schema with its $defs substituted in place (the route's OpenAPI document
-    has no $defs section for them to point into)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def walk(node):
-        if isinstance(node, dict):
-            ref = node.get("$ref", "")
-            if ref.startswith("#/$defs/"):
-                return walk(defs[ref.removeprefix("#/$defs/")])
-            return {k: walk(v) for k, v in node.items()}
-        return [walk(v) for v in node] if isinstance(node, list) else node
-
-    return walk(schema)
-
-
-def json_body(*models: type[BaseModel]) -> dict:
-    """openapi_extra documenting a JSON request body of one of `models` (the route reads the
-    body itself, so FastAPI cannot infer it)."""
-    schemas = [inlined(m) for m in models]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
