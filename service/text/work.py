@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.oip.inputs import Payload
 from service.pipeline.errors import ClientDisconnected, DeadlineExceeded, PayloadTooLarge
+from service.pipeline.models import submit
 from service.pipeline.waiting import Gone, await_queued
 from service.runtime.work import Runner, Work
 from service.text.tokenizer import (
@@ -128,8 +129,9 @@ async def run_parts(
     runner: Runner = embed_runner,
     payload_of: Callable[[list[Encoded]], Payload] | None = None,
 ) -> list[np.ndarray]:
-    """Queue every part on `entry`'s batcher, await all; on timeout or disconnect drop the parts
-    not yet started. payload_of builds a part's payload (default: its token ids)."""
+    """Queue every part on the batcher of `entry`'s current copy, await all; on timeout or
+    disconnect drop the parts not yet started. payload_of builds a part's payload (default: its
+    token ids)."""
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout
     settings = state.settings
@@ -140,7 +142,10 @@ async def run_parts(
             payload = payload_of(items) if payload_of else token_payload([e.ids for e in items])
             work = Work(payload=payload, runner=runner, deadline=deadline, loop=loop)
             work.future.add_done_callback(_retrieve)
-            entry.batcher.submit(work)  # 429 when the queue is full
+            if works:
+                entry.batcher.submit(work)  # 429 when the queue is full
+            else:  # the model's current copy: a reload since the look-up passes it on
+                entry = submit(state, entry.name, entry.version, work)
             works.append(work)
         gathered = asyncio.gather(*(w.future for w in works))
         results = await await_queued(entry.batcher, gathered, works, timeout, gone)
