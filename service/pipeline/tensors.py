@@ -63,9 +63,10 @@ async def infer(
     The front has admitted it (pipeline.models.admit) before reading its body. Raises
     ServiceError (the one vocabulary every front maps to its wire shape)."""
     started = time.perf_counter()
-    entry = state.find(request.model, request.version)  # unknown: 404, not counted (as Triton)
+    # The current copy, looked up after the front read the body (unknown: 404, not counted).
+    entry = state.find(request.model, request.version)
     try:
-        decoded, payload, entry, input_s = await _decode(state, request)
+        decoded, payload, input_s = await _decode(entry, request)
         metrics = entry.metrics or state.metrics
         metrics.codec(metrics.decode, request.protocol, input_s)
         metrics.sequences_received(payload.lengths)
@@ -94,21 +95,16 @@ async def infer(
     return answer
 
 
-async def _decode(
-    state: ServiceState, request: TensorRequest
-) -> tuple[InferRequest, Payload, ModelEntry, float]:
+async def _decode(entry: ModelEntry, request: TensorRequest) -> tuple[InferRequest, Payload, float]:
     """compute_input: the request's tensors, checked against the model's current copy."""
     started = time.perf_counter()
     if request.offload:
         decoded = await asyncio.to_thread(request.decode)
-    else:
-        decoded = request.decode()
-    entry = state.find(request.model, request.version)  # the current copy, after the body
-    if request.offload:
         payload = await asyncio.to_thread(prepare, decoded, entry.limits)
     else:
+        decoded = request.decode()
         payload = prepare(decoded, entry.limits)
-    return decoded, payload, entry, time.perf_counter() - started
+    return decoded, payload, time.perf_counter() - started
 
 
 __all__ = ["TensorRequest", "TensorResult", "infer"]

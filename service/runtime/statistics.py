@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
+class Timing(NamedTuple):
     """One executed request's durations in seconds (Triton's inference_stats kinds)."""
 
     input_s: float  # compute_input: decode + validate

@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from service.http.connections import disconnect_signal
 from service.pipeline.errors import ServiceError
+from service.pipeline.waiting import Gone
 from service.pipeline.waiting import await_queued as pipeline_await
 
 if TYPE_CHECKING:
@@ -112,8 +113,13 @@ class ClientWatch:
 
 
 @contextmanager
-def watching(request: Request) -> Iterator[ClientWatch]:
-    """A ClientWatch for `request` (its body read), closed after."""
+def client_gone(request: Request) -> Iterator[Gone]:
+    """What tells the pipeline that the client of `request` (its body read) has gone: our
+    server's connection signal as it is, else a ClientWatch, closed after."""
+    signal = disconnect_signal(request.scope)
+    if signal is not None:
+        yield signal
+        return
     watch = ClientWatch(request)
     try:
         yield watch

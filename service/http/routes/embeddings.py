@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from service.http.body import parse_json, read_body
 from service.http.deps import get_state
 from service.http.openapi import OPENAI_ERROR_RESPONSES
-from service.http.routes.common import LeanRoute, Observation, observed, watching
+from service.http.routes.common import LeanRoute, Observation, client_gone, observed
 from service.pipeline.errors import (
     BadInput,
     DeadlineExceeded,
@@ -298,7 +298,7 @@ async def _embeddings(state: ServiceState, request: Request, seen: Observation) 
     else:
         check_chars(texts, entry.char_limits)
         async with entry.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
-            with watching(request) as gone:
+            with client_gone(request) as gone:
                 encoded = await tokenize(state, entry, gone, texts, deadline)
     metrics.codec(metrics.decode, "json", time.perf_counter() - started)
     metrics.sequences_received([len(e.ids) for e in encoded])
@@ -306,7 +306,7 @@ async def _embeddings(state: ServiceState, request: Request, seen: Observation) 
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
-    with watching(request) as gone:
+    with client_gone(request) as gone:
         vectors = await run_parts(state, entry, gone, encoded, remaining)
 
     tokens = sum(len(e.ids) for e in encoded)

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from service.http.body import read_body
 from service.http.deps import get_state, response_budget
 from service.http.openapi import INFER_OPENAPI, INFER_RESPONSES
-from service.http.routes.common import ClientWatch, LeanRoute, PartsResponse, observed
+from service.http.routes.common import LeanRoute, PartsResponse, client_gone, observed
 from service.oip.codecs import (
     BINARY_HEADER,
     OFFLOAD_BYTES,
@@ -36,20 +36,17 @@ async def _infer(
     admit(state, model_name, version)  # 404 / 503 before the body is read
     body = await read_body(request, state.settings.max_body_bytes)
     header_length = request.headers.get(BINARY_HEADER)
-    watch = ClientWatch(request)
-    work = TensorRequest(
-        model=model_name,
-        version=version,
-        protocol="json" if header_length is None else "binary",
-        request_id=request.state.request_id,
-        decode=functools.partial(decode_request, body, header_length),
-        offload=json_length(header_length, len(body)) > OFFLOAD_BYTES,
-        gone=watch,
-    )
-    try:
+    with client_gone(request) as gone:
+        work = TensorRequest(
+            model=model_name,
+            version=version,
+            protocol="json" if header_length is None else "binary",
+            request_id=request.state.request_id,
+            decode=functools.partial(decode_request, body, header_length),
+            offload=json_length(header_length, len(body)) > OFFLOAD_BYTES,
+            gone=gone,
+        )
         return await run_infer(state, work, functools.partial(_encode, request, version))
-    finally:
-        watch.close()
 
 
 async def _encode(request: Request, version: str | None, result: TensorResult) -> Response:

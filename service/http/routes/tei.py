@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
-from service.http.routes.common import watching
+from service.http.routes.common import client_gone
 from service.http.routes.tei_common import (
     MAX_CLIENT_BATCH,
     Direction,
@@ -130,7 +130,7 @@ async def _run(
     truncate)."""
     state = get_state(request)
     deadline = time.monotonic() + state.settings.request_timeout_s
-    with watching(request) as gone:
+    with client_gone(request) as gone:
         encoded = await encode_texts(gone, state, entry, texts, truncate, direction, deadline)
         return await run_parts(state, entry, gone, encoded, deadline - time.monotonic(), runner)
 
@@ -254,7 +254,7 @@ async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
         check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
         async with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
-            with watching(request) as gone:
+            with client_gone(request) as gone:
                 return await tokenize(
                     state,
                     entry,

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
-from service.http.routes.common import watching
+from service.http.routes.common import client_gone
 from service.http.routes.tei_common import (
     Direction,
     check_batch,
@@ -94,7 +94,7 @@ async def _logits(
 ) -> list[np.ndarray]:
     """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher."""
     deadline = time.monotonic() + state.settings.request_timeout_s
-    with watching(request) as gone:
+    with client_gone(request) as gone:
         encoded = await encode_texts(
             gone, state, entry, texts, truncate, direction, deadline, field
         )
