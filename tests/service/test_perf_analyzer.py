@@ -41,6 +41,11 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complete
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
 def _libb64(work: Path, lib: Path) -> str | None:
     """Put libb64.so.0d in `lib` unless the system has it; the reason when neither works."""
     found = _run(["/sbin/ldconfig", "-p"], work) if Path("/sbin/ldconfig").exists() else None
@@ -51,7 +56,7 @@ def _libb64(work: Path, lib: Path) -> str | None:
     got = _run(["apt-get", "download", "libb64-0d"], work)
     debs = list(work.glob("libb64-0d_*.deb"))
     if got.returncode != 0 or not debs:
-        return f"`apt-get download libb64-0d` failed: {got.stderr.strip()[-500:]}"
+        return f"`apt-get download libb64-0d` failed: {_last_line(got.stderr)}"
     extracted = work / "deb"
     _run(["dpkg-deb", "-x", str(debs[0]), str(extracted)], work)
     libs = list(extracted.rglob("libb64.so.0d"))
@@ -70,9 +75,9 @@ def _install(target: Path) -> str | None:
         lib.mkdir()
         wheels = [f"tritonclient=={TRITONCLIENT}", f"nvidia-cuda-runtime-cu12=={CUDA_RUNTIME}"]
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(work)]
-        got = _run([*pip, *wheels], work)
+        got = _run([*pip, "--retries", "1", "--timeout", "30", *wheels], work)
         if got.returncode != 0:
-            return f"`pip download {' '.join(wheels)}` failed: {got.stderr.strip()[-500:]}"
+            return f"`pip download {' '.join(wheels)}` failed: {_last_line(got.stderr)}"
         members = {"/bin/perf_analyzer": bin_dir, "/lib/libcudart.so.12": lib}
         for wheel in work.glob("*.whl"):
             with zipfile.ZipFile(wheel) as archive:
