@@ -87,6 +87,14 @@ ROUTES = {
         {"inputs": 42},
         [{"inputs": "hello", "normalize": "no"}, {"inputs": "hello", "truncate": 1}],
     ),
+    "root": Route(  # TEI's POST /, huggingface_hub's: /embed for an embedding model
+        "/",
+        "tei",
+        {"inputs": "hello world"},
+        lambda s: {"inputs": [s]},
+        {"inputs": {"text": "hello"}},
+        [{"inputs": "hello", "normalize": "no"}],
+    ),
     "embed_all": Route(
         "/embed_all",
         "tei",
