@@ -317,9 +317,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield Served(http, f"127.0.0.1:{port}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(served: Served) -> Iterator[httpx.Client]:
-    """One connection at most: a request after a closed one would show on a new local port."""
+    """One connection at most: a request after a closed one would show on a new local port.
+    A client per case: a connection the server dropped after a 500 fails no later case."""
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     with httpx.Client(base_url=served.http.url, limits=limits, timeout=60) as client:
         yield client
