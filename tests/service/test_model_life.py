@@ -2,7 +2,7 @@
 unmodified tritonclient over HTTP and gRPC: reloads never fail a request addressed to the model;
 while it is unloaded and loaded again, requests get 200 or a 404 / NOT_FOUND naming the model
 (never 503 "shutting down"); after an unload both protocols say "not ready" (gRPC's
-is_model_ready returns False, as against Triton, rather than raising)."""
+is_model_ready returns False, as it does against Triton, rather than raising)."""
 
 from __future__ import annotations
 
