@@ -16,8 +16,8 @@ padding). Masked padding is not bit-exact against the unpadded call on CPU SDPA 
 ~3e-7 in fp32), so bucketing gives up bit-exact batch invariance; it stays off by default.
 
 On CUDA, a plain self-attention plan (no masks, no causal, no extra keys, no GQA) goes through
-one SDPA call on nested jagged tensors (varlen flash/efficient kernels). Unverified on a GPU:
-that path is tested only through the CPU math kernel.
+one varlen kernel call (cuda_varlen.py: flash for fp16/bf16, memory-efficient for fp32) with no
+nested tensors and no host sync. Unverified on a GPU: tested on CPU with a reference kernel.
 """
 
 from __future__ import annotations
@@ -28,15 +28,29 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .cuda_varlen import varlen_attention
 from .masks import additive_mask
 
 if TYPE_CHECKING:
     from .attention import FusedAttention
 
 Rows = Tensor | slice
+# Measured on torch 2.13 CPU (MKL sgemm and oneDNN bf16, AVX-512): a GEMM over M < 12 rows
+# (except 4 and 8) rounds differently from the same rows inside a GEMM over M >= 12 rows, at
+# every offset; from 12 rows on, a row's bits do not depend on M. Padding small packed batches
+# to MIN_GEMM_ROWS keeps a short request alone bit-equal to it inside a larger batch.
+MIN_GEMM_ROWS = 12
+
+
+def pad_rows(x: Tensor, rows: int = MIN_GEMM_ROWS) -> Tensor:
+    """x (N, E) with zero rows appended up to `rows` (x itself when it has enough): per-token
+    ops give the real rows the bits they get in any larger batch; callers slice [:N] back.
+    CPU only: CUDA's jagged path needs exact rows (GPU GEMM invariance is unverified)."""
+    if x.shape[0] >= rows or x.is_cuda:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])  # (rows, E)
 
 
 @dataclass
@@ -61,7 +75,7 @@ class Plan:
     q_lens: list[int]
     kv_lens: list[int]
     groups: list[Group]
-    cu_seqlens: Tensor  # (B+1,) int64 on the model's device
+    cu_seqlens: Tensor  # (B+1,) int32 on the model's device (the varlen kernels' type)
     plain: bool  # self-attention, no masks, no causal: one jagged call is possible
 
     @property
@@ -94,8 +108,10 @@ def _offsets(lens: list[int]) -> list[int]:
 
 
 def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:
-    if len(offsets) == 1:
-        return slice(offsets[0], offsets[0] + length)
+    """Packed rows of sequences of `length` starting at `offsets`: a slice when they lie back to
+    back (one sequence, or a uniform batch: views, no gather), else an index tensor."""
+    if all(o == offsets[0] + i * length for i, o in enumerate(offsets)):
+        return slice(offsets[0], offsets[0] + len(offsets) * length)
     starts = torch.tensor(offsets, dtype=torch.long, device=device)
     return (starts[:, None] + torch.arange(length, device=device)).reshape(-1)  # (G*T,)
 
@@ -213,28 +229,22 @@ def make_plan(
         for bucket in _buckets(seqs, q_lens, kv_lens, bucket_padding):
             same = len({(q_lens[i], kv_lens[i], masked[i]) for i in bucket}) == 1
             groups.append((_exact_group if same else _padded_group)(bucket, *args))
-    cu = torch.tensor([0, *(o + t for o, t in zip(q_off, q_lens, strict=True))], device=device)
+    cu = _upload([0, *(o + t for o, t in zip(q_off, q_lens, strict=True))], device)
     plain = q_lens == kv_lens and not any(causal) and not any(masked)
     return Plan(q_lens, kv_lens, groups, cu, plain)
 
 
-def jagged_attention(attn: FusedAttention, q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> Tensor:
-    """Self-attention of all packed sequences in one SDPA call on nested jagged tensors.
-
-    For CUDA's varlen kernels; unverified on a GPU (CPU runs it through the math kernel).
-    """
-    N, H, hd = q.shape[0], attn.num_heads, attn.head_dim
-
-    def nest(t: Tensor) -> Tensor:  # (N, H*hd) -> (B, H, j, hd) jagged over j
-        values = t.reshape(N, H, hd).contiguous()
-        return torch.nested.nested_tensor_from_jagged(values, plan.cu_seqlens).transpose(1, 2)
-
-    y = F.scaled_dot_product_attention(nest(q), nest(k), nest(v))  # (B, H, j, hd)
-    return y.transpose(1, 2).values().reshape(N, H * hd)  # (N, E)
+def _upload(values: list[int], device: torch.device) -> Tensor:
+    """An int32 tensor of `values` on `device`; to CUDA from pinned memory without blocking the
+    host (unverified on a GPU)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
-def use_jagged(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
-    """The CUDA varlen path applies: plain plan, no extra keys or GQA, flash-sized heads."""
+def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
+    """The CUDA varlen kernel applies: plain plan, no extra keys or GQA, flash-sized heads."""
     return (
         query.is_cuda
         and plan.plain
@@ -255,8 +265,10 @@ def packed_attention(
         q, k, v = attn.split_qkv(qkv)
     else:
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
-    if fused and use_jagged(attn, query, plan):
-        return attn.out_proj(jagged_attention(attn, q, k, v, plan))  # (N, E)
+    if fused and use_varlen(attn, query, plan):
+        longest = max(plan.q_lens)
+        merged = varlen_attention(q, k, v, plan.cu_seqlens, longest, attn.num_heads, attn.head_dim)
+        return attn.out_proj(merged)  # (N, E)
     if fused:
         merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
     else:

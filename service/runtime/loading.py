@@ -12,6 +12,7 @@ import numpy as np
 
 import mha_engine
 from mha_engine import ServedModel
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES
 from service.oip.inputs import ModelLimits, Payload
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.forward import hidden_states
@@ -57,10 +58,11 @@ async def warm_up_model(entry: ModelEntry) -> None:
         rows = sequences * length
         query = rng.standard_normal((rows, limits.embed_dim), np.float32)  # (N, E)
         payload = Payload(query, [length] * sequences)
-        if limits.needs_key_value:
-            payload.key = rng.standard_normal((rows, limits.kdim), np.float32)
-            payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
+        if limits.needs_key_value or limits.architecture in DECODER_ARCHITECTURES:
+            payload.key = rng.standard_normal((rows, limits.kdim), np.float32)  # or memory/src
             payload.key_lengths = payload.lengths
+        if limits.needs_key_value:
+            payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
         work = Work(
             payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
         )

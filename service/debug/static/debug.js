@@ -11,7 +11,8 @@ const page = {
   apiKey: "",
   info: null, // GET /debug/info
   heads: null, // GET /v2/models/{name}/heads
-  result: null, // {layer, tokens, special, weights: Float32Array (H, T, S), H, T, S}
+  result: null, // {layer, kind, tokens, special, weights: Float32Array (H, T, S), H, T, S}
+  results: null, // decoders: {self, cross}, each like `result`; `result` is the one shown
   head: 0,
   busy: false,
 };
@@ -77,6 +78,20 @@ function requestBody(layer) {
   }
   const length = Number.parseInt($("random-length").value, 10);
   const seed = Number.parseInt($("seed").value, 10) || 0;
+  if (info.decoder_inputs) {
+    // A decoder: tgt and memory (or src and tgt), PyTorch's names; causal target, and a
+    // memory 4 positions longer so the cross-attention map is visibly T x S.
+    const lengths = { tgt: length, memory: length + 4, src: length + 4 };
+    const inputs = info.decoder_inputs.map((name, i) => ({
+      name, shape: [1, lengths[name], info.embed_dim], datatype: "FP32",
+      data: normals(lengths[name] * info.embed_dim, seed + i),
+    }));
+    return {
+      inputs,
+      parameters: { ...parameters, tgt_is_causal: true },
+      outputs: [{ name: "attention_weights" }, { name: "cross_attention_weights" }],
+    };
+  }
   const inputs = [
     { name: "input", shape: [1, length, info.embed_dim], datatype: "FP32",
       data: normals(length * info.embed_dim, seed) },
@@ -163,7 +178,10 @@ function renderHeatmap() {
   grid.dataset.layer = String(layer);
   grid.dataset.rows = String(T);
   grid.dataset.cols = String(S);
-  $("heatmap-title").textContent = `Layer ${layer}, head ${h}`;
+  const what = { self: "self-attention", cross: "cross-attention (target to memory)" };
+  const kind = page.info.decoder_inputs ? `, ${what[page.result.kind]}` : "";
+  $("heatmap-title").textContent = `Layer ${layer}, head ${h}${kind}`;
+  grid.dataset.kind = page.result.kind;
   renderLegend(vmax);
 }
 
@@ -323,7 +341,8 @@ async function connect(event) {
   try {
     const info = await api("/debug/info");
     page.info = info;
-    fillSelect($("layer"), info.num_layers, "layer");
+    fillSelect($("layer"), info.weight_layers || info.num_layers, "layer");
+    $("kind-control").hidden = !info.decoder_inputs;
     fillSelect($("head"), info.num_heads, "head");
     const text = info.input === "text";
     $("text-control").hidden = !text;
@@ -359,8 +378,9 @@ async function run(event) {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(requestBody(layer)),
     });
-    const weights = output(body, "attention_weights"); // (1, H, T, S)
-    const [, H, T, S] = weights.shape;
+    const kinds = { self: output(body, "attention_weights") }; // (1, H, T, S)
+    if (page.info.decoder_inputs) kinds.cross = output(body, "cross_attention_weights");
+    const [, H, T] = kinds.self.shape;
     let tokens;
     let special;
     if (page.info.input === "text") {
@@ -370,12 +390,17 @@ async function run(event) {
       tokens = Array.from({ length: T }, (_, i) => String(i));
       special = new Array(T).fill(false);
     }
-    const keyTokens = S === T ? tokens : Array.from({ length: S }, (_, i) => String(i));
-    const keySpecial = S === T ? special : new Array(S).fill(false);
-    page.result = {
-      layer, tokens, special, keyTokens, keySpecial, H, T, S,
-      weights: Float32Array.from(weights.data),
-    };
+    page.results = {};
+    for (const [kind, weights] of Object.entries(kinds)) {
+      const S = weights.shape[3];
+      page.results[kind] = {
+        layer, tokens, special, H, T, S, kind,
+        keyTokens: S === T ? tokens : Array.from({ length: S }, (_, i) => String(i)),
+        keySpecial: S === T ? special : new Array(S).fill(false),
+        weights: Float32Array.from(weights.data),
+      };
+    }
+    page.result = page.results[$("kind").value] || page.results.self;
     page.head = Math.min(Number($("head").value) || 0, H - 1);
     $("results").hidden = false;
     renderHeatmap();
@@ -405,6 +430,12 @@ document.addEventListener("DOMContentLoaded", () => {
     if (page.result) run();  // while busy, the finished run picks the new layer up
   });
   $("head").addEventListener("change", () => selectHead(Number($("head").value)));
+  $("kind").addEventListener("change", () => {
+    if (!page.results) return;
+    page.result = page.results[$("kind").value] || page.results.self;
+    renderHeatmap();
+    renderHeads();
+  });
   $("heatmap").addEventListener("mousemove", showTooltip);
   $("heatmap").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
 });
