@@ -2,13 +2,14 @@
 unmodified tritonclient over HTTP and gRPC: reloads never fail a request addressed to the model;
 while it is unloaded and loaded again, requests get 200 or a 404 / NOT_FOUND naming the model
 (never 503 "shutting down"); after an unload both protocols say "not ready" (gRPC's
-is_model_ready returns False, as against Triton, rather than raising)."""
+is_model_ready returns False, as it does against Triton, rather than raising)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -43,105 +44,92 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, s
         yield http, f"127.0.0.1:{port}"
 
 
-class Traffic:
-    """Requests to NAME back to back, two threads per protocol, until stopped; every answer is
-    recorded as (protocol, status, message)."""
+@dataclass
+class Answers:
+    """What the traffic got: successes, and (protocol, status, message) of every failure."""
 
-    def __init__(self, http: Server, address: str) -> None:
-        self.stop = threading.Event()
-        self.ok = 0
-        self.errors: list[tuple[str, str, str]] = []
-        self.lock = threading.Lock()
-        pairs = [(thttp, http.address), (tgrpc, address)] * 2
-        self.threads = [threading.Thread(target=self._loop, args=pair) for pair in pairs]
-
-    def _loop(self, module, address: str) -> None:
-        client = module.InferenceServerClient(address)
-        x = np.full((8, 64, EMBED_DIM), 0.5, np.float32)  # 16K values: ~100 KB of JSON
-        item = module.InferInput("input", list(x.shape), "FP32")
-        if module is thttp:  # JSON bodies this large are read and decoded off the event loop:
-            item.set_data_from_numpy(x, binary_data=False)  # a request spends a while in flight
-        else:
-            item.set_data_from_numpy(x)
-        protocol = module.__name__.rsplit(".", 1)[1]
-        while not self.stop.is_set():
-            try:
-                shape = client.infer(NAME, [item]).as_numpy("output").shape
-            except InferenceServerException as exc:
-                with self.lock:
-                    self.errors.append((protocol, str(exc.status()), exc.message() or ""))
-                continue
-            except Exception as exc:  # a dropped connection, a client-side failure
-                with self.lock:
-                    self.errors.append((protocol, type(exc).__name__, str(exc)))
-                continue
-            with self.lock:
-                if shape == x.shape:
-                    self.ok += 1
-                else:
-                    self.errors.append((protocol, "200", f"output shape {shape}"))
-
-    def __enter__(self) -> Traffic:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(60)
-        assert not any(thread.is_alive() for thread in self.threads)
+    ok: int = 0
+    errors: list[tuple[str, str, str]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def cycles() -> Iterator[int]:
-    """CYCLES iterations, cut short after LOOP_S seconds."""
+def requests_until(stop: threading.Event, module, address: str, answers: Answers) -> None:
+    """Requests to NAME over one protocol (tritonclient's `module`), back to back until `stop`."""
+    client = module.InferenceServerClient(address)
+    x = np.full((8, 64, EMBED_DIM), 0.5, np.float32)  # 16K values: ~100 KB of JSON
+    item = module.InferInput("input", list(x.shape), "FP32")
+    if module is thttp:  # JSON bodies this large are read and decoded off the event loop:
+        item.set_data_from_numpy(x, binary_data=False)  # a request spends a while in flight
+    else:
+        item.set_data_from_numpy(x)
+    protocol = module.__name__.rsplit(".", 1)[1]
+    while not stop.is_set():
+        try:
+            shape = client.infer(NAME, [item]).as_numpy("output").shape
+            error = None if shape == x.shape else (protocol, "200", f"output shape {shape}")
+        except InferenceServerException as exc:
+            error = (protocol, str(exc.status()), exc.message() or "")
+        except Exception as exc:  # a dropped connection, a client-side failure
+            error = (protocol, type(exc).__name__, str(exc))
+        with answers.lock:
+            if error:
+                answers.errors.append(error)
+            else:
+                answers.ok += 1
+
+
+def cycles_under_traffic(server, cycle: Callable[[list, int], None]) -> Answers:
+    """`cycle(clients, i)` CYCLES times (cut short after LOOP_S seconds) while two threads per
+    protocol send requests to NAME; clients: [HTTP, gRPC] model-control clients."""
+    http, address = server
+    control = [thttp.InferenceServerClient(http.address), tgrpc.InferenceServerClient(address)]
+    if not control[0].is_model_ready(NAME):
+        control[0].load_model(NAME)
+    answers, stop = Answers(), threading.Event()
+    pairs = [(thttp, http.address), (tgrpc, address)] * 2
+    threads = [threading.Thread(target=requests_until, args=(stop, *p, answers)) for p in pairs]
+    for thread in threads:
+        thread.start()
     deadline = time.monotonic() + LOOP_S
-    for i in range(CYCLES):
-        if time.monotonic() > deadline:
-            return
-        yield i
-
-
-def ensure_loaded(http: Server) -> None:
-    client = thttp.InferenceServerClient(http.address)
-    if not client.is_model_ready(NAME):
-        client.load_model(NAME)
+    try:
+        for i in range(CYCLES):
+            if time.monotonic() > deadline:
+                break
+            cycle(control, i)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert answers.ok > 0
+    return answers
 
 
 def test_reloads_under_traffic_fail_no_request(server) -> None:
-    http, address = server
-    ensure_loaded(http)
-    clients = [thttp.InferenceServerClient(http.address), tgrpc.InferenceServerClient(address)]
-    with Traffic(http, address) as traffic:
-        for i in cycles():
-            clients[i % 2].load_model(NAME)  # a reload: the new copy replaces the old
-    assert traffic.errors == [], traffic.errors[:5]
-    assert traffic.ok > 0
+    def reload(clients: list, i: int) -> None:
+        clients[i % 2].load_model(NAME)  # a reload: the new copy replaces the old
+
+    answers = cycles_under_traffic(server, reload)
+    assert answers.errors == [], answers.errors[:5]
 
 
 def test_unload_load_under_traffic_answers_200_or_not_found(server) -> None:
-    http, address = server
-    ensure_loaded(http)
-    clients = [thttp.InferenceServerClient(http.address), tgrpc.InferenceServerClient(address)]
-    with Traffic(http, address) as traffic:
-        for i in cycles():
-            clients[i % 2].unload_model(NAME)
-            clients[(i + 1) % 2].load_model(NAME)
-    wrong = [
-        error
-        for error in traffic.errors
-        if error[1] not in NOT_FOUND or f"'{NAME}'" not in error[2]
-    ]
+    def unload_load(clients: list, i: int) -> None:
+        clients[i % 2].unload_model(NAME)
+        clients[(i + 1) % 2].load_model(NAME)
+
+    answers = cycles_under_traffic(server, unload_load)
+    wrong = [e for e in answers.errors if e[1] not in NOT_FOUND or f"'{NAME}'" not in e[2]]
     assert wrong == [], wrong[:5]
-    assert traffic.ok > 0
 
 
 def test_unloaded_model_is_not_ready_over_both_protocols(server) -> None:
     http, address = server
-    ensure_loaded(http)
     http_client = thttp.InferenceServerClient(http.address)
     grpc_client = tgrpc.InferenceServerClient(address)
-    assert http_client.is_model_ready(NAME) and grpc_client.is_model_ready(NAME)
+    if not http_client.is_model_ready(NAME):
+        http_client.load_model(NAME)
+    assert grpc_client.is_model_ready(NAME)
     http_client.unload_model(NAME)
     try:
         assert http_client.is_model_ready(NAME) is False
