@@ -125,15 +125,17 @@ async def run_parts(
     entry: ModelEntry,
     gone: Gone,
     encoded: list[Encoded],
-    timeout: float,
+    deadline: float,
     runner: Runner = embed_runner,
     payload_of: Callable[[list[Encoded]], Payload] | None = None,
 ) -> list[np.ndarray]:
     """Queue every part on the batcher of `entry`'s current copy, await all; on timeout or
     disconnect drop the parts not yet started. payload_of builds a part's payload (default: its
-    token ids)."""
+    token ids). `deadline` is time.monotonic()'s: 504 if tokenizing has used it up."""
+    timeout = deadline - time.monotonic()
+    if timeout <= 0:
+        raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
     loop = asyncio.get_running_loop()
-    deadline = time.monotonic() + timeout
     settings = state.settings
     works: list[Work] = []
     try:

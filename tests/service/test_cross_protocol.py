@@ -26,7 +26,7 @@ from torch import nn
 from tritonclient.grpc import service_pb2
 
 import mha_engine
-from tests.support import Server, binary_request, free_port, run_server
+from tests.support import FP32_TOL, Server, binary_request, free_port, run_server
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -37,7 +37,6 @@ E = 32  # embed_dim of the tensor model `attn`
 HUGE_DIMS = ([0, 2**62, 2**62], [0, 2**63 - 1, E])  # zero elements, absurd dimensions
 BAD_UTF8 = b"\xff\xfe"
 SURROGATE = "\ud800"  # json.dumps writes it as the escape \ud800, which UTF-8 cannot hold
-TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's fp32 tolerances
 JSON = {"Content-Type": "application/json"}
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 LOG_ERRORS = re.compile(r"Traceback|\b(ERROR|CRITICAL)\b")
@@ -477,9 +476,9 @@ def test_batch_mates_of_bad_requests_are_unaffected(served) -> None:
         assert response is not None and response.status_code == 200, (i, response)
         expected, answered = _values(alone_response), _values(response)
         assert answered.shape == expected.shape, requests[i][0]
-        np.testing.assert_allclose(answered, expected, **TOL, err_msg=requests[i][0])
+        np.testing.assert_allclose(answered, expected, **FP32_TOL, err_msg=requests[i][0])
     for answered in grpc_got:
-        np.testing.assert_allclose(answered, grpc_want, **TOL)
+        np.testing.assert_allclose(answered, grpc_want, **FP32_TOL)
 
 
 def _values(response: httpx.Response) -> np.ndarray:

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +36,7 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
-from tests.support import Server, free_port, run_server
+from tests.support import Server, free_port, run_server, wait_for
 
 NAME = "attn"
 EMBED_DIM = 32
@@ -139,11 +138,8 @@ def test_counts_agree_in_every_snapshot_under_load(server) -> None:
     good, bad = sum(load.good for load in loads), sum(load.bad for load in loads)
     assert good > 0 and bad > 0
     want = {kind: before[kind] + good for kind in EXECUTED} | {"fail": before["fail"] + bad}
-    for _ in range(100):  # a request's statistics may land just after its answer is sent
-        if http_counts(http) == want:
-            break
-        time.sleep(0.1)
-    assert http_counts(http) == want, (good, bad)
+    # a request's statistics may land just after its answer is sent
+    wait_for(lambda: http_counts(http) == want, f"HTTP statistics counts {want}")
     assert grpc_counts(client) == want
 
 

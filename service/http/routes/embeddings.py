@@ -27,7 +27,6 @@ from service.http.openapi import OPENAI_ERROR_RESPONSES
 from service.http.routes.common import LeanRoute, Observation, client_gone, observed
 from service.pipeline.errors import (
     BadInput,
-    DeadlineExceeded,
     ModelNotFound,
 )
 from service.pipeline.models import ensure_serving
@@ -303,11 +302,8 @@ async def _embeddings(state: ServiceState, request: Request, seen: Observation) 
     metrics.codec(metrics.decode, "json", time.perf_counter() - started)
     metrics.sequences_received([len(e.ids) for e in encoded])
 
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
     with client_gone(request) as gone:
-        vectors = await run_parts(state, entry, gone, encoded, remaining)
+        vectors = await run_parts(state, entry, gone, encoded, deadline)
 
     tokens = sum(len(e.ids) for e in encoded)
     if dims is not None:  # Matryoshka: keep the first `dims` coordinates, unit length again

@@ -132,7 +132,7 @@ async def _run(
     deadline = time.monotonic() + state.settings.request_timeout_s
     with client_gone(request) as gone:
         encoded = await encode_texts(gone, state, entry, texts, truncate, direction, deadline)
-        return await run_parts(state, entry, gone, encoded, deadline - time.monotonic(), runner)
+        return await run_parts(state, entry, gone, encoded, deadline, runner)
 
 
 def _normalized(vectors: list[np.ndarray]) -> list[np.ndarray]:

@@ -99,7 +99,7 @@ async def _logits(
             gone, state, entry, texts, truncate, direction, deadline, field
         )
         return await run_parts(
-            state, entry, gone, encoded, deadline - time.monotonic(), classify_runner, typed_payload
+            state, entry, gone, encoded, deadline, classify_runner, typed_payload
         )
 
 
