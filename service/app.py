@@ -82,14 +82,8 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
         try:
             yield
         finally:
-            state.start_draining()
-            if grpc_listener is not None:  # calls in progress get what is left of the grace
-                await asyncio.sleep(0)  # let start_draining arm the grace timer
-                await grpc_listener.stop(state.grace_left())
             warm_up.cancel()
-            if state.grace_timer is not None:
-                state.grace_timer.cancel()
-            state.end_grace()  # no connection is left to answer: nothing queued is computed
+            await state.drain(grpc_listener.stop if grpc_listener is not None else None)
             for entry in state.entries():  # as served now (explicit loads included)
                 await asyncio.to_thread(entry.batcher.stop, settings.drain_grace_s)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,6 +201,18 @@ class ServiceState:
         if self.grace_timer is None:
             return self.settings.drain_grace_s
         return max(0.0, self.grace_timer.when() - asyncio.get_running_loop().time())
+
+    async def drain(self, stop_listener: Callable[[float], Awaitable[None]] | None = None) -> None:
+        """A lifespan's end, the same in every process that answers requests: refuse new work,
+        give a second listener (gRPC) what is left of the grace to finish its calls, then answer
+        503 to whatever has not started."""
+        self.start_draining()
+        if stop_listener is not None:
+            await asyncio.sleep(0)  # let start_draining arm the grace timer
+            await stop_listener(self.grace_left())
+        if self.grace_timer is not None:
+            self.grace_timer.cancel()
+        self.end_grace()  # no connection is left to answer: nothing queued is computed
 
     def end_grace(self) -> None:
         """The drain grace is over: what has not started is answered 503 and never computed."""

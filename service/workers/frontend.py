@@ -102,13 +102,7 @@ def frontend_lifespan(
         finally:
             state = getattr(app.state, "service", None)
             if state is not None:
-                state.start_draining()
-                if grpc_listener is not None:
-                    await asyncio.sleep(0)  # let start_draining arm the grace timer
-                    await grpc_listener.stop(state.grace_left())
-                if state.grace_timer is not None:
-                    state.grace_timer.cancel()
-                state.end_grace()
+                await state.drain(grpc_listener.stop if grpc_listener is not None else None)
             watching.cancel()
             link.stop()
             connecting.cancel()
