@@ -34,6 +34,9 @@ def decoder_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 def test_page_shows_self_and_cross_attention(browser, decoder_server) -> None:
     errors: list[str] = []
     page = _open_page(browser, decoder_server.url, errors)
+    # the page connects by itself; the server wants a token, so that first fetch is a 401
+    page.wait_for_function("document.querySelector('#status').textContent.includes('401')")
+    errors.clear()  # the browser logs the refused fetch itself
     _connect(page, TOKEN)
     assert "transformer_decoder" in page.text_content("#model-line")
     assert page.is_visible("#kind") and page.locator("#layer option").count() == 2

@@ -308,6 +308,8 @@ def test_token_guard_on_text_and_page_routes(minilm) -> None:
         "kdim": 384,
         "vdim": 384,
         "needs_key_value": False,
+        "weight_layers": 6,  # the layer picker's range
+        "decoder_inputs": None,  # an encoder: no tgt/memory inputs
         "input": "text",
         "max_tokens": 256,  # the tokenizer's truncation (under --debug-max-seq-len 512)
         "max_tokens_flag": "--debug-max-seq-len",
