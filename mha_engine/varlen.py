@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import additive_mask
+from .fused import linear
 
 if TYPE_CHECKING:
     from .attention import FusedAttention
@@ -246,22 +247,28 @@ def use_jagged(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
 
 
 def packed_attention(
-    attn: FusedAttention, query: Tensor, key: Tensor, value: Tensor, plan: Plan
+    attn: FusedAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: Plan,
+    residual: Tensor | None = None,
 ) -> Tensor:
-    """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj."""
+    """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj
+    (plus `residual`, fused into out_proj)."""
     fused = key is query and value is query and attn.in_proj is not None
     if fused:
-        qkv = attn.in_proj(query)  # (N, E + 2KV): one GEMM for Q, K, V
+        qkv = linear(attn.in_proj, query)  # (N, E + 2KV): one GEMM for Q, K, V
         q, k, v = attn.split_qkv(qkv)
     else:
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
     if fused and use_jagged(attn, query, plan):
-        return attn.out_proj(jagged_attention(attn, q, k, v, plan))  # (N, E)
-    if fused:
+        merged = jagged_attention(attn, q, k, v, plan)  # (N, E)
+    elif fused:
         merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
     else:
         merged = grouped_attention(attn, plan, q=q, k=k, v=v)  # (N, E)
-    return attn.out_proj(merged)  # (N, E)
+    return linear(attn.out_proj, merged, residual=residual)  # (N, E)
 
 
 @torch.compiler.disable
