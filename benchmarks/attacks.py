@@ -247,8 +247,10 @@ def _health_under_json_header(server: Proc, json_mb: int) -> dict[str, Any]:
 
 def decode_cost(root: Path, repeats: int = 5) -> dict[str, Any]:
     """Not an attack: what strict decoding costs. Best time of `decode_request` (from `root`'s
-    service/codecs.py) on a 1M-value FP32 JSON body with `is_causal: true`, in this process."""
-    spec = importlib.util.spec_from_file_location("codecs_under_test", root / "service/codecs.py")
+    service/oip/codecs.py) on a 1M-value FP32 JSON body with `is_causal: true`, in this process."""
+    spec = importlib.util.spec_from_file_location(
+        "codecs_under_test", root / "service/oip/codecs.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -281,7 +283,7 @@ def main() -> None:
     out: dict[str, Any] = {"root": str(args.root)}
     for name in chosen:
         if name == "embeddings":
-            from service.text import minilm_path
+            from service.text.tokenizer import minilm_path
 
             model_dir = minilm_path()
             if model_dir is None:

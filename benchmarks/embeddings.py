@@ -30,7 +30,7 @@ import torch
 import mha_engine
 from benchmarks import scrape
 from benchmarks.client import LoadResult, run_load
-from service.text import TextTokenizer, minilm_path
+from service.text.tokenizer import TextTokenizer, minilm_path
 
 HOST = "127.0.0.1"
 NAME = "all-MiniLM-L6-v2"

@@ -178,7 +178,7 @@ def sentences(count: int = 32) -> list[str]:
 
 def bench_minilm(repeats: int, min_time: float) -> dict | None:
     """all-MiniLM-L6-v2, 32 sentences: tokenize + encode + pool, fp32 vs int8 engine."""
-    from service.text import minilm_path
+    from service.text.tokenizer import minilm_path
 
     path = minilm_path()
     if path is None:

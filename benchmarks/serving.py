@@ -128,7 +128,7 @@ def raw_engine_main(spec: str) -> None:
     model = mha_engine.load_model(spec["model_dir"], device="cpu")
     if spec["kind"] == "text":
         from benchmarks.embeddings import SENTENCES
-        from service.text import TextTokenizer
+        from service.text.tokenizer import TextTokenizer
 
         path = Path(spec["model_dir"])
         ids = [e.ids for e in TextTokenizer(path / "tokenizer.json", 256).encode(SENTENCES)]
@@ -262,7 +262,7 @@ def run_cases(args, roots: list[Path], workdir: Path) -> list[dict]:
 
 def embeddings_case(args, root: Path) -> dict | None:
     from benchmarks.embeddings import NAME, SENTENCES
-    from service.text import minilm_path
+    from service.text.tokenizer import minilm_path
 
     path = minilm_path()
     if path is None:

@@ -32,7 +32,7 @@ import mha_engine
 from benchmarks.client import LoadResult, run_load
 from benchmarks.embeddings import SENTENCES
 from benchmarks.server import HOST, running
-from service.text import TextTokenizer, minilm_path
+from service.text.tokenizer import TextTokenizer, minilm_path
 
 QUERY = "How can I make my laptop battery last longer?"
 

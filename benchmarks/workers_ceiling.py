@@ -31,8 +31,8 @@ def channel_ms(seq_len: int, embed_dim: int, repeats: int = 2000) -> tuple[float
     """(front-end ms, engine ms) per request spent on the channel alone: the submit message
     and the reply pickled, framed and parsed, tensors through a slab, as service.workers does
     it, in one process (no syscalls, wake-ups or batching); median wall time per phase."""
-    from service.forward import hidden_states
-    from service.inputs import Payload
+    from service.oip.inputs import Payload
+    from service.runtime.forward import hidden_states
     from service.workers.channel import FrameBuffer, frame
     from service.workers.slab import Slab
     from service.workers.wire import (

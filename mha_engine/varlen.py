@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import additive_mask
 from .fused import linear
+from .masks import additive_mask
 
 if TYPE_CHECKING:
     from .attention import FusedAttention

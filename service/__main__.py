@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp, CliSettingsSource
 
 from service import __version__
-from service.logs import configure_logging
-from service.repository import SETTINGS_FILE, RepositoryError, model_settings, model_sources
-from service.settings import Settings
+from service.runtime.logs import configure_logging
+from service.runtime.repository import SETTINGS_FILE, RepositoryError, model_settings, model_sources
+from service.runtime.settings import Settings
 
 PROG = "mha-serve"
 
@@ -53,7 +53,7 @@ def serve(settings: Settings) -> None:
 
         raise SystemExit(supervise(settings, frontend))
     from service.app import create_app
-    from service.server import run_uvicorn, set_interop_threads
+    from service.http.server import run_uvicorn, set_interop_threads
 
     set_interop_threads()
     run_uvicorn(settings, create_app(settings))
@@ -90,7 +90,7 @@ def run_frontend(settings: Settings, listener: socket.socket, path: str, index: 
 
     torch.set_num_threads(1)  # a front-end never computes: no OpenMP pool per front-end
     from service.app import create_app
-    from service.server import run_uvicorn
+    from service.http.server import run_uvicorn
     from service.workers.remote import EngineLink
 
     link = EngineLink(path, index, settings.worker_slab_bytes)

@@ -14,14 +14,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from service import __version__, docs
-from service.errors import ServiceError, error_body
-from service.flow import BodyRate, ResponseBackpressure, ResponseBudget
+from service import __version__
 from service.grpc.server import GrpcListener
-from service.loading import load_entries, warm_up_model
-from service.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
-from service.model_control import ModelControl
-from service.routes import (
+from service.http import docs
+from service.http.flow import BodyRate, ResponseBackpressure, ResponseBudget
+from service.http.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
+from service.http.routes import (
     config_stats,
     debug,
     embeddings,
@@ -33,8 +31,11 @@ from service.routes import (
     tei,
     tei_rank,
 )
-from service.settings import Settings
-from service.state import ServiceState
+from service.pipeline.errors import ServiceError, error_body
+from service.runtime.loading import load_entries, warm_up_model
+from service.runtime.model_control import ModelControl
+from service.runtime.settings import Settings
+from service.runtime.state import ServiceState
 from service.workers.frontend import frontend_lifespan
 from service.workers.remote import EngineLink
 
@@ -96,7 +97,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
         version=__version__,
         description="Multi-head attention and transformer blocks over the Open Inference Protocol.",
         lifespan=lifespan if engine is None else frontend_lifespan(settings, engine),
-        docs_url=None,  # service.docs serves /docs with local assets
+        docs_url=None,  # service.http.docs serves /docs with local assets
         redoc_url=None,  # ReDoc has no offline bundle here
     )
     app.state.settings = settings

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from service.app import create_app
-from service.settings import Settings
+from service.runtime.settings import Settings
 
 
 @contextlib.asynccontextmanager

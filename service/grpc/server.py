@@ -11,8 +11,8 @@ from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.servicer import InferenceServicer
 
 if TYPE_CHECKING:
-    from service.model_control import ModelControl
-    from service.state import ServiceState
+    from service.runtime.model_control import ModelControl
+    from service.runtime.state import ServiceState
 
 log = logging.getLogger("service.grpc")
 

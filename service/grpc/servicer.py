@@ -20,23 +20,23 @@ import grpc
 from google.protobuf import json_format
 
 from service import __version__
-from service.codecs import OFFLOAD_BYTES, OutputTensor
-from service.deps import ensure_serving
-from service.errors import BadInput, DeadlineExceeded, ServiceError, Unauthorized
-from service.forward import hidden_states
 from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.grpc.tensors import decode_infer_request, encode_infer_response
-from service.inputs import OUTPUT_NAME, prepare, request_timeout_s
-from service.middleware import bearer_credential, log_safe, request_id
-from service.model_config import extensions, model_config, model_metadata
-from service.model_control import UNLOAD_PARAMETERS
-from service.work import Work
+from service.http.deps import ensure_serving
+from service.http.middleware import bearer_credential, log_safe, request_id
+from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
+from service.oip.inputs import OUTPUT_NAME, prepare, request_timeout_s
+from service.oip.model_config import extensions, model_config, model_metadata
+from service.pipeline.errors import BadInput, DeadlineExceeded, ServiceError, Unauthorized
+from service.runtime.forward import hidden_states
+from service.runtime.model_control import UNLOAD_PARAMETERS
+from service.runtime.work import Work
 
 if TYPE_CHECKING:
-    from service.model_control import ModelControl
-    from service.state import ModelEntry, ServiceState
+    from service.runtime.model_control import ModelControl
+    from service.runtime.state import ModelEntry, ServiceState
 
 access_log = logging.getLogger("service.access")
 log = logging.getLogger("service.grpc")
@@ -247,7 +247,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         entry.stats.add("compute_output", seconds)
         return response
 
-    # -- model repository (service/model_control.py) ---------------------------------------------
+    # -- model repository (service/runtime/model_control.py) --------------------------------
     async def RepositoryIndex(self, request, context):
         async with self._call("RepositoryIndex", context):
             rows = self.control.index(ready_only=request.ready)

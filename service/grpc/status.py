@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from service.errors import ServiceError
+from service.pipeline.errors import ServiceError
 
 # HTTP status of a ServiceError -> the gRPC code that means the same to a client.
 CODES: dict[int, grpc.StatusCode] = {

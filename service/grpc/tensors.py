@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from service.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor
-from service.datatypes import DATATYPES
-from service.errors import BadInput
 from service.grpc import grpc_service_pb2 as pb
+from service.oip.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor
+from service.oip.datatypes import DATATYPES
+from service.pipeline.errors import BadInput
 
 # datatype -> the InferTensorContents field that carries it (FP16/BF16 only as raw bytes).
 CONTENT_FIELDS = {

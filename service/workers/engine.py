@@ -23,12 +23,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.batcher import DynamicBatcher
-from service.errors import InferenceError, ServiceError
-from service.loading import load_entries, warm_up_model
-from service.settings import Settings
-from service.state import ModelEntry, ServiceState
-from service.work import Exclusive, QueueItem, Work
+from service.pipeline.errors import InferenceError, ServiceError
+from service.runtime.batcher import DynamicBatcher
+from service.runtime.loading import load_entries, warm_up_model
+from service.runtime.settings import Settings
+from service.runtime.state import ModelEntry, ServiceState
+from service.runtime.work import Exclusive, QueueItem, Work
 from service.workers.channel import FrameBuffer, frame, recv_message
 from service.workers.slab import Slab
 from service.workers.wire import (

@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 
 from service.grpc.server import GrpcListener
-from service.loading import add_text_parts
-from service.metrics import Metrics
-from service.model_control import ModelControl
-from service.repository import model_settings, model_sources
-from service.settings import Settings
-from service.state import ModelEntry, ServiceState
+from service.runtime.loading import add_text_parts
+from service.runtime.metrics import Metrics
+from service.runtime.model_control import ModelControl
+from service.runtime.repository import model_settings, model_sources
+from service.runtime.settings import Settings
+from service.runtime.state import ModelEntry, ServiceState
 from service.workers.remote import EngineLink, RemoteBatcher, RemoteStats
 from service.workers.wire import EntryInfo
 

@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.batcher import SHUTTING_DOWN
-from service.datatypes import DATATYPES
-from service.errors import NotReady
-from service.forward import hidden_states
-from service.stats import ModelStats
-from service.work import QueueItem, Work
+from service.oip.datatypes import DATATYPES
+from service.pipeline.errors import NotReady
+from service.runtime.batcher import SHUTTING_DOWN
+from service.runtime.forward import hidden_states
+from service.runtime.statistics import ModelStats
+from service.runtime.work import QueueItem, Work
 from service.workers.channel import FrameBuffer, frame
 from service.workers.slab import Slab
 from service.workers.wire import EntryInfo, payload_to_wire, result_from_wire

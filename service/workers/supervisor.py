@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.logs import configure_logging
-from service.settings import Settings
+from service.runtime.logs import configure_logging
+from service.runtime.settings import Settings
 
 log = logging.getLogger("service.workers")
 
@@ -87,7 +87,7 @@ def supervise(settings: Settings, frontend_main: Callable[..., None]) -> int:
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports the client
-    from service.metrics import mark_process_dead  # after the env var: multiprocess mode
+    from service.runtime.metrics import mark_process_dead  # after the env var: multiprocess mode
 
     path = os.path.join(workdir, "engine.sock")
     try:

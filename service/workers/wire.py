@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from service.inputs import Payload
-from service.text import text_kind
+from service.oip.inputs import Payload
+from service.text.tokenizer import text_kind
 from service.workers.slab import Slab
 
 ARRAYS = ("query", "key", "value", "key_padding_mask")  # Payload's array fields
@@ -111,7 +111,7 @@ class EntryInfo:
     name: str
     version: str
     view: ModelView
-    limits: Any  # service.inputs.ModelLimits
+    limits: Any  # service.oip.inputs.ModelLimits
     info: dict[str, Any]
     version_policy: dict[str, Any]
     max_batch_size: int

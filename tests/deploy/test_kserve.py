@@ -17,7 +17,7 @@ import yaml
 
 from service.__main__ import parse_settings
 from service.app import create_app
-from service.repository import model_sources
+from service.runtime.repository import model_sources
 from tests.support import ROOT
 
 KSERVE = ROOT / "deploy" / "kserve"

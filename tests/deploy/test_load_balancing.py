@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import mha_engine
-from service.settings import Settings
+from service.runtime.settings import Settings
 from tests.deploy.nginx import nginx_binary, run_nginx
 from tests.support import Server, fp32_request, run_server
 

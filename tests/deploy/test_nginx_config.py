@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 
-from service.settings import Settings
+from service.runtime.settings import Settings
 from tests.deploy.nginx import MAIN_CONF, TEMPLATE, check_config, make_dir, render_template
 
 SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}

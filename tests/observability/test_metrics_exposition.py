@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.metrics import (
+from service.runtime.metrics import (
     BATCH_SEQ_BUCKETS,
     CODEC_BUCKETS,
     LATENCY_BUCKETS,

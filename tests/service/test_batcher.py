@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import mha_engine
-from service.batcher import DynamicBatcher
-from service.errors import InferenceError
-from service.forward import hidden_states
-from service.inputs import Payload
-from service.work import Work
+from service.oip.inputs import Payload
+from service.pipeline.errors import InferenceError
+from service.runtime.batcher import DynamicBatcher
+from service.runtime.forward import hidden_states
+from service.runtime.work import Work
 
 
 def payload(x: np.ndarray) -> Payload:

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from service.codecs import OutputTensor, decode_request, encode_response
-from service.errors import BadInput
+from service.oip.codecs import OutputTensor, decode_request, encode_response
+from service.pipeline.errors import BadInput
 
 NUMPY = {
     "FP32": np.float32,

@@ -16,9 +16,9 @@ import torch
 
 import mha_engine
 from benchmarks.server import ROOT
-from service import forward
-from service.loading import model_info
-from service.metrics import MODEL_INFO_LABELS, Metrics
+from service.runtime import forward
+from service.runtime.loading import model_info
+from service.runtime.metrics import MODEL_INFO_LABELS, Metrics
 
 PACKAGES = ("service", "mha_engine")
 

@@ -18,7 +18,7 @@ from PIL import Image
 from torch import nn
 
 import mha_engine
-from service import heatmap
+from service.debug import heatmap
 from tests.support import Server, binary_request, fp32_request, run_server
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances

@@ -21,10 +21,10 @@ import pytest
 import torch
 from PIL import Image
 
-from service import heatmap
 from service.app import create_app
-from service.attention_weights import WEIGHTS_NAME
-from service.settings import Settings
+from service.debug import heatmap
+from service.debug.attention_weights import WEIGHTS_NAME
+from service.runtime.settings import Settings
 from tests.service.test_embeddings import minilm_dir
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances

@@ -38,7 +38,7 @@ MORE_SENTENCES = [
 
 def minilm_dir() -> Path:
     """The installed package's model directory; skip (fail under CI) when it is missing."""
-    from service.text import MINILM_PIP, minilm_path
+    from service.text.tokenizer import MINILM_PIP, minilm_path
 
     path = minilm_path()
     if path is None:

@@ -16,7 +16,7 @@ import torch
 import mha_engine
 from mha_engine.quantize import int8_unsupported_reason
 from service.app import create_app
-from service.settings import Settings
+from service.runtime.settings import Settings
 
 pytestmark = pytest.mark.skipif(
     int8_unsupported_reason("cpu") is not None, reason=str(int8_unsupported_reason("cpu"))

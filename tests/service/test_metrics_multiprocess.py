@@ -1,5 +1,5 @@
 """`--workers` metrics: with PROMETHEUS_MULTIPROC_DIR set, every process's values merge, so a
-scrape of any front-end shows the whole server (service.metrics). Real processes write the
+scrape of any front-end shows the whole server (service.runtime.metrics). Real processes write the
 values; a fresh one scrapes, as a front-end answering /metrics would."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import metrics as metrics_module
-from service.inputs import Payload
-from service.metrics import MODEL_INFO_LABELS, Metrics, mark_process_dead
-from service.work import Work
+from service.oip.inputs import Payload
+from service.runtime import metrics as metrics_module
+from service.runtime.metrics import MODEL_INFO_LABELS, Metrics, mark_process_dead
+from service.runtime.work import Work
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("front_a", "front_b", "engine")
 # mha_model_info's labels as the engine sets them (their keys are checked against
-# service.loading.model_info below)
+# service.runtime.loading.model_info below)
 INFO = {
     "name": "m", "architecture": "transformer_encoder", "embed_dim": 512, "num_heads": 8,
     "num_layers": 1, "dtype": "float32", "device": "cpu", "sdpa_backend": "math",
@@ -240,7 +240,7 @@ def test_single_process_mode_keeps_the_process_collectors(run: dict) -> None:
 
 def test_model_info_labels_match_what_loading_publishes() -> None:
     import mha_engine
-    from service.loading import model_info
+    from service.runtime.loading import model_info
 
     info = model_info(mha_engine.build_demo_model(device="cpu"), "m")
     assert set(info) == set(MODEL_INFO_LABELS) == set(INFO)

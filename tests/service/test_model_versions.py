@@ -19,11 +19,11 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
-from service.loading import load_entry, warm_up_model
-from service.metrics import Metrics
-from service.repository import ModelSource, RepositoryError, select_versions
-from service.settings import Settings
-from service.state import ServiceState
+from service.runtime.loading import load_entry, warm_up_model
+from service.runtime.metrics import Metrics
+from service.runtime.repository import ModelSource, RepositoryError, select_versions
+from service.runtime.settings import Settings
+from service.runtime.state import ServiceState
 from tests.inprocess import asgi_client
 from tests.support import Server, free_port, run_server
 

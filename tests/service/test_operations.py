@@ -16,8 +16,8 @@ import pytest
 
 from service.__main__ import parse_settings
 from service.app import create_app
-from service.logs import configure_logging
-from service.settings import Settings
+from service.runtime.logs import configure_logging
+from service.runtime.settings import Settings
 from tests.support import ROOT
 
 INFER = "/v2/models/mha/infer"

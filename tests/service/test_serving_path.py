@@ -17,7 +17,7 @@ import torch
 
 import mha_engine
 from service.__main__ import CPU_DEFAULTS, cpu_defaults
-from service.batcher import DynamicBatcher
+from service.runtime.batcher import DynamicBatcher
 from tests.support import ROOT, fp32_request, run_server
 
 URL = "/v2/models/mha/infer"

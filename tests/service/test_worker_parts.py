@@ -12,8 +12,8 @@ import pytest
 
 import mha_engine
 from service.__main__ import parse_settings
-from service.forward import hidden_states
-from service.inputs import Payload
+from service.oip.inputs import Payload
+from service.runtime.forward import hidden_states
 from service.workers.channel import FrameBuffer, frame
 from service.workers.slab import ALIGN, Slab
 from service.workers.wire import (
@@ -142,7 +142,7 @@ def test_model_view_carries_facts_not_weights() -> None:
     assert view.text_kind is None
     with pytest.raises(AttributeError, match="engine process"):
         view.forward_packed  # noqa: B018
-    assert hidden_states.__module__ == "service.forward"  # sent by name: a module function
+    assert hidden_states.__module__ == "service.runtime.forward"  # sent by name: a module function
 
 
 def test_workers_refuse_explicit_model_control(capsys: pytest.CaptureFixture) -> None:

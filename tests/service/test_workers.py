@@ -61,7 +61,7 @@ class Workers:
 
 
 def _minilm() -> Path | None:
-    from service.text import minilm_path
+    from service.text.tokenizer import minilm_path
 
     return minilm_path()
 

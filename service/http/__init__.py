@@ -1,0 +1,1 @@
+"""HTTP front: uvicorn server and connection limits, ASGI middleware, /docs, OpenAPI, routes."""

@@ -1,0 +1,328 @@
+"""text-embeddings-inference's routes for embedding models and the model-neutral ones:
+/embed, /embed_all, /similarity, /tokenize, /decode, /info, and TEI's POST / (which
+huggingface_hub's InferenceClient calls: /embed for an embedding model, /predict otherwise).
+/rerank and /predict are in tei_rank.py.
+
+Same shapes as TEI (`inputs` a string or a list of strings; `/embed` answers a list of vectors);
+errors are TEI's `{"error": ..., "error_type": ...}`, 424 for a route the model's head does
+not offer. Texts are bounded in characters before tokenizing, tokenized off the loop and run
+through the same batcher as /v1/embeddings.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.http.deps import ensure_serving, get_state
+from service.http.openapi import TEI_ERROR_RESPONSES
+from service.http.routes.infer import read_body
+from service.http.routes.tei_common import (
+    MAX_CLIENT_BATCH,
+    Direction,
+    check_batch,
+    encode_texts,
+    text_entry,
+    text_route,
+)
+from service.http.routes.tei_rank import HubPredictRequest, hub_predict
+from service.pipeline.errors import BadInput
+from service.runtime.state import ModelEntry
+from service.text.tokenizer import model_kind, raw_embed_runner, tei_model_type, token_runner
+from service.text.work import check_chars, run_parts, tokenize
+
+router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
+
+
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: str | list[str]
+    normalize: bool = True
+    truncate: bool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = Field(
+        None, description="A key of config_sentence_transformers.json's prompts: its text is "
+        "prepended to every input"
+    )  # fmt: skip
+
+
+class EmbedAllRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: str | list[str]
+    truncate: bool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: str | list[str]
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+
+
+class DecodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    special: bool
+    start: int | None = None
+    stop: int | None = None
+
+
+class Info(BaseModel):
+    model_id: str
+    model_dtype: str
+    model_type: dict = Field(
+        description='{"embedding": {"pooling": "mean" | "cls" | "last_token"}}, or '
+        '{"classifier" | "reranker": {"id2label", "label2id", "problem_type"}}'
+    )
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_requests: int
+    max_client_batch_size: int
+    max_concurrent_requests: int
+    auto_truncate: bool = False
+    prompts: dict[str, str] = Field(default_factory=dict)
+    version: str
+
+
+def _texts(inputs: str | list[str]) -> list[str]:
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    check_batch(len(texts))
+    return texts
+
+
+def with_prompt(entry: ModelEntry, texts: list[str], prompt_name: str | None) -> list[str]:
+    """Texts with the named sentence-transformers prompt of `entry` prepended (None: its
+    default prompt, if it declares one); 400 naming the available prompts for an unknown name."""
+    prompts, default = entry.prompts, entry.default_prompt
+    name = prompt_name if prompt_name is not None else default
+    if name is None:
+        return texts
+    if name not in prompts:
+        available = sorted(prompts) or "none (no prompts in config_sentence_transformers.json)"
+        raise BadInput(f"unknown prompt_name {name!r}; this model's prompts: {available}")
+    return [prompts[name] + text for text in texts]
+
+
+async def _run(
+    request: Request,
+    entry: ModelEntry,
+    texts: list[str],
+    truncate: bool,
+    direction: Direction,
+    runner,
+) -> list[np.ndarray]:
+    """Texts -> one result per text through `entry`'s batcher (413 for over-long texts unless
+    truncate)."""
+    state = get_state(request)
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline)
+    return await run_parts(state, entry, request, encoded, deadline - time.monotonic(), runner)
+
+
+def _normalized(vectors: list[np.ndarray]) -> list[np.ndarray]:
+    return [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+
+
+class SimilarityInputs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: SimilarityInputs
+    truncate: bool = False
+
+
+@router.post("/similarity", summary="Cosine similarity of a sentence to others (TEI)")
+async def similarity(body: SimilarityRequest, request: Request) -> list[float]:
+    state = get_state(request)
+    with text_route(state, "similarity", "/similarity", "embedding") as entry:
+        ensure_serving(state)
+        if not body.inputs.sentences:
+            raise BadInput("'inputs.sentences' is empty; send at least one sentence")
+        texts = _texts([body.inputs.source_sentence, *body.inputs.sentences])
+        vectors = await _run(request, entry, texts, body.truncate, "Right", raw_embed_runner)
+        source, *others = _normalized(vectors)
+        return [float(np.dot(source, v)) for v in others]
+
+
+async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
+    state = get_state(request)
+    with text_route(state, "embed", "/embed", "embedding") as entry:
+        ensure_serving(state)
+        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        vectors = await _run(
+            request, entry, texts, body.truncate, body.truncation_direction, raw_embed_runner
+        )
+        if body.normalize:
+            vectors = _normalized(vectors)
+        return [np.asarray(v, dtype=np.float32).tolist() for v in vectors]
+
+
+@router.post("/embed", summary="Sentence embeddings (TEI)")
+async def embed(body: EmbedRequest, request: Request) -> list[list[float]]:
+    return await _embed(body, request)
+
+
+def _inlined(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its $defs substituted in place (the route's OpenAPI document
+    has no $defs section for them to point into)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+ROOT_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"anyOf": [_inlined(EmbedRequest), _inlined(HubPredictRequest)]}
+            }
+        },
+    }
+}
+EMBED_ALL_RESPONSES = {
+    200: {
+        "description": "Per input, every token's hidden state (T_i, D), special tokens included",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "array",
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "array", "items": {"type": "number"}},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/embed_all",
+    summary="Every token's embedding, without pooling (TEI)",
+    response_class=Response,
+    responses=EMBED_ALL_RESPONSES,
+)
+async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
+    state = get_state(request)
+    with text_route(state, "embed_all", "/embed_all", "embedding") as entry:
+        ensure_serving(state)
+        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        states = await _run(
+            request, entry, texts, body.truncate, body.truncation_direction, token_runner
+        )
+        content = orjson.dumps(states, option=orjson.OPT_SERIALIZE_NUMPY)
+        return Response(content, media_type="application/json")
+
+
+@router.post(
+    "/",
+    summary="Hugging Face-compatible route: /embed for an embedding model, a text "
+    "classification (one list of labels per input) for a classifier or reranker (TEI)",
+    openapi_extra=ROOT_OPENAPI,
+)
+async def root(request: Request):
+    state = get_state(request)
+    entry = text_entry(state, "/")  # the default text model's kind picks the shape
+    raw = await read_body(request, state.settings.max_body_bytes)
+    try:
+        data = orjson.loads(bytes(raw))
+    except orjson.JSONDecodeError as exc:
+        raise BadInput(f"body is not valid JSON: {exc}") from None
+    embedding = model_kind(entry.model) == "embedding"
+    try:
+        parsed = (EmbedRequest if embedding else HubPredictRequest).model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise BadInput(f"invalid request: {problems}") from None
+    if isinstance(parsed, EmbedRequest):
+        return await _embed(parsed, request)
+    return await hub_predict(parsed, request)
+
+
+@router.post("/tokenize", summary="Tokens of texts (TEI)")
+async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[SimpleToken]]:
+    state = get_state(request)
+    with text_route(state, "tokenize", "/tokenize") as entry:
+        tokenizer = entry.tokenizer
+        assert tokenizer is not None  # text_route chose a text model
+        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        check_chars(texts, entry.char_limits)
+        deadline = time.monotonic() + state.settings.request_timeout_s
+        async with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
+            return await tokenize(
+                state,
+                entry,
+                request,
+                texts,
+                deadline,
+                lambda part: tokenizer.tokens(part, body.add_special_tokens),
+            )
+
+
+@router.post("/decode", summary="Texts of token ids (TEI)")
+async def decode(body: DecodeRequest, request: Request) -> list[str]:
+    state = get_state(request)
+    with text_route(state, "decode", "/decode") as entry:
+        tokenizer = entry.tokenizer
+        assert tokenizer is not None  # text_route chose a text model
+        ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+        check_batch(len(ids), "ids")
+        vocab = entry.model.vocab_size
+        for i, seq in enumerate(ids):
+            if len(seq) > tokenizer.max_length or any(not 0 <= t < vocab for t in seq):
+                raise BadInput(
+                    f"ids[{i}] must hold at most {tokenizer.max_length} ids in [0, {vocab})"
+                )
+        return tokenizer.decode(ids, body.skip_special_tokens)
+
+
+@router.get("/info", summary="Model facts (TEI)")
+async def info(request: Request) -> Info:
+    state = get_state(request)
+    entry = text_entry(state, "/info")
+    tokenizer = entry.tokenizer
+    assert tokenizer is not None  # text_entry chose a text model
+    from service import __version__
+
+    return Info(
+        model_id=entry.name,
+        model_dtype=str(entry.model.dtype).removeprefix("torch."),
+        model_type=tei_model_type(entry.model),
+        max_input_length=tokenizer.max_length,
+        max_batch_tokens=state.settings.max_batch_tokens,
+        max_batch_requests=state.settings.max_batch_size,
+        max_client_batch_size=MAX_CLIENT_BATCH,
+        max_concurrent_requests=state.settings.max_queue,
+        prompts=entry.prompts,
+        version=__version__,
+    )

@@ -1,0 +1,118 @@
+"""What text-embeddings-inference's routes share: the served model a route uses, and
+texts (or pairs) -> bounded, tokenized, truncated-or-413 token ids, inside the deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Literal
+
+from fastapi import Request
+
+from service.http.routes.common import observed
+from service.pipeline.errors import (
+    BadInput,
+    DeadlineExceeded,
+    PayloadTooLarge,
+    ServiceError,
+    WrongModelKind,
+)
+from service.text.tokenizer import Encoded, Text, model_kind
+from service.text.work import check_chars, tokenize
+
+if TYPE_CHECKING:
+    from service.runtime.state import ModelEntry, ServiceState
+
+MAX_CLIENT_BATCH = 32  # TEI's default --max-client-batch-size
+Direction = Literal["Right", "Left"]  # TEI's truncation_direction values
+ROUTES_OF = {  # which routes each kind of model offers
+    "embedding": "/embed, /embed_all, /similarity, /v1/embeddings",
+    "classifier": "/predict",
+    "reranker": "/rerank, /predict",
+}
+
+
+def _a(kind: str) -> str:
+    return f"a{'n' if kind[0] in 'aeiou' else ''} {kind}"
+
+
+def text_entry(state: ServiceState, route: str, *kinds: str) -> ModelEntry:
+    """The served model a TEI route uses (TEI's requests name none): the first served text
+    model whose kind is one of `kinds`, or with no kinds the default model (the first text
+    model when the default has no tokenizer). 400 when no text model is served; 424 (TEI's
+    status) naming each served model's kind and the routes it offers when none fits."""
+    texts = [entry for entry in state.models.values() if entry.tokenizer is not None]
+    if not texts:
+        raise BadInput(
+            f"model '{state.model_name}' has no tokenizer.json: the text routes need a text "
+            "model directory; use /v2 for tensors"
+        )
+    if not kinds:
+        return state.default if state.default.tokenizer is not None else texts[0]
+    for entry in texts:
+        if model_kind(entry.model) in kinds:
+            return entry
+    served = "; ".join(
+        f"'{e.name}' is {_a(model_kind(e.model))} model, which offers "
+        f"{ROUTES_OF[model_kind(e.model)]}"
+        for e in texts
+    )
+    raise WrongModelKind(f"{route} needs {' or '.join(_a(k) for k in kinds)} model; {served}")
+
+
+@contextmanager
+def text_route(state: ServiceState, endpoint: str, route: str, *kinds: str) -> Iterator[ModelEntry]:
+    """text_entry() inside the request metrics: counted under the chosen model's labels (a
+    request no model can serve is counted under the default model's)."""
+    try:
+        entry = text_entry(state, route, *kinds)
+    except ServiceError:
+        with observed(state, endpoint):
+            raise
+    with observed(state, endpoint, model=entry.name, version=entry.version):
+        yield entry
+
+
+def check_batch(count: int, field: str = "inputs") -> None:
+    if count == 0:
+        raise BadInput(f"'{field}' is an empty list; send at least one item")
+    if count > MAX_CLIENT_BATCH:
+        raise PayloadTooLarge(
+            f"'{field}' has {count} items; at most {MAX_CLIENT_BATCH} per request "
+            "(TEI's --max-client-batch-size)"
+        )
+
+
+async def encode_texts(
+    request: Request,
+    state: ServiceState,
+    entry: ModelEntry,
+    texts: list[Text],
+    truncate: bool,
+    direction: Direction,
+    deadline: float,
+    field: str = "inputs",
+) -> list[Encoded]:
+    """Characters bounded (413), then tokenized off the loop holding queue slots (429);
+    an input over the model's max length is 413 unless `truncate` (then cut at `direction`)."""
+    tokenizer = entry.tokenizer
+    assert tokenizer is not None  # text_entry() chose a text model
+    for i, text in enumerate(texts):
+        if isinstance(text, str) and not text:
+            raise BadInput(f"{field}[{i}] is an empty string; empty inputs have no result")
+        if not isinstance(text, str) and not all(text):
+            raise BadInput(f"{field}[{i}] holds an empty string; empty inputs have no result")
+    check_chars(texts, entry.char_limits)
+    async with entry.batcher.reserve(len(texts)):
+        encode = (lambda part: tokenizer.encode(part, direction)) if direction != "Right" else None
+        encoded = await tokenize(state, entry, request, texts, deadline, encode)
+    cut = [i for i, e in enumerate(encoded) if e.truncated]
+    if cut and not truncate:
+        raise PayloadTooLarge(
+            f"Input validation error: {field}[{cut[0]}] is longer than the model's "
+            f"{tokenizer.max_length} tokens; send less text or set 'truncate': true"
+        )
+    if time.monotonic() >= deadline:
+        raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
+    return encoded

@@ -1,0 +1,178 @@
+"""text-embeddings-inference's routes for sequence-classification models: /rerank (a reranker,
+i.e. one label: a query scored against each text) and /predict (single texts or pairs, one
+score per label), plus the Hugging Face text-classification shape that POST / answers.
+
+Scores follow transformers' text-classification pipeline: sigmoid for one label or a
+multi-label problem, softmax otherwise, the logits themselves for regression or `raw_scores`.
+Pairs are tokenized as the model's tokenizer pairs them ([CLS] a [SEP] b [SEP], b of token
+type 1 for BERT) and every request goes through the batcher's classify runner.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.http.deps import ensure_serving, get_state
+from service.http.openapi import TEI_ERROR_RESPONSES
+from service.http.routes.tei_common import Direction, check_batch, encode_texts, text_route
+from service.pipeline.errors import BadInput
+from service.text.tokenizer import Text, classify_runner, scores, typed_payload
+from service.text.work import run_parts
+
+if TYPE_CHECKING:
+    from service.runtime.state import ModelEntry, ServiceState
+
+router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    query: str
+    texts: list[str]
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool = False
+    truncation_direction: Direction = "Right"
+
+
+class Rank(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
+
+
+class PredictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: str | list[str] | list[list[str]] = Field(
+        description="A text, a pair [a, b], or a batch of [text] and [a, b] items"
+    )
+    raw_scores: bool = False
+    truncate: bool = False
+    truncation_direction: Direction = "Right"
+
+
+class Prediction(BaseModel):
+    label: str
+    score: float
+
+
+class HubParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    top_k: int | None = Field(None, ge=1)
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
+
+
+class HubPredictRequest(BaseModel):
+    """huggingface_hub's text_classification body: {"inputs": text, "parameters": {...}}."""
+
+    model_config = ConfigDict(extra="forbid")
+    inputs: str | list[str]
+    parameters: HubParameters | None = None
+
+
+async def _logits(
+    request: Request,
+    state: ServiceState,
+    entry: ModelEntry,
+    texts: list[Text],
+    truncate: bool,
+    direction: Direction,
+    field: str,
+) -> list[np.ndarray]:
+    """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher."""
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline, field)
+    return await run_parts(
+        state, entry, request, encoded, deadline - time.monotonic(), classify_runner, typed_payload
+    )
+
+
+def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[Prediction]:
+    """Every label with its score, best first; how: None (the model's problem type), "none"
+    (raw logits), "sigmoid" or "softmax"."""
+    info = entry.model.info
+    if how in ("sigmoid", "softmax"):
+        values = scores(logits, "multi_label_classification" if how == "sigmoid" else None, False)
+        if how == "softmax" and len(values) == 1:
+            values = np.ones(1)  # softmax of one logit
+    else:
+        values = scores(logits, info.problem_type, raw=how == "none")
+    order = np.argsort(-values, kind="stable")
+    return [Prediction(label=info.id2label[int(i)], score=float(values[i])) for i in order]
+
+
+def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Text], bool]:
+    """TEI's three input forms -> (texts or pairs, whether it was a batch)."""
+    if isinstance(inputs, str):
+        return [inputs], False
+    if inputs and all(isinstance(x, str) for x in inputs):
+        if len(inputs) != 2:
+            raise BadInput(
+                f"'inputs' is a list of {len(inputs)} strings; a list of strings must be one "
+                'pair ["a", "b"]; send a batch as [["text"], ["a", "b"], ...]'
+            )
+        return [(inputs[0], inputs[1])], False
+    check_batch(len(inputs))
+    items: list[Text] = []
+    for i, item in enumerate(inputs):
+        if not isinstance(item, list) or len(item) not in (1, 2):
+            raise BadInput(f"inputs[{i}] must be [text] or [a, b], got {len(item)} strings")
+        items.append(item[0] if len(item) == 1 else (item[0], item[1]))
+    return items, True
+
+
+@router.post(
+    "/rerank",
+    summary="Texts ranked by relevance to a query (TEI)",
+    response_model_exclude_none=True,
+)
+async def rerank(body: RerankRequest, request: Request) -> list[Rank]:
+    state = get_state(request)
+    with text_route(state, "rerank", "/rerank", "reranker") as entry:
+        ensure_serving(state)
+        if not body.query:
+            raise BadInput("'query' is an empty string; send the text to rank against")
+        check_batch(len(body.texts), "texts")
+        pairs: list[Text] = [(body.query, text) for text in body.texts]
+        logits = await _logits(
+            request, state, entry, pairs, body.truncate, body.truncation_direction, "texts"
+        )
+        values = [float(scores(x, None, body.raw_scores)[0]) for x in logits]
+        order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties by index
+        return [
+            Rank(index=i, score=values[i], text=body.texts[i] if body.return_text else None)
+            for i in order
+        ]
+
+
+@router.post("/predict", summary="Label scores of texts or text pairs (TEI)")
+async def predict(
+    body: PredictRequest, request: Request
+) -> list[Prediction] | list[list[Prediction]]:
+    state = get_state(request)
+    with text_route(state, "predict", "/predict", "classifier", "reranker") as entry:
+        ensure_serving(state)
+        texts, batch = _predict_inputs(body.inputs)
+        logits = await _logits(
+            request, state, entry, texts, body.truncate, body.truncation_direction, "inputs"
+        )
+        how = "none" if body.raw_scores else None
+        results = [_predictions(entry, x, how) for x in logits]
+        return results if batch else results[0]
+
+
+async def hub_predict(body: HubPredictRequest, request: Request) -> list[list[Prediction]]:
+    """POST / for a classifier: one list of label scores per input (top_k best, if given)."""
+    state = get_state(request)
+    with text_route(state, "predict", "/", "classifier", "reranker") as entry:
+        ensure_serving(state)
+        texts: list[Text] = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
+        check_batch(len(texts))
+        params = body.parameters or HubParameters()
+        logits = await _logits(request, state, entry, texts, False, "Right", "inputs")
+        return [_predictions(entry, x, params.function_to_apply)[: params.top_k] for x in logits]

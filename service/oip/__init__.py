@@ -1,0 +1,1 @@
+"""The Open Inference Protocol: datatypes, tensor codecs, input checks, model metadata."""

@@ -1,0 +1,2 @@
+"""What serves the models: settings, state, batcher and engine thread, loading, model control,
+statistics and metrics."""

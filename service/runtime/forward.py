@@ -1,0 +1,174 @@
+"""Where queued requests meet the engine (on the engine thread): a batch's payloads packed into
+one tensor per input, one engine call, and each request's output a slice of the batch output.
+
+Per batch: one copy of the wire arrays into a staging tensor (64-byte aligned like every torch
+allocation, pinned on CUDA), one host->device copy, one device->host copy of the output. NaN/Inf
+are found by one vectorised float64 sum over each staged input and over the output, per batch:
+no pass per request and none on the event loop. Nothing is copied per request.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from mha_engine import ServedModel
+from service.oip.datatypes import DATATYPES
+from service.oip.inputs import nonfinite_input
+from service.pipeline.errors import BadInput, NonFiniteOutput, ServiceError
+
+if TYPE_CHECKING:
+    from service.oip.inputs import Payload
+    from service.runtime.work import Runner, Work
+
+
+def run_batch(model: ServedModel, works: list[Work]) -> list[Any]:
+    """Run one batch: the works sharing a runner go to it in one call; each work's result (or
+    its own ServiceError), in order."""
+    by_runner: dict[Runner, list[Work]] = {}
+    for work in works:
+        by_runner.setdefault(work.runner, []).append(work)
+    results: dict[int, Any] = {}
+    for runner, group in by_runner.items():
+        outputs = runner(model, [w.payload for w in group])
+        for work, out in zip(group, outputs, strict=True):
+            results[id(work)] = out
+    return [results[id(w)] for w in works]
+
+
+def hidden_states(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | ServiceError]:
+    """Runner for hidden-state requests (/infer): per payload its packed (tokens, embed_dim)
+    output in the payload's datatype (a view of the batch output), or its own error.
+
+    Self- and cross-attention payloads go in separate engine calls, so a sequence's numbers
+    never depend on which kind of request it was batched with.
+    """
+    results: dict[int, Any] = {}
+    for group in (
+        [p for p in payloads if p.key is None],
+        [p for p in payloads if p.key is not None],
+    ):
+        if group:
+            for payload, out in zip(group, _forward(model, group), strict=True):
+                results[id(payload)] = out
+    return [results[id(p)] for p in payloads]
+
+
+def stage(arrays: list[np.ndarray], datatypes: list[str], device: torch.device, dtype):
+    """Wire arrays (each (n_i, width)) as one (sum n_i, width) tensor on `device` in `dtype`:
+    one host copy into a staging tensor (pinned when the device is CUDA: unverified on a GPU),
+    one transfer. Returns (host staging tensor in the wire type, tensor on the device)."""
+    if len(set(datatypes)) > 1:  # a batch mixing wire types (rare): stage each type alone
+        parts = [stage([a], [t], device, dtype) for a, t in zip(arrays, datatypes, strict=True)]
+        return None, torch.cat([on_device for _, on_device in parts])
+    wire = DATATYPES[datatypes[0]]
+    rows = sum(a.shape[0] for a in arrays)
+    pin = device.type == "cuda"
+    holder = torch.uint16 if wire.torch == torch.bfloat16 else wire.torch  # BF16 travels as bits
+    staging = torch.empty((rows, *arrays[0].shape[1:]), dtype=holder, pin_memory=pin)
+    np.concatenate(arrays, out=staging.numpy())
+    if holder != wire.torch:
+        staging = staging.view(wire.torch)
+    return staging, staging.to(device=device, dtype=dtype, non_blocking=pin)
+
+
+def _cumulative(lengths: list[int]) -> list[int]:
+    out, total = [0], 0
+    for n in lengths:
+        total += n
+        out.append(total)
+    return out
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """No NaN/Inf in `tensor`: one vectorised float64 sum (finite values cannot overflow it)."""
+    return math.isfinite(tensor.sum(dtype=torch.float64).item())
+
+
+def _bad_inputs(payloads: list[Payload], staged: dict[str, torch.Tensor | None]) -> dict[int, str]:
+    """Payload index -> name of its first input holding NaN/Inf. One check of each staged batch
+    tensor; only when one fails are the payloads' own rows looked at."""
+    bad: dict[int, str] = {}
+    for name, tensor in staged.items():
+        if tensor is None:
+            if name == "input":  # mixed wire types: each payload checks its own arrays
+                return {i: n for i, p in enumerate(payloads) if (n := nonfinite_input(p))}
+            continue
+        if _finite(tensor):
+            continue
+        lengths = [p.num_tokens if name == "input" else sum(p.kv_lengths) for p in payloads]
+        for i, rows in enumerate(tensor.split(lengths)):
+            if i not in bad and not _finite(rows):
+                bad[i] = name
+    return bad
+
+
+def _forward(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | ServiceError]:
+    """Payloads of one kind (all self- or all cross-attention) through one forward_packed.
+
+    NaN/Inf inputs are found on the staged batch and answered 400; they are computed with the
+    rest (a sequence's numbers never reach another's), and their outputs dropped."""
+    device, dtype = model.device, model.dtype
+    types = [p.datatype for p in payloads]
+    q_lens = [n for p in payloads for n in p.lengths]
+    staged_q, query = stage([p.query for p in payloads], types, device, dtype)  # (N, E)
+    staged = {"input": staged_q}
+    key = value = cu_k = None
+    kv_lens = q_lens
+    if payloads[0].key is not None:
+        kv_lens = [n for p in payloads for n in p.kv_lengths]
+        staged["key"], key = stage([p.key for p in payloads], types, device, dtype)  # (M, kdim)
+        staged["value"], value = stage([p.value for p in payloads], types, device, dtype)
+        cu_k = _cumulative(kv_lens)
+    bad = _bad_inputs(payloads, staged)
+    masks = None
+    if any(p.key_padding_mask is not None for p in payloads):
+        parts = [
+            p.key_padding_mask
+            if p.key_padding_mask is not None
+            else np.zeros(sum(p.kv_lengths), dtype=bool)  # all-False: same as no mask
+            for p in payloads
+        ]
+        _, masks = stage(parts, ["BOOL"] * len(parts), device, torch.bool)  # (M,)
+    causal = [p.is_causal for p in payloads for _ in p.lengths]
+    out = model.forward_packed(
+        query,
+        _cumulative(q_lens),
+        key=key,
+        value=value,
+        cu_seqlens_k=cu_k,
+        key_padding_mask=masks,
+        is_causal=causal,
+    )  # (N, E) on the device
+    finite = _finite(out)
+    host = _to_host(out, types)  # (N, E) per wire type, one device->host copy each
+    results: list[np.ndarray | ServiceError] = []
+    start = 0
+    for i, p in enumerate(payloads):
+        mine = host[p.datatype][start : start + p.num_tokens]  # (tokens, E), a view
+        start += p.num_tokens
+        if i in bad:
+            results.append(BadInput(f"input '{bad[i]}' holds NaN or Inf values"))
+        elif finite or _finite(torch.from_numpy(mine).view(DATATYPES[p.datatype].torch)):
+            results.append(mine)
+        else:
+            results.append(
+                NonFiniteOutput(
+                    "the model's output for this request is not finite (NaN or Inf); its "
+                    f"inputs are out of range for the model's {model.dtype}"
+                )
+            )
+    return results
+
+
+def _to_host(out: torch.Tensor, types: list[str]) -> dict[str, np.ndarray]:
+    """The output in each wire datatype the batch asked for, as numpy on the host (BF16 as its
+    bits): one device->host copy per wire type."""
+    host = {}
+    for name in set(types):
+        tensor = out.to(dtype=DATATYPES[name].torch).cpu()
+        host[name] = tensor.view(torch.uint16).numpy() if name == "BF16" else tensor.numpy()
+    return host

@@ -1,0 +1,131 @@
+"""Loading one model: engine module, tokenizer, batcher, limits, statistics, metrics label, and
+its warm-up. Used at start-up and by explicit model control (service/runtime/model_control.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mha_engine
+from mha_engine import ServedModel
+from service.oip.inputs import ModelLimits, Payload
+from service.runtime.batcher import DynamicBatcher
+from service.runtime.forward import hidden_states
+from service.runtime.metrics import Metrics
+from service.runtime.repository import ModelSource, model_settings, model_sources
+from service.runtime.settings import Settings
+from service.runtime.state import ModelEntry
+from service.runtime.statistics import ModelStats, Observers
+from service.runtime.work import Work
+from service.text.tokenizer import CharLimits, load_tokenizer, matryoshka, read_prompts
+
+
+def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
+    """The model in directory `path`, or the built-in demo model."""
+    if path is None:
+        return mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
+    return mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
+
+
+def model_info(model: ServedModel, name: str) -> dict[str, Any]:
+    """Labels for the mha_model_info metric and the model metadata's properties."""
+    diagnostics = model.diagnostics()
+    return {
+        "name": name,
+        "architecture": model.architecture,
+        "embed_dim": model.embed_dim,
+        "num_heads": model.num_heads,
+        "num_layers": model.num_layers,
+        "dtype": model.precision,
+        "device": str(model.device),
+        "sdpa_backend": diagnostics.get("sdpa_backend", "unknown"),
+    }
+
+
+async def warm_up_model(entry: ModelEntry) -> None:
+    """Run real batches through the model's batcher once."""
+    rng = np.random.default_rng(0)
+    limits = entry.limits
+    seq_len = min(128, limits.max_seq_len)
+    batch = min(limits.max_sequences, 8)
+    loop = asyncio.get_running_loop()
+    for sequences, length in ((batch, seq_len), (1, min(16, seq_len))):
+        rows = sequences * length
+        query = rng.standard_normal((rows, limits.embed_dim), np.float32)  # (N, E)
+        payload = Payload(query, [length] * sequences)
+        if limits.needs_key_value:
+            payload.key = rng.standard_normal((rows, limits.kdim), np.float32)
+            payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
+            payload.key_lengths = payload.lengths
+        work = Work(
+            payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
+        )
+        entry.batcher.submit(work)
+        await work.future
+    entry.stats.counting = True  # statistics count client requests, not the warm-up
+    entry.warm = True
+
+
+async def load_entries(settings: Settings) -> tuple[Metrics, dict[str, dict[str, ModelEntry]]]:
+    """Every served model version (name -> version -> entry, batchers not started) and the
+    metrics, whose default labels are the default model's (its highest version)."""
+    sources = model_sources(settings)
+    first = [s for s in sources if s.name == sources[0].name][-1]  # ServiceState.default
+    metrics = Metrics(first.name, first.version)
+    versions: dict[str, dict[str, ModelEntry]] = {}
+    for source in sources:
+        entry = await load_entry(settings, metrics, source)
+        versions.setdefault(source.name, {})[source.version] = entry
+    return metrics, versions
+
+
+async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) -> ModelEntry:
+    """Load one model version with its own batcher, limits, statistics and metrics labels (not
+    started);
+    the model's settings file, if any, overrides the server's limits, dtype and device."""
+    settings = model_settings(settings, source)
+    name = source.name
+    model = await asyncio.to_thread(load_served_model, settings, source.path)
+    info = model_info(model, name)
+    model_metrics = metrics.for_model(name, source.version)
+    model_metrics.set_model_info(info)
+    model_metrics.set_queue_capacity(settings.max_queue)
+    stats = ModelStats(name, source.version)
+    batcher = DynamicBatcher(
+        model,
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_batch_delay_s=settings.max_batch_delay_ms / 1000,
+        max_queue=settings.max_queue,
+        observer=Observers(model_metrics, stats),
+        threads=settings.threads,
+    )
+    limits = ModelLimits.from_config(
+        model.config,
+        max_seq_len=settings.max_seq_len,
+        max_sequences=settings.max_batch_size,
+        max_tokens=settings.max_batch_tokens,
+    )
+    entry = ModelEntry(name, model, batcher, limits, info, stats)
+    entry.metrics = model_metrics
+    entry.version = source.version
+    entry.version_policy = source.policy
+    await asyncio.to_thread(add_text_parts, entry, settings, source)
+    return entry
+
+
+def add_text_parts(entry: ModelEntry, settings: Settings, source: ModelSource) -> None:
+    """A text model's tokenizer (None: the text routes answer 400 unless the model directory
+    has a tokenizer.json), prompts, matryoshka flag and character limits; `settings` are the
+    model's own (model_settings)."""
+    entry.tokenizer = load_tokenizer(source.path, entry.model, settings.max_seq_len)
+    entry.matryoshka = matryoshka(source.path)
+    entry.prompts, entry.default_prompt = read_prompts(source.path)
+    if entry.tokenizer is not None:
+        entry.char_limits = CharLimits.resolve(
+            settings.max_input_chars, settings.max_request_chars, entry.tokenizer.max_length
+        )

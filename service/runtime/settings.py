@@ -1,0 +1,260 @@
+"""Service configuration: every option is a flag and an env var (`--max-queue`, `MHA_MAX_QUEUE`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """mha-serve settings; CLI flags win over MHA_* env vars, which win over defaults."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MHA_",
+        cli_prog_name="mha-serve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_show_env_vars=True,
+        protected_namespaces=(),
+    )
+
+    model_dir: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Model directory (config.json + model.safetensors); repeat the flag (or "
+        "separate with commas) to serve several, each under its directory's name. Unset, and "
+        "no --model-repository: serve the built-in demo model (one encoder layer, d_model=512, "
+        "8 heads).",
+    )
+    model_repository: Path | None = Field(
+        None,
+        description="Triton-style model repository: DIR/<model>/<version>/ each a model "
+        "directory; every model is served under its name, at the versions its "
+        "mha-serve.json's version_policy picks (default: the highest).",
+    )
+    model_control_mode: Literal["none", "explicit"] = Field(
+        "none",
+        description="Triton's model control: none (every model loads at start-up) or explicit "
+        "(POST /v2/repository/models/{name}/load and /unload, and the gRPC "
+        "RepositoryModelLoad/Unload, load and unload models while the others serve).",
+    )
+    model_name: str | None = Field(
+        None,
+        description="Name under /v2/models/ when one model is served. Default: the model "
+        "directory's name, or 'mha'.",
+    )
+    host: str = Field("127.0.0.1", description="Address to bind (0.0.0.0 in containers).")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    grpc_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="Port of the Open Inference Protocol's gRPC listener "
+        "(inference.GRPCInferenceService); 0 disables it.",
+    )
+    grpc_host: str | None = Field(
+        None, description="Address the gRPC listener binds. Default: the same as --host."
+    )
+    device: str | None = Field(None, description="torch device: cuda, cuda:1, cpu. Default: auto.")
+    dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
+        "float32",
+        description="Compute dtype; requests in any float type are converted to it. int8: "
+        "int8 weights with per-token int8 activations for every Linear, the rest float32 "
+        "(CPU only; inputs and outputs stay FP32).",
+    )
+    max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="Most tokens (sum of sequence lengths) in one forward."
+    )
+    max_batch_delay_ms: float = Field(
+        2.0, ge=0, description="How long the first queued sequence waits for batch-mates."
+    )
+    max_queue: int = Field(
+        1024, ge=1, description="Most sequences waiting; beyond it requests get 429."
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline per request; a request still queued then gets 504."
+    )
+    max_seq_len: int = Field(2048, ge=1, description="Longest sequence (T and S) accepted.")
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request header block; larger gets 431."
+    )
+    drain_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long queued requests get to start; those still queued "
+        "then get 503 + Retry-After (never computed) and the running forward finishes.",
+    )
+    max_input_chars: int | None = Field(
+        None,
+        ge=1,
+        description="Text routes (/v1/embeddings, TEI): longest input string, in characters, "
+        "checked before "
+        "tokenizing (413). Unset: 64 x the model's max length in tokens (16384 for "
+        "all-MiniLM-L6-v2), far past where inputs are truncated.",
+    )
+    max_request_chars: int | None = Field(
+        None,
+        ge=1,
+        description="Text routes (/v1/embeddings, TEI): most characters in one request, all "
+        "inputs together, "
+        "checked before tokenizing (413). Unset: 64 x --max-input-chars.",
+    )
+    # -- connections (service/http/connections.py, service/http/flow.py; uvicorn's keep-alive) --
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Request line and headers must arrive within this many seconds "
+        "of the connection opening (or of the next request starting); else 408 and close.",
+    )
+    body_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="Grace before --body-min-rate applies to a request body.",
+    )
+    body_min_rate: int = Field(
+        64 * 1024,
+        ge=0,
+        description="After the grace, the body must average at least this many "
+        "bytes/s or the request gets 408 and the connection closes (0: no limit).",
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Close a keep-alive connection idle this long (proxies in front "
+        "must drop idle upstream connections sooner: nginx keepalive_timeout 4s).",
+    )
+    write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Abort a connection whose client reads none of its response "
+        "for this long (like nginx's send_timeout).",
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description="Most open client connections; at the cap a new one closes the "
+        "longest-idle one (or gets 503 if all are busy). Lowered to fit the open-file limit.",
+    )
+    max_pending_response_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Most bytes of large responses being "
+        "written to clients at once; a response past it gets 503 + Retry-After.",
+    )
+    cors_origins: str | None = Field(
+        None,
+        description="Comma-separated origins allowed to call the API from a browser "
+        "(CORS; '*' for any). Unset: no CORS headers, preflights get 405.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or as JSON objects (one per line) for collectors."
+    )
+    access_log_probes: bool = Field(
+        True,
+        description="Write access-log lines for /v2/health/* and /metrics "
+        "(--no-access-log-probes drops them; other requests are always logged).",
+    )
+    access_log_sample_rate: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of successful requests that get an access-log line (failed ones, "
+        "status >= 400, always do). Each line costs ~15 us of CPU on the event loop; 0.01 "
+        "keeps one in a hundred.",
+    )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="Intra-op threads of the engine (torch.set_num_threads on the engine "
+        "thread). Unset: torch's default, one per core the process may use. The event loop "
+        "needs CPU too: on a CPU-bound host leave it a core.",
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Front-end processes. 1: one process does everything. N > 1: one engine "
+        "process owns the models, the batchers and the engine threads; N front-end processes "
+        "share the port and do HTTP/gRPC, decoding, validation, tokenizing and encoding, "
+        "handing tensors to the engine through shared memory (Linux only).",
+    )
+    worker_slab_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="--workers N > 1: shared memory per front-end for the tensors of its "
+        "requests in flight (pages are used only as needed); a request that does not fit "
+        "travels through the control channel instead, slower but the same.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="When set, every route but /v2/health/live, /v2/health/ready and /metrics "
+        "(/docs and the debug routes included) needs 'Authorization: Bearer <key>' (401 "
+        "without, 403 wrong).",
+    )
+    open_health_metrics: bool = Field(
+        True,
+        description="Leave /v2/health/* and /metrics open when --api-key is set "
+        "(--no-open-health-metrics puts them behind the key too).",
+    )
+
+    @field_validator("model_dir", mode="before")
+    @classmethod
+    def _model_dirs(cls, value: Any) -> Any:
+        """One path, comma-separated paths (a repeated flag arrives so), or a list."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [part for part in value.split(",") if part]
+        if isinstance(value, Path):
+            return [value]
+        return value
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        if self.max_batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_seq_len "
+                f"({self.max_seq_len}), or a full-length sequence could never be batched; "
+                "raise --max-batch-tokens or lower --max-seq-len"
+            )
+        if self.workers > 1 and self.model_control_mode == "explicit":
+            raise ValueError(
+                "--workers > 1 serves the models loaded at start-up: explicit model control "
+                "(--model-control-mode explicit) needs --workers 1"
+            )
+        if self.max_queue < self.max_batch_size:
+            raise ValueError(
+                f"max_queue ({self.max_queue}) must be >= max_batch_size "
+                f"({self.max_batch_size}); raise --max-queue"
+            )
+        return self
+
+    # -- attention-weights debug endpoint (service/http/routes/debug.py); off unless asked for -----
+    debug_endpoint: bool = Field(
+        False,
+        description="Serve POST /v2/models/{name}/attention, GET .../heads (slow path that "
+        "materialises attention weights) and the /debug page. Off: those routes do not exist "
+        "(404).",
+    )
+    debug_token: SecretStr | None = Field(
+        None,
+        description="A second secret the debug routes require, on top of --api-key: "
+        "'X-Debug-Token: <token>', or 'Authorization: Bearer <token>' when there is no API key. "
+        "With neither set the debug routes are open, and a warning is logged at start.",
+    )
+    debug_max_seq_len: int = Field(
+        512, ge=1, description="Longest sequence (T and S) the debug routes accept."
+    )
+    debug_max_batch_size: int = Field(4, ge=1, description="Most sequences in one debug request.")
+    debug_max_concurrency: int = Field(
+        2, ge=1, description="Most debug requests handled at once; beyond it they get 429."
+    )

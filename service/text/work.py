@@ -1,0 +1,156 @@
+"""Text requests' work, shared by /v1/embeddings and TEI's routes: character bounds before any
+tokenizing, tokenizing on worker threads in chunks inside the deadline, and token-id parts
+queued on the batcher (split to fit --max-batch-size and --max-batch-tokens), awaited together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from service.http.routes.common import ClientWatch, await_queued
+from service.oip.inputs import Payload
+from service.pipeline.errors import ClientDisconnected, DeadlineExceeded, PayloadTooLarge
+from service.runtime.work import Runner, Work
+from service.text.tokenizer import (
+    CharLimits,
+    Encoded,
+    Text,
+    TextTokenizer,
+    embed_runner,
+    token_payload,
+)
+
+if TYPE_CHECKING:
+    from service.runtime.state import ModelEntry, ServiceState
+
+TOKENIZE_CHUNK_CHARS = 64 * 1024  # ~40 ms of tokenizing; deadline and client checked between
+INLINE_TOKENIZE_CHARS = 512  # ~0.3 ms: tokenized on the event loop, cheaper than a thread hop
+
+
+def _chars(text: Text) -> int:
+    return len(text) if isinstance(text, str) else sum(map(len, text))
+
+
+def check_chars(texts: list[Text], limits: CharLimits) -> None:
+    """413 naming the limit and its flag, before a single character is tokenized (a pair
+    counts both its texts)."""
+    total = 0
+    for i, text in enumerate(texts):
+        if _chars(text) > limits.per_input:
+            raise PayloadTooLarge(
+                f"input[{i}] has {_chars(text)} characters, over the limit of {limits.per_input} "
+                "per input (--max-input-chars); inputs are truncated to the model's max length "
+                "anyway, so send less text"
+            )
+        total += _chars(text)
+    if total > limits.per_request:
+        raise PayloadTooLarge(
+            f"'input' has {total} characters in all, over the limit of {limits.per_request} "
+            "per request (--max-request-chars); split it into several requests"
+        )
+
+
+def tokenize_chunks(texts: list[Text]) -> list[list[Text]]:
+    """Consecutive inputs cut into chunks of about TOKENIZE_CHUNK_CHARS characters."""
+    chunks: list[list[Text]] = [[]]
+    chars = 0
+    for text in texts:
+        if chunks[-1] and chars + _chars(text) > TOKENIZE_CHUNK_CHARS:
+            chunks.append([])
+            chars = 0
+        chunks[-1].append(text)
+        chars += _chars(text)
+    return chunks
+
+
+async def tokenize(
+    state: ServiceState,
+    entry: ModelEntry,
+    request: Request,
+    texts: list[Text],
+    deadline: float,
+    encode: Callable[[list[Text]], list[Any]] | None = None,
+) -> list[Any]:
+    """Tokenize on worker threads, chunk by chunk; between chunks, 499 if the client has gone,
+    504 past the deadline, 503 once the drain grace has ended (the rest is never tokenized).
+    `encode` (default: tokenizer.encode) maps a chunk of texts or pairs to one item each.
+    A few short texts are tokenized on the event loop: a thread hop would cost more."""
+    tokenizer: TextTokenizer = entry.tokenizer  # type: ignore[assignment]  # a text entry
+    encode = encode or tokenizer.encode
+    if sum(_chars(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+        return encode(texts)
+    watch = ClientWatch(request)
+    encoded: list[Any] = []
+    try:
+        for part in tokenize_chunks(texts):
+            if watch.gone:
+                raise ClientDisconnected("client disconnected while its inputs were tokenized")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"tokenizing did not finish within the request's deadline "
+                    f"({state.settings.request_timeout_s} s, --request-timeout-s)"
+                )
+            entry.batcher.check_open()
+            encoded += await run_in_threadpool(encode, part)
+    finally:
+        watch.close()
+    return encoded
+
+
+def chunk(encoded: list[Encoded], max_sequences: int, max_tokens: int) -> list[list[int]]:
+    """Input indices in order, cut so each part fits one batch (sequences and tokens)."""
+    parts: list[list[int]] = [[]]
+    tokens = 0
+    for i, enc in enumerate(encoded):
+        n = len(enc.ids)
+        if parts[-1] and (len(parts[-1]) >= max_sequences or tokens + n > max_tokens):
+            parts.append([])
+            tokens = 0
+        parts[-1].append(i)
+        tokens += n
+    return parts
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a part's error as seen: after a failed sibling, nobody awaits the others."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def run_parts(
+    state: ServiceState,
+    entry: ModelEntry,
+    request: Request,
+    encoded: list[Encoded],
+    timeout: float,
+    runner: Runner = embed_runner,
+    payload_of: Callable[[list[Encoded]], Payload] | None = None,
+) -> list[np.ndarray]:
+    """Queue every part on `entry`'s batcher, await all; on timeout or disconnect drop the parts
+    not yet started. payload_of builds a part's payload (default: its token ids)."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + timeout
+    settings = state.settings
+    works: list[Work] = []
+    try:
+        for part in chunk(encoded, settings.max_batch_size, settings.max_batch_tokens):
+            items = [encoded[i] for i in part]
+            payload = payload_of(items) if payload_of else token_payload([e.ids for e in items])
+            work = Work(payload=payload, runner=runner, deadline=deadline, loop=loop)
+            work.future.add_done_callback(_retrieve)
+            entry.batcher.submit(work)  # 429 when the queue is full
+            works.append(work)
+        gathered = asyncio.gather(*(w.future for w in works))
+        results = await await_queued(entry.batcher, request, gathered, works, timeout)
+    except BaseException:
+        for work in works:
+            entry.batcher.cancel(work)
+        raise
+    return [vector for part in results for vector in part]

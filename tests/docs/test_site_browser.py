@@ -1,0 +1,57 @@
+"""Every page of the built site in a real browser (Debian's chromium, headless, Playwright):
+it asks for nothing outside the site, search included. Skips, saying why, without chromium."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def site_url(site: Path) -> Iterator[str]:
+    """The built site over HTTP on loopback (the search index loads through fetch)."""
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_pages_fetch_nothing_from_outside(site: Path, site_url: str, browser) -> None:
+    outside: list[str] = []
+    failed: list[str] = []
+    context = browser.new_context()
+    page = context.new_page()
+    page.on("request", lambda r: None if _local(r.url, site_url) else outside.append(r.url))
+    page.on("requestfailed", lambda r: failed.append(r.url))
+    for html in sorted(site.rglob("*.html")):
+        page.goto(f"{site_url}/{html.relative_to(site).as_posix()}", wait_until="networkidle")
+    # search: its worker and index are loaded on first use
+    page.goto(f"{site_url}/index.html", wait_until="networkidle")
+    page.keyboard.press("/")  # Material's search shortcut
+    page.keyboard.type("batching")
+    page.wait_for_selector(".md-search-result__item", timeout=30_000)
+    with contextlib.suppress(Exception):
+        page.wait_for_load_state("networkidle")
+    context.close()
+    assert not outside, f"the site asked for outside resources: {sorted(set(outside))}"
+    assert not failed, f"requests that failed: {sorted(set(failed))}"
+
+
+def _local(url: str, site_url: str) -> bool:
+    return url.startswith((site_url, "data:", "blob:", "about:"))
