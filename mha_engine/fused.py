@@ -107,6 +107,16 @@ def packed_weight(module: nn.Linear) -> Tensor:
     return packed
 
 
+def prepack(model: nn.Module) -> nn.Module:
+    """Reorder every CPU float Linear's weight for oneDNN now (load-time warm-up); returns it."""
+    if fused_cpu_enabled():
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and w.device.type == "cpu" and w.dtype in PACKABLE:
+                packed_weight(module)
+    return model
+
+
 def _as_rows(x: Tensor, pad: bool) -> tuple[Tensor, int]:
     """x as (N', K) rows, zero rows appended up to MIN_ROWS when pad and 0 < N < MIN_ROWS.
 
