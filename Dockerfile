@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # mha-serve container image. One file, two variants, chosen by the VARIANT build argument:
 #
 #   docker build -t mha-serve:cpu .                            # VARIANT=cpu (default)
@@ -13,6 +11,16 @@
 #         runtime, cuDNN and NCCL as nvidia-* wheels. The host needs an NVIDIA driver new
 #         enough for that CUDA release and the NVIDIA container toolkit
 #         (`docker run --gpus device=0 ...`). Override CUDA_BASE to match your driver.
+#
+# No `# syntax=` line: it would make BuildKit pull a frontend image from a registry; the
+# frontend built into Docker (BuildKit or the legacy builder) reads this file as it is.
+#
+# Where no registry or PyTorch index can be reached (tests/deploy does this; deploy/ci/docker.sh
+# makes the base image): a local Debian image with python3 stands in for python:3.11-slim, and
+# torch's CPU wheel comes from a local find-links URL, PyPI giving its dependencies:
+#   docker build --network host --build-arg PYTHON_IMAGE=mha-serve-ci/python:3.11-bookworm \
+#       --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
+#       --build-arg TORCH_FIND_LINKS=http://127.0.0.1:8765/ -t mha-serve:cpu .
 #
 # Run (the built-in demo model when no model is mounted):
 #   docker run --rm -p 8000:8000 mha-serve:cpu
@@ -28,7 +36,7 @@ ARG CUDA_BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
 
 # ---- runtime bases: the OS + Python each variant runs on ---------------------------------------
 FROM ${PYTHON_IMAGE} AS base-cpu
-ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV DEFAULT_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM ${CUDA_BASE} AS base-cuda
 # DL3008 (pin apt versions): Ubuntu replaces python3 on every security update, so a pinned
@@ -37,7 +45,7 @@ FROM ${CUDA_BASE} AS base-cuda
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/*
-ENV TORCH_INDEX_URL=https://pypi.org/simple
+ENV DEFAULT_TORCH_INDEX_URL=https://pypi.org/simple
 
 # DL3006 (tag the image): this is not an image but one of the two stages above, by name.
 # hadolint ignore=DL3006
@@ -46,21 +54,36 @@ FROM base-${VARIANT} AS base
 # ---- build: a virtualenv with torch and mha-serve, nothing else -------------------------------
 FROM base AS build
 ARG TORCH_VERSION=2.13.0
+# Where torch comes from: the variant's index unless TORCH_INDEX_URL says otherwise, plus
+# TORCH_FIND_LINKS (a directory of wheels, as a URL) when set: a local `torch-X+cpu` wheel there
+# outranks PyPI's CUDA build of the same version.
+ARG TORCH_INDEX_URL=""
+ARG TORCH_FIND_LINKS=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first, from the variant's index; `pip install .` then finds it already satisfied.
 RUN python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
-    "torch==${TORCH_VERSION}"
+    && /opt/venv/bin/pip install --no-cache-dir \
+    --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" \
+    ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY mha_engine ./mha_engine
-COPY service ./service
 # Optional extras of pyproject.toml, comma-separated: `embeddings` (tokenizers, for
 # /v1/embeddings on text models) by default; add `debug` for PNG attention heatmaps
 # (matplotlib), or pass EXTRAS="" for the tensor API alone.
 ARG EXTRAS=embeddings
+# The dependencies first, read from pyproject.toml alone: this layer is rebuilt only when they
+# change, not on every source edit (the next one is, in seconds).
+COPY pyproject.toml ./
+RUN /opt/venv/bin/python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = [e for e in sys.argv[1].split(',') if e]; print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" "$EXTRAS" > /tmp/requirements.txt \
+    && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+COPY README.md ./
+COPY mha_engine ./mha_engine
+COPY service ./service
 # Not editable: the package is copied into the venv, and /src stays behind in this stage.
-RUN /opt/venv/bin/pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+# No build isolation: the build backend (setuptools) is already in the venv, as torch needs it,
+# so nothing is downloaded here. `pip check`: the layer above brought every dependency.
+RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".${EXTRAS:+[$EXTRAS]}" \
+    && /opt/venv/bin/pip check \
     && /opt/venv/bin/python -c "import service, mha_engine"
 
 # ---- loadtest: Locust workers/master for `docker compose --profile loadtest up` -----------------

@@ -122,6 +122,21 @@ def uniform_rows(device, dtype, timer, rounds) -> None:
         row(f"({B},{T},{E}) H={H}", times, "torch", "" if callable(replay) else f"[{replay}]")
 
 
+def packed_and_padded(lens: list[int], E: int, device, dtype):
+    """Random sequences as the engine takes them, (N, E) + cu_seqlens, and as torch does,
+    (B, T_max, E) + key_padding_mask (True = padding)."""
+    x = torch.randn(sum(lens), E, device=device, dtype=dtype)  # (N, E)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    padded = torch.zeros(len(lens), max(lens), E, device=device, dtype=dtype)
+    mask = torch.ones(len(lens), max(lens), dtype=torch.bool, device=device)
+    for i, n in enumerate(lens):
+        padded[i, :n] = x[cu[i] : cu[i + 1]]
+        mask[i, :n] = False
+    return x, cu, padded, mask
+
+
 def mixed_rows(device, dtype, timer, rounds) -> None:
     print("\n## mixed lengths: engine packed vs torch padded + key_padding_mask")
     rng = random.Random(0)
@@ -130,15 +145,7 @@ def mixed_rows(device, dtype, timer, rounds) -> None:
         module = nn.MultiheadAttention(E, H, batch_first=True).eval()
         model = model_from_state_dict(module_config(module), module_state(module), device, dtype)
         module = module.to(device=device, dtype=dtype)
-        x = torch.randn(sum(lens), E, device=device, dtype=dtype)
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        padded = torch.zeros(count, max(lens), E, device=device, dtype=dtype)
-        mask = torch.ones(count, max(lens), dtype=torch.bool, device=device)
-        for i, n in enumerate(lens):
-            padded[i, :n] = x[cu[i] : cu[i + 1]]
-            mask[i, :n] = False
+        x, cu, padded, mask = packed_and_padded(lens, E, device, dtype)
 
         def torch_padded(padded=padded, mask=mask, module=module):
             with torch.inference_mode():
@@ -160,15 +167,7 @@ def encoder_row(device, dtype, timer, rounds) -> None:
     module = nn.TransformerEncoder(layer, layers, enable_nested_tensor=True).eval()
     model = model_from_state_dict(module_config(module), module_state(module), device, dtype)
     module = module.to(device=device, dtype=dtype)
-    x = torch.randn(sum(lens), E, device=device, dtype=dtype)
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    padded = torch.zeros(count, max(lens), E, device=device, dtype=dtype)
-    mask = torch.ones(count, max(lens), dtype=torch.bool, device=device)
-    for i, n in enumerate(lens):
-        padded[i, :n] = x[cu[i] : cu[i + 1]]
-        mask[i, :n] = False
+    x, cu, padded, mask = packed_and_padded(lens, E, device, dtype)
 
     def torch_nested():
         with torch.inference_mode():

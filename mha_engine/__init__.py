@@ -1,8 +1,10 @@
-"""mha_engine: fused multi-head attention and transformer encoders with PyTorch's exact numbers.
+"""mha_engine: fused multi-head attention and transformer blocks with PyTorch's exact numbers.
 
 Pure PyTorch inference engine used by the mha-serve service: nn.Modules with typed, frozen
 configs (config.py), load_model/save_model for model directories, fast SDPA path,
-attention-weights path for debugging, and packed varlen batches.
+attention-weights path for debugging, and packed varlen batches. Encoders, decoders
+(nn.TransformerDecoder: target + memory) and whole nn.Transformer models load by their
+PyTorch state dicts.
 Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out),
 or TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out).
 """
@@ -14,9 +16,13 @@ from .config import (
     EngineConfig,
     MultiheadAttentionConfig,
     TextEncoderConfig,
+    TransformerConfig,
+    TransformerDecoderConfig,
     TransformerEncoderConfig,
     config_from_dict,
 )
+from .decoder_blocks import DecoderLayer, DecoderStack
+from .decoder_models import TransformerDecoderModel, TransformerModel
 from .demo import build_demo_model, demo_module
 from .devices import check_device
 from .errors import DeviceError
@@ -31,6 +37,8 @@ from .text_model import TextEncoderModel
 __all__ = [
     "CheckpointError",
     "ClassifierInfo",
+    "DecoderLayer",
+    "DecoderStack",
     "DeviceError",
     "EncoderLayer",
     "EncoderStack",
@@ -48,8 +56,12 @@ __all__ = [
     "TextEmbeddings",
     "TextEncoderConfig",
     "TextEncoderModel",
+    "TransformerConfig",
+    "TransformerDecoderConfig",
+    "TransformerDecoderModel",
     "TransformerEncoderConfig",
     "TransformerEncoderModel",
+    "TransformerModel",
     "build_demo_model",
     "check_device",
     "config_from_dict",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import MultiheadAttentionConfig
-from .fused import linear, pad_rows
+from .fused import linear, padded_gemm
 from .masks import causal_mask, merge_masks
 from .varlen import Plan, packed_attention
 
@@ -51,7 +51,7 @@ def linear_rows(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
         return rows(start, stop)(x)
     b = linear.bias
     w, b = linear.weight[start:stop], None if b is None else b[start:stop]
-    return pad_rows(lambda x2: F.linear(x2, w, b), x)  # tiny batches padded (fused.py)
+    return padded_gemm(lambda x2: F.linear(x2, w, b), x)  # tiny batches padded (fused.py)
 
 
 class FusedAttention(nn.Module):

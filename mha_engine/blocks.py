@@ -78,10 +78,12 @@ class EncoderLayer(nn.Module):
 class EncoderStack(nn.Module):
     """num_layers EncoderLayers plus the optional final LayerNorm (nn.TransformerEncoder.norm)."""
 
+    layer_class: type[nn.Module] = EncoderLayer
+
     def __init__(self, config: TransformerEncoderConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_layers))
         self.norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias)
             if config.final_norm

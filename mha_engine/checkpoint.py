@@ -1,9 +1,10 @@
 """Model directories: config.json + model.safetensors (or a weights_only torch.save state dict).
 
 Configs and state-dict keys use PyTorch's own names, so any nn.MultiheadAttention,
-nn.TransformerEncoderLayer or nn.TransformerEncoder state dict loads as is. A lone
-TransformerEncoderLayer is a transformer_encoder with num_layers=1 and keys prefixed `layers.0.`
-(unprefixed layer keys are accepted too). Everything is validated before a model is built.
+nn.TransformerEncoder(Layer), nn.TransformerDecoder(Layer) or nn.Transformer state dict loads as
+is. A lone Transformer{Encoder,Decoder}Layer is a transformer_{encoder,decoder} with
+num_layers=1 and keys prefixed `layers.0.` (unprefixed layer keys are accepted too).
+Everything is validated before a model is built.
 multihead_attention also loads other attention layouts (W_q/W_k/W_v/W_o, wq/wk/wv/wo, wqkv,
 q_proj/..., qkv_proj; see layouts.py) and grouped-query attention (num_kv_heads); a Hugging Face
 BERT-family directory (config.json with model_type) loads as a TextEncoderModel (hf_bert.py).
@@ -22,10 +23,13 @@ from torch import Tensor, nn
 from . import heads, hf_bert, layouts
 from .config import (
     EngineConfig,
+    LayerStackConfig,
     MultiheadAttentionConfig,
-    TransformerEncoderConfig,
+    TransformerConfig,
+    TransformerDecoderConfig,
     config_from_dict,
 )
+from .decoder_models import TransformerDecoderModel, TransformerModel
 from .devices import resolve_device, resolve_precision
 from .errors import CheckpointError, check_state
 from .fused import prepack
@@ -37,9 +41,20 @@ from .text_model import TextEncoderModel, read_text_settings
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 
 
+MODEL_CLASSES: dict[str, type[EngineModel]] = {
+    cls.architecture: cls
+    for cls in (
+        MultiheadAttentionModel,
+        TransformerEncoderModel,
+        TransformerDecoderModel,
+        TransformerModel,
+    )
+}
+
+
 def parse_config(config: object) -> EngineConfig:
     """The typed config of a config.json object; raises CheckpointError naming the field."""
-    if isinstance(config, MultiheadAttentionConfig | TransformerEncoderConfig):
+    if isinstance(config, MultiheadAttentionConfig | LayerStackConfig | TransformerConfig):
         return config
     typed = config_from_dict(config)
     if isinstance(typed, MultiheadAttentionConfig) and config.get("attention_keys") is not None:
@@ -65,26 +80,35 @@ def expected_shapes(config: EngineConfig) -> dict[str, tuple[int, ...]]:
         if config.add_bias_kv:
             shapes["bias_k"] = shapes["bias_v"] = (1, 1, KV)
         return shapes
+    if isinstance(config, TransformerConfig):
+        return {
+            **{f"encoder.{k}": v for k, v in _stack_shapes(config.encoder).items()},
+            **{f"decoder.{k}": v for k, v in _stack_shapes(config.decoder).items()},
+        }
+    return _stack_shapes(config)
+
+
+def _stack_shapes(config: LayerStackConfig) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of an nn.TransformerEncoder or nn.TransformerDecoder (layers + norm)."""
     E, F, bias = config.d_model, config.dim_feedforward, config.bias
-    layer = {
-        "self_attn.in_proj_weight": (3 * E, E),
-        "self_attn.out_proj.weight": (E, E),
-        "linear1.weight": (F, E),
-        "linear2.weight": (E, F),
-        "norm1.weight": (E,),
-        "norm2.weight": (E,),
-    }
+    attentions = ["self_attn"]
+    norms = ["norm1", "norm2"]
+    if isinstance(config, TransformerDecoderConfig):
+        attentions.append("multihead_attn")
+        norms.append("norm3")
+    layer: dict[str, tuple[int, ...]] = {"linear1.weight": (F, E), "linear2.weight": (E, F)}
+    for name in attentions:
+        layer[f"{name}.in_proj_weight"] = (3 * E, E)
+        layer[f"{name}.out_proj.weight"] = (E, E)
+        if bias:
+            layer[f"{name}.in_proj_bias"] = (3 * E,)
+            layer[f"{name}.out_proj.bias"] = (E,)
+    for name in norms:
+        layer[f"{name}.weight"] = (E,)
+        if bias:
+            layer[f"{name}.bias"] = (E,)
     if bias:
-        layer.update(
-            {
-                "self_attn.in_proj_bias": (3 * E,),
-                "self_attn.out_proj.bias": (E,),
-                "linear1.bias": (F,),
-                "linear2.bias": (E,),
-                "norm1.bias": (E,),
-                "norm2.bias": (E,),
-            }
-        )
+        layer.update({"linear1.bias": (F,), "linear2.bias": (E,)})
     shapes = {f"layers.{i}.{k}": s for i in range(config.num_layers) for k, s in layer.items()}
     if config.final_norm:
         shapes["norm.weight"] = (E,)
@@ -129,7 +153,7 @@ def model_from_state_dict(
     key_map = config.get("attention_keys") if isinstance(config, dict) else None
     config = parse_config(config)
     bare_layer = not any(k.startswith("layers.") for k in state)
-    if isinstance(config, TransformerEncoderConfig) and config.num_layers == 1 and bare_layer:
+    if isinstance(config, LayerStackConfig) and config.num_layers == 1 and bare_layer:
         state = {f"layers.0.{k}": v for k, v in state.items()}
     if isinstance(config, MultiheadAttentionConfig):
         state, config = attention_to_pytorch_names(state, config, key_map)
@@ -137,10 +161,7 @@ def model_from_state_dict(
     device = resolve_device(device)
     dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
-        if isinstance(config, MultiheadAttentionConfig):
-            model = MultiheadAttentionModel(config)
-        else:
-            model = TransformerEncoderModel(config)
+        model = MODEL_CLASSES[config.architecture](config)
     _assign(model.core, state, device, dtype)
     model = model.requires_grad_(False).eval()
     return prepack(quantize_int8(model) if int8 else model)

@@ -36,6 +36,21 @@ def _known(cls: type, data: dict) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in names and v is not None}
 
 
+def _layer_fields(cls: type, data: object) -> dict[str, Any]:
+    """A transformer config.json object's known fields, flags and eps coerced, d_model/nhead/
+    dim_feedforward required (PyTorch's defaults for the rest come from the dataclass)."""
+    data = _check_architecture(cls, data)
+    for name in ("d_model", "nhead", "dim_feedforward"):
+        _positive(name, data.get(name))
+    known = _known(cls, data)
+    for name in ("norm_first", "bias", "final_norm"):
+        if name in known:
+            known[name] = bool(known[name])
+    if "layer_norm_eps" in known:
+        known["layer_norm_eps"] = float(known["layer_norm_eps"])
+    return known
+
+
 def _check_architecture(cls: type, data: object) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"config.json must hold an object, got {type(data).__name__}")
@@ -121,10 +136,13 @@ class MultiheadAttentionConfig:
 
 
 @dataclass(frozen=True)
-class TransformerEncoderConfig:
-    """nn.TransformerEncoder of identical nn.TransformerEncoderLayer(batch_first=True) layers."""
+class LayerStackConfig:
+    """Identical nn.Transformer{Encoder,Decoder}Layer(batch_first=True) layers plus a final norm.
 
-    architecture: ClassVar[str] = "transformer_encoder"
+    The fields every PyTorch transformer layer stack shares; subclasses name the architecture.
+    """
+
+    architecture: ClassVar[str] = ""
     cross_attention: ClassVar[bool] = False  # self-attention only
 
     d_model: int
@@ -135,7 +153,7 @@ class TransformerEncoderConfig:
     layer_norm_eps: float = 1e-5
     norm_first: bool = False
     bias: bool = True
-    final_norm: bool = False  # nn.TransformerEncoder(norm=LayerNorm(d_model))
+    final_norm: bool = False  # nn.TransformerEncoder/Decoder(norm=LayerNorm(d_model))
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
@@ -153,7 +171,7 @@ class TransformerEncoderConfig:
 
     @property
     def attention(self) -> MultiheadAttentionConfig:
-        """Config of each layer's self_attn."""
+        """Config of each layer's self_attn (and a decoder layer's multihead_attn)."""
         return MultiheadAttentionConfig(self.d_model, self.nhead, bias=self.bias)
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,18 +179,81 @@ class TransformerEncoderConfig:
         return {"architecture": self.architecture, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> TransformerEncoderConfig:
-        """From a config.json object: missing fields get nn.TransformerEncoderLayer's defaults."""
-        data = _check_architecture(cls, data)
-        for name in ("d_model", "nhead", "dim_feedforward"):
-            _positive(name, data.get(name))
-        known = _known(cls, data)
-        for name in ("norm_first", "bias", "final_norm"):
-            if name in known:
-                known[name] = bool(known[name])
-        if "layer_norm_eps" in known:
-            known["layer_norm_eps"] = float(known["layer_norm_eps"])
-        return cls(**known)
+    def from_dict(cls, data: dict):
+        """From a config.json object: missing fields get PyTorch's layer defaults."""
+        return cls(**_layer_fields(cls, data))
+
+
+@dataclass(frozen=True)
+class TransformerEncoderConfig(LayerStackConfig):
+    """nn.TransformerEncoder of identical nn.TransformerEncoderLayer(batch_first=True) layers."""
+
+    architecture: ClassVar[str] = "transformer_encoder"
+
+
+@dataclass(frozen=True)
+class TransformerDecoderConfig(LayerStackConfig):
+    """nn.TransformerDecoder of identical nn.TransformerDecoderLayer(batch_first=True) layers.
+
+    Each layer holds causal-capable self-attention over the target (self_attn) and
+    cross-attention from the target to the memory (multihead_attn), then the feed-forward.
+    """
+
+    architecture: ClassVar[str] = "transformer_decoder"
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """nn.Transformer(batch_first=True): encoder stack + its norm, decoder stack + its norm."""
+
+    architecture: ClassVar[str] = "transformer"
+    cross_attention: ClassVar[bool] = False
+
+    d_model: int
+    nhead: int
+    dim_feedforward: int
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    activation: str = "relu"
+    layer_norm_eps: float = 1e-5
+    norm_first: bool = False
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("num_encoder_layers", self.num_encoder_layers)
+        _positive("num_decoder_layers", self.num_decoder_layers)
+        self.decoder  # noqa: B018 (validates the shared fields, naming them)
+
+    def _stack(self, cls: type, num_layers: int):
+        shared = {f.name: getattr(self, f.name) for f in fields(self)}
+        del shared["num_encoder_layers"], shared["num_decoder_layers"]
+        return cls(**shared, num_layers=num_layers, final_norm=True)
+
+    @property
+    def encoder(self) -> TransformerEncoderConfig:
+        """Config of nn.Transformer.encoder (its norm included)."""
+        return self._stack(TransformerEncoderConfig, self.num_encoder_layers)
+
+    @property
+    def decoder(self) -> TransformerDecoderConfig:
+        """Config of nn.Transformer.decoder (its norm included)."""
+        return self._stack(TransformerDecoderConfig, self.num_decoder_layers)
+
+    @property
+    def attention(self) -> MultiheadAttentionConfig:
+        return self.decoder.attention
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_encoder_layers + self.num_decoder_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TransformerConfig:
+        """From a config.json object: missing fields get nn.Transformer's defaults."""
+        return cls(**_layer_fields(cls, data))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,10 +297,20 @@ class TextEncoderConfig(TransformerEncoderConfig):
         return cls(**{**asdict(base), **_known(cls, data)})
 
 
-EngineConfig = MultiheadAttentionConfig | TransformerEncoderConfig
+EngineConfig = (
+    MultiheadAttentionConfig
+    | TransformerEncoderConfig
+    | TransformerDecoderConfig
+    | TransformerConfig
+)
 CONFIG_CLASSES: dict[str, type] = {
-    MultiheadAttentionConfig.architecture: MultiheadAttentionConfig,
-    TransformerEncoderConfig.architecture: TransformerEncoderConfig,
+    cls.architecture: cls
+    for cls in (
+        MultiheadAttentionConfig,
+        TransformerEncoderConfig,
+        TransformerDecoderConfig,
+        TransformerConfig,
+    )
 }
 
 

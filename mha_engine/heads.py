@@ -20,7 +20,7 @@ from .config import TextEncoderConfig
 from .errors import CheckpointError, check_state
 from .fused import linear
 from .text_model import TextEncoderModel
-from .varlen import cumulative, lengths
+from .varlen import cumulative, lengths, pad_rows
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
@@ -141,7 +141,7 @@ class TextClassifierModel(TextEncoderModel):
         hidden = self.encode_packed(input_ids, cu_seqlens, token_type_ids=token_type_ids)
         lens = torch.tensor(lengths(cu_seqlens, hidden.shape[0]), device=hidden.device)
         first = hidden.index_select(0, torch.cumsum(lens, 0) - lens)  # (B, D)
-        return self.head(first).float()  # (B, num_labels)
+        return self.head(pad_rows(first))[: first.shape[0]].float()  # (B, num_labels)
 
     def classify_varlen(
         self, input_ids: list[Tensor], token_type_ids: list[Tensor] | None = None

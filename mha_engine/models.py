@@ -19,7 +19,7 @@ from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
 from .quantize import is_int8
-from .varlen import cumulative, lengths, make_plan, pack_varlen
+from .varlen import cumulative, lengths, make_plan, pack_varlen, pad_rows
 
 
 class EngineModel(nn.Module):
@@ -244,7 +244,7 @@ class MultiheadAttentionModel(EngineModel):
         into padded buckets (fewer SDPA calls, not bit-exact batch invariant; see varlen.py).
         """
         q = self._cast(query)  # (N, E)
-        _check_packed(q, self.embed_dim, "query")
+        check_packed(q, self.embed_dim, "query")
         q_lens = lengths(cu_seqlens, q.shape[0])
         if key is None:
             if value is not None or cu_seqlens_k is not None:
@@ -256,14 +256,17 @@ class MultiheadAttentionModel(EngineModel):
         else:
             k = self._cast(key)  # (M, kdim)
             v = k if value is None or value is key else self._cast(value)  # (M, vdim)
-            _check_packed(k, self.kdim, "key")
-            _check_packed(v, self.vdim, "value")
+            check_packed(k, self.kdim, "key")
+            check_packed(v, self.vdim, "value")
             if v.shape[0] != k.shape[0]:
                 raise ValueError(f"key has {k.shape[0]} rows, value {v.shape[0]}")
             kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
             kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
         plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, self.device, bucket_padding)
-        return self.attn.forward_packed(q, plan, k, v)  # (N, E)
+        q_pad = pad_rows(q)  # small batches padded: see varlen.MIN_GEMM_ROWS
+        k_pad = q_pad if k is q else pad_rows(k)
+        v_pad = k_pad if v is k else pad_rows(v)
+        return self.attn.forward_packed(q_pad, plan, k_pad, v_pad)[: q.shape[0]]  # (N, E)
 
 
 class TransformerEncoderModel(EngineModel):
@@ -341,12 +344,13 @@ class TransformerEncoderModel(EngineModel):
         if key is not None or value is not None or cu_seqlens_k is not None:
             raise ValueError("transformer_encoder is self-attention only: key/value must be None")
         x = self._cast(query)  # (N, E)
-        _check_packed(x, self.embed_dim, "query")
+        check_packed(x, self.embed_dim, "query")
         lens = lengths(cu_seqlens, x.shape[0])
         plan = make_plan(lens, lens, is_causal, key_padding_mask, self.device, bucket_padding)
-        return self.encoder(x, plan=plan)[0]  # (N, E)
+        return self.encoder(pad_rows(x), plan=plan)[0][: x.shape[0]]  # (N, E)
 
 
-def _check_packed(x: Tensor, width: int, name: str) -> None:
+def check_packed(x: Tensor, width: int, name: str) -> None:
+    """Raise ValueError naming `name` unless x is (tokens, width)."""
     if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"{name} must be packed (tokens, {width}), got {tuple(x.shape)}")

@@ -2,7 +2,9 @@
 
 The service depends on these, not on the engine's classes, so any object with this surface
 (MultiheadAttentionModel, TransformerEncoderModel, TextEncoderModel, TextClassifierModel, a
-quantized variant) serves.
+quantized variant) serves. Decoder models (TransformerDecoderModel, TransformerModel) share the
+attributes but take PyTorch's argument names in forward_packed / attention_weights (tgt,
+memory, src); the service calls them by `architecture` (service.oip.decoder_inputs).
 """
 
 from __future__ import annotations

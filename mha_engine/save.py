@@ -1,10 +1,10 @@
 """save_model: any PyTorch block or loaded engine model as a directory load_model reads back.
 
-nn.MultiheadAttention / nn.TransformerEncoderLayer / nn.TransformerEncoder and loaded
-multihead_attention / transformer_encoder models (from any layout) are written as config.json
-(config dataclass `to_dict`) + model.safetensors in PyTorch's names; text models as a Hugging
-Face directory (config.json with model_type, HF weight names) plus sentence-transformers'
-pooling files, loadable by transformers and sentence-transformers too.
+nn.MultiheadAttention / nn.TransformerEncoder(Layer) / nn.TransformerDecoder(Layer) /
+nn.Transformer and loaded multihead_attention / transformer_* models (from any layout) are
+written as config.json (config dataclass `to_dict`) + model.safetensors in PyTorch's names;
+text models as a Hugging Face directory (config.json with model_type, HF weight names) plus
+sentence-transformers' pooling files, loadable by transformers and sentence-transformers too.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import hf_bert
@@ -27,7 +28,8 @@ def _cpu_copies(state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]
 
 
 def module_config(module: nn.Module) -> dict:
-    """config.json contents for an nn.MultiheadAttention, TransformerEncoderLayer or Encoder."""
+    """config.json contents for an nn.MultiheadAttention, TransformerEncoder(Layer),
+    TransformerDecoder(Layer) or Transformer."""
     if isinstance(module, nn.MultiheadAttention):
         return {
             "architecture": "multihead_attention",
@@ -39,44 +41,88 @@ def module_config(module: nn.Module) -> dict:
             "kdim": module.kdim,
             "vdim": module.vdim,
         }
-    if isinstance(module, nn.TransformerEncoder):
-        layers = [module_config(layer) for layer in module.layers]
-        if any(c != layers[0] for c in layers):
-            raise ValueError("all layers of the TransformerEncoder must share one config")
-        config = dict(layers[0], num_layers=len(layers), final_norm=module.norm is not None)
-        norm = module.norm
-        if norm is not None and (
-            not isinstance(norm, nn.LayerNorm)
-            or norm.eps != config["layer_norm_eps"]
-            or (norm.bias is not None) != config["bias"]
+    if isinstance(module, nn.TransformerEncoder | nn.TransformerDecoder):
+        return _stack_config(module)
+    if isinstance(module, nn.TransformerEncoderLayer | nn.TransformerDecoderLayer):
+        return _layer_config(module)
+    if isinstance(module, nn.Transformer):
+        if not isinstance(module.encoder, nn.TransformerEncoder) or not isinstance(
+            module.decoder, nn.TransformerDecoder
         ):
-            raise ValueError("final norm must be a LayerNorm with the layers' eps and bias")
-        return config
-    if isinstance(module, nn.TransformerEncoderLayer):
-        act = getattr(module, "activation_relu_or_gelu", 0)
-        approximate = getattr(module.activation, "approximate", "none")
-        if act not in (1, 2) or approximate != "none":
-            raise ValueError("only relu and exact gelu activations can be exported")
-        if module.norm1.eps != module.norm2.eps:
-            raise ValueError("norm1.eps and norm2.eps differ; config has one layer_norm_eps")
+            raise ValueError("a custom_encoder or custom_decoder cannot be exported")
+        enc, dec = _stack_config(module.encoder), _stack_config(module.decoder)
+        if not enc["final_norm"] or not dec["final_norm"]:
+            raise ValueError("nn.Transformer's encoder and decoder must keep their norms")
+        per_stack = ("architecture", "num_layers", "final_norm")
+        shared = {k: v for k, v in dec.items() if k not in per_stack}
+        if {k: v for k, v in enc.items() if k not in per_stack} != shared:
+            raise ValueError("the encoder and decoder of the Transformer must share one config")
         return {
-            "architecture": "transformer_encoder",
-            "d_model": module.self_attn.embed_dim,
-            "nhead": module.self_attn.num_heads,
-            "dim_feedforward": module.linear1.out_features,
-            "activation": "relu" if act == 1 else "gelu",
-            "layer_norm_eps": module.norm1.eps,
-            "norm_first": bool(module.norm_first),
-            "bias": module.linear1.bias is not None,
-            "num_layers": 1,
-            "final_norm": False,
+            "architecture": "transformer",
+            **shared,
+            "num_encoder_layers": enc["num_layers"],
+            "num_decoder_layers": dec["num_layers"],
         }
     raise TypeError(f"cannot export {type(module).__name__}")
 
 
+def _activation(module: nn.Module) -> str:
+    """relu | gelu | gelu_tanh of an encoder or decoder layer, else ValueError."""
+    if isinstance(module, nn.TransformerEncoderLayer):
+        act = getattr(module, "activation_relu_or_gelu", 0)
+        approximate = getattr(module.activation, "approximate", "none")
+        if act in (1, 2) and approximate == "none":
+            return "relu" if act == 1 else "gelu"
+    else:  # a decoder layer keeps F.relu / F.gelu (from a name) or the module it was given
+        fn = module.activation
+        if fn is F.relu or isinstance(fn, nn.ReLU):
+            return "relu"
+        if fn is F.gelu or (isinstance(fn, nn.GELU) and fn.approximate == "none"):
+            return "gelu"
+    raise ValueError("only relu and exact gelu activations can be exported")
+
+
+def _layer_config(module: nn.Module) -> dict:
+    """config.json of a lone nn.TransformerEncoderLayer / DecoderLayer (num_layers=1)."""
+    decoder = isinstance(module, nn.TransformerDecoderLayer)
+    norms = [module.norm1, module.norm2, *([module.norm3] if decoder else [])]
+    if any(n.eps != norms[0].eps for n in norms):
+        raise ValueError("the layer's norms have different eps; config has one layer_norm_eps")
+    return {
+        "architecture": "transformer_decoder" if decoder else "transformer_encoder",
+        "d_model": module.self_attn.embed_dim,
+        "nhead": module.self_attn.num_heads,
+        "dim_feedforward": module.linear1.out_features,
+        "activation": _activation(module),
+        "layer_norm_eps": module.norm1.eps,
+        "norm_first": bool(module.norm_first),
+        "bias": module.linear1.bias is not None,
+        "num_layers": 1,
+        "final_norm": False,
+    }
+
+
+def _stack_config(module: nn.TransformerEncoder | nn.TransformerDecoder) -> dict:
+    """config.json of an nn.TransformerEncoder / nn.TransformerDecoder of identical layers."""
+    kind = type(module).__name__
+    layers = [_layer_config(layer) for layer in module.layers]
+    if any(c != layers[0] for c in layers):
+        raise ValueError(f"all layers of the {kind} must share one config")
+    config = dict(layers[0], num_layers=len(layers), final_norm=module.norm is not None)
+    norm = module.norm
+    if norm is not None and (
+        not isinstance(norm, nn.LayerNorm)
+        or norm.eps != config["layer_norm_eps"]
+        or (norm.bias is not None) != config["bias"]
+    ):
+        raise ValueError("final norm must be a LayerNorm with the layers' eps and bias")
+    return config
+
+
 def module_state(module: nn.Module) -> dict[str, Tensor]:
     """The module's state dict in engine layout (a lone encoder layer gets `layers.0.`)."""
-    prefix = "layers.0." if isinstance(module, nn.TransformerEncoderLayer) else ""
+    lone = isinstance(module, nn.TransformerEncoderLayer | nn.TransformerDecoderLayer)
+    prefix = "layers.0." if lone else ""
     return _cpu_copies(module.state_dict(), prefix)
 
 
@@ -96,9 +142,10 @@ def engine_files(model: EngineModel) -> tuple[dict, dict[str, Tensor]]:
 def save_model(model: nn.Module, path: str | Path) -> None:
     """Write config.json + model.safetensors so load_model gives back the same function.
 
-    `model` is an nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder or
-    any model load_model returned (weights keep its dtype). A text model's tokenizer files are
-    not part of the model: copy them beside it to serve /v1/embeddings from the directory.
+    `model` is an nn.MultiheadAttention, nn.TransformerEncoder(Layer),
+    nn.TransformerDecoder(Layer), nn.Transformer or any model load_model returned (weights
+    keep its dtype). A text model's tokenizer files are not part of the model: copy them
+    beside it to serve /v1/embeddings from the directory.
     """
     from safetensors.torch import save_file
 

@@ -19,7 +19,7 @@ from .config import TextEncoderConfig
 from .errors import CheckpointError
 from .models import TransformerEncoderModel
 from .text import TextEmbeddings, normalize, pool_packed, pool_padded
-from .varlen import cumulative, lengths, make_plan
+from .varlen import cumulative, lengths, make_plan, pad_rows
 
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
@@ -196,7 +196,7 @@ class TextEncoderModel(TransformerEncoderModel):
         types = None if token_type_ids is None else self._check_types(token_type_ids, ids)
         x = self.embeddings.forward_packed(ids, lens, types).to(self.dtype)  # (N, D)
         plan = make_plan(lens, lens, False, None, ids.device, bucket_padding)
-        return self.encoder(x, plan=plan)[0]  # (N, D)
+        return self.encoder(pad_rows(x), plan=plan)[0][: x.shape[0]]  # (N, D), see pad_rows
 
     @torch.inference_mode()
     def embed_packed(

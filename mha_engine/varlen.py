@@ -16,8 +16,8 @@ padding). Masked padding is not bit-exact against the unpadded call on CPU SDPA 
 ~3e-7 in fp32), so bucketing gives up bit-exact batch invariance; it stays off by default.
 
 On CUDA, a plain self-attention plan (no masks, no causal, no extra keys, no GQA) goes through
-one SDPA call on nested jagged tensors (varlen flash/efficient kernels). Unverified on a GPU:
-that path is tested only through the CPU math kernel.
+one varlen kernel call (cuda_varlen.py: flash for fp16/bf16, memory-efficient for fp32) with no
+nested tensors and no host sync. Unverified on a GPU: tested on CPU with a reference kernel.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .fused import linear
+from .cuda_varlen import varlen_attention
+from .fused import MIN_ROWS as MIN_GEMM_ROWS  # noqa: F401 (re-exported)
+from .fused import linear, pad_rows  # noqa: F401 (pad_rows re-exported)
 from .masks import additive_mask
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class Plan:
     q_lens: list[int]
     kv_lens: list[int]
     groups: list[Group]
-    cu_seqlens: Tensor  # (B+1,) int64 on the model's device
+    cu_seqlens: Tensor  # (B+1,) int32 on the model's device (the varlen kernels' type)
     plain: bool  # self-attention, no masks, no causal: one jagged call is possible
 
     @property
@@ -95,8 +96,10 @@ def _offsets(lens: list[int]) -> list[int]:
 
 
 def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:
-    if len(offsets) == 1:
-        return slice(offsets[0], offsets[0] + length)
+    """Packed rows of sequences of `length` starting at `offsets`: a slice when they lie back to
+    back (one sequence, or a uniform batch: views, no gather), else an index tensor."""
+    if all(o == offsets[0] + i * length for i, o in enumerate(offsets)):
+        return slice(offsets[0], offsets[0] + len(offsets) * length)
     starts = torch.tensor(offsets, dtype=torch.long, device=device)
     return (starts[:, None] + torch.arange(length, device=device)).reshape(-1)  # (G*T,)
 
@@ -214,28 +217,22 @@ def make_plan(
         for bucket in _buckets(seqs, q_lens, kv_lens, bucket_padding):
             same = len({(q_lens[i], kv_lens[i], masked[i]) for i in bucket}) == 1
             groups.append((_exact_group if same else _padded_group)(bucket, *args))
-    cu = torch.tensor([0, *(o + t for o, t in zip(q_off, q_lens, strict=True))], device=device)
+    cu = _upload([0, *(o + t for o, t in zip(q_off, q_lens, strict=True))], device)
     plain = q_lens == kv_lens and not any(causal) and not any(masked)
     return Plan(q_lens, kv_lens, groups, cu, plain)
 
 
-def jagged_attention(attn: FusedAttention, q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> Tensor:
-    """Self-attention of all packed sequences in one SDPA call on nested jagged tensors.
-
-    For CUDA's varlen kernels; unverified on a GPU (CPU runs it through the math kernel).
-    """
-    N, H, hd = q.shape[0], attn.num_heads, attn.head_dim
-
-    def nest(t: Tensor) -> Tensor:  # (N, H*hd) -> (B, H, j, hd) jagged over j
-        values = t.reshape(N, H, hd).contiguous()
-        return torch.nested.nested_tensor_from_jagged(values, plan.cu_seqlens).transpose(1, 2)
-
-    y = F.scaled_dot_product_attention(nest(q), nest(k), nest(v))  # (B, H, j, hd)
-    return y.transpose(1, 2).values().reshape(N, H * hd)  # (N, E)
+def _upload(values: list[int], device: torch.device) -> Tensor:
+    """An int32 tensor of `values` on `device`; to CUDA from pinned memory without blocking the
+    host (unverified on a GPU)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
-def use_jagged(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
-    """The CUDA varlen path applies: plain plan, no extra keys or GQA, flash-sized heads."""
+def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
+    """The CUDA varlen kernel applies: plain plan, no extra keys or GQA, flash-sized heads."""
     return (
         query.is_cuda
         and plan.plain
@@ -262,8 +259,9 @@ def packed_attention(
         q, k, v = attn.split_qkv(qkv)
     else:
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
-    if fused and use_jagged(attn, query, plan):
-        merged = jagged_attention(attn, q, k, v, plan)  # (N, E)
+    if fused and use_varlen(attn, query, plan):
+        longest = max(plan.q_lens)
+        merged = varlen_attention(q, k, v, plan.cu_seqlens, longest, attn.num_heads, attn.head_dim)
     elif fused:
         merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
     else:

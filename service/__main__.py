@@ -7,6 +7,7 @@ Nothing here imports torch at module level: `main` sets the CPU threading defaul
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import socket
@@ -20,6 +21,13 @@ from service import __version__
 from service.runtime.logs import configure_logging
 from service.runtime.repository import SETTINGS_FILE, RepositoryError, model_settings, model_sources
 from service.runtime.settings import Settings
+from service.runtime.startup import (
+    EXIT_CONFIG,
+    StartupError,
+    bind_http,
+    check_grpc_port,
+    check_model_dirs,
+)
 
 PROG = "mha-serve"
 
@@ -40,11 +48,20 @@ def serve(settings: Settings) -> None:
     """Run the server until SIGTERM; accepted requests are answered before exit. With
     --workers N > 1: an engine process and N front-end processes (service.workers)."""
     configure_logging(settings.log_level, settings.log_format, settings.access_log_probes)
-    try:  # a bad repository, name clash, device or dtype stops here, in one line
-        check_devices(settings)
-    except RepositoryError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    try:
+        start(settings)
+    except RepositoryError as exc:  # a bad repository, name clash, device or dtype
+        _fail(StartupError(str(exc), EXIT_CONFIG))
+    except StartupError as exc:  # a port, a model directory, a model that fails to load
+        _fail(exc)
+
+
+def start(settings: Settings) -> None:
+    """Check what can be checked before any model loads (the repository, devices, model
+    directories, both ports), then serve; a failure raises RepositoryError or StartupError."""
+    check_devices(settings)
+    check_model_dirs(settings)
+    check_grpc_port(settings)
     if settings.workers > 1:
         # By its importable name: run as `python -m service` this module is `__main__`, which a
         # spawned child cannot import a function from.
@@ -52,11 +69,20 @@ def serve(settings: Settings) -> None:
         from service.workers.supervisor import supervise
 
         raise SystemExit(supervise(settings, frontend))
+    listener = bind_http(settings)  # before the model loads: a busy port costs nothing
     from service.app import create_app
     from service.http.server import run_uvicorn, set_interop_threads
 
     set_interop_threads()
-    run_uvicorn(settings, create_app(settings))
+    run_uvicorn(settings, create_app(settings), sock=listener)
+
+
+def _fail(exc: StartupError) -> NoReturn:
+    """One line on stderr (cause and fix) and the failure's exit status; the traceback only
+    at --log-level debug."""
+    logging.getLogger("service").debug("start-up failed", exc_info=exc)
+    print(f"{PROG}: error: {exc}", file=sys.stderr)
+    raise SystemExit(exc.status) from None
 
 
 def check_devices(settings: Settings) -> None:

@@ -8,17 +8,22 @@ loop or the batched fast path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from service.oip.datatypes import to_numpy, to_torch
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES, TRANSFORMER
 from service.oip.inputs import Payload
 from service.pipeline.errors import BadInput
 
 WEIGHTS_NAME = "attention_weights"
+# Decoders: attention_weights is the decoder's self-attention; these besides (PyTorch's
+# multihead_attn, and nn.Transformer's encoder self-attention, every encoder layer).
+CROSS_WEIGHTS_NAME = "cross_attention_weights"
+ENCODER_WEIGHTS_NAME = "encoder_attention_weights"
 
 
 @dataclass
@@ -36,6 +41,14 @@ class WeightsResult:
     output: np.ndarray  # (B, T, E), or (T, E) for an unbatched request
     weights: np.ndarray  # ([L,] [B,] [H,] T, S): L for all encoder layers, H unless averaged
     has_layer_axis: bool  # weights has a leading L axis
+    # decoders: output name -> weights of the other attentions (cross_attention_weights with
+    # the layout of `weights`; encoder_attention_weights (Le, B, [H,] S, S))
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def weight_layers(model: Any) -> int:
+    """Layers the `layer` parameter indexes: a transformer's decoder layers, else all."""
+    return getattr(model.config, "num_decoder_layers", model.num_layers)
 
 
 def parse_options(parameters: dict[str, Any], architecture: str, num_layers: int) -> WeightsOptions:
@@ -73,6 +86,10 @@ def first_sequence(payload: Payload) -> Payload:
         value=head(payload.value),
         key_lengths=None if payload.key_lengths is None else [s],
         key_padding_mask=head(payload.key_padding_mask),
+        tgt_key_padding_mask=None
+        if payload.tgt_key_padding_mask is None
+        else payload.tgt_key_padding_mask[:t],
+        src_key_padding_mask=head(payload.src_key_padding_mask),
         batched=True,
     )
 
@@ -95,7 +112,15 @@ def compute(
     if payload.key_padding_mask is not None:
         mask = payload.dense(payload.key_padding_mask, payload.kv_lengths)  # (B, S)
         mask = torch.from_numpy(np.ascontiguousarray(mask)).to(model.device)
-    if model.architecture == "multihead_attention":
+    extra: dict[str, np.ndarray] = {}
+    if model.architecture in DECODER_ARCHITECTURES:
+        output, found = _decoder_weights(model, payload, query, mask, options)
+        weights = found.pop("self_attn")  # ([L,] B, [H,] T, T)
+        extra[CROSS_WEIGHTS_NAME] = found.pop("cross_attn")  # ([L,] B, [H,] T, S)
+        if "encoder_self_attn" in found:
+            extra[ENCODER_WEIGHTS_NAME] = found.pop("encoder_self_attn")  # (Le, B, [H,] S, S)
+        has_layer_axis = options.layer is None
+    elif model.architecture == "multihead_attention":
         key = value = None
         if payload.key is not None:
             key = _dense(payload, payload.key, payload.kv_lengths, model)  # (B, S, kdim)
@@ -121,7 +146,40 @@ def compute(
     if not payload.batched:
         output = output[0]  # (T, E)
         weights = weights.select(1 if has_layer_axis else 0, 0)  # drop B
-    return WeightsResult(to_numpy(output, datatype), to_numpy(weights, datatype), has_layer_axis)
+        extra = {
+            name: w.select(1 if has_layer_axis or name == ENCODER_WEIGHTS_NAME else 0, 0)
+            for name, w in extra.items()
+        }
+    return WeightsResult(
+        to_numpy(output, datatype),
+        to_numpy(weights, datatype),
+        has_layer_axis,
+        {name: to_numpy(w, datatype) for name, w in extra.items()},
+    )
+
+
+def _decoder_weights(model: Any, payload: Payload, tgt, memory_mask, options: WeightsOptions):
+    """A decoder's (or transformer's) output and its weights dict, PyTorch's argument names."""
+    memory = _dense(payload, payload.key, payload.kv_lengths, model)  # (B, S, E)
+
+    def dense_mask(packed: np.ndarray | None, lengths: list[int]) -> torch.Tensor | None:
+        if packed is None:
+            return None
+        return torch.from_numpy(np.ascontiguousarray(payload.dense(packed, lengths))).to(
+            model.device
+        )
+
+    common = {
+        "tgt_key_padding_mask": dense_mask(payload.tgt_key_padding_mask, payload.lengths),
+        "memory_key_padding_mask": memory_mask,
+        "tgt_is_causal": payload.is_causal,
+        "layer": options.layer,
+        "average_attn_weights": options.average,
+    }
+    if model.architecture == TRANSFORMER:
+        src_mask = dense_mask(payload.src_key_padding_mask, payload.kv_lengths)
+        return model.attention_weights(memory, tgt, src_key_padding_mask=src_mask, **common)
+    return model.attention_weights(tgt, memory, **common)
 
 
 def panels(result: WeightsResult, options: WeightsOptions) -> np.ndarray:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
+from service.debug.attention_weights import weight_layers
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES, input_names
 from service.pipeline.errors import ModelNotFound
 
 if TYPE_CHECKING:
@@ -61,6 +63,11 @@ def model_info(state: ServiceState, tokenizer: Any, max_len: int, flag: str) -> 
         "kdim": model.kdim,
         "vdim": model.vdim,
         "needs_key_value": state.limits.needs_key_value,
+        # decoders: the layer picker indexes decoder layers; inputs under PyTorch's names
+        "weight_layers": weight_layers(model),
+        "decoder_inputs": list(input_names(model.architecture)[0])
+        if model.architecture in DECODER_ARCHITECTURES
+        else None,
         "input": "text" if text else "tensor",
         "max_tokens": min(max_len, tokenizer.max_length) if text else max_len,
         "max_tokens_flag": flag,

@@ -9,6 +9,7 @@ import grpc
 
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.servicer import InferenceServicer
+from service.runtime.startup import EXIT_PORT, GRPC_FLAGS, StartupError, check_grpc_port
 
 if TYPE_CHECKING:
     from service.runtime.model_control import ModelControl
@@ -43,9 +44,13 @@ class GrpcListener:
         address = (
             f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
         )
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc says only "Failed to bind"; ask the OS why
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"cannot bind the gRPC listener to {address} (--grpc-port)")
+            check_grpc_port(settings)  # raises StartupError naming the port and flag
+            raise StartupError(f"cannot listen for gRPC on {address} ({GRPC_FLAGS})", EXIT_PORT)
         self.address = address
 
     async def start(self) -> None:

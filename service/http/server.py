@@ -4,6 +4,7 @@ single process, and each `--workers` front-end)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 from types import FrameType
@@ -12,6 +13,7 @@ import uvicorn
 
 from service.http.connections import connection_cap, protocol_class
 from service.runtime.settings import Settings
+from service.runtime.startup import StartupError, unexpected
 
 
 class DrainingServer(uvicorn.Server):
@@ -36,10 +38,45 @@ def set_interop_threads() -> None:
         torch.set_num_interop_threads(1)
 
 
+class StartupFailures:
+    """The app as uvicorn sees it, but a lifespan start-up failure is kept here instead of
+    handed to uvicorn's log as Starlette's traceback: run_uvicorn raises it as one line."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.error: BaseException | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def quiet(message) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                message = {**message, "message": ""}  # the traceback: logged at debug instead
+            await send(message)
+
+        try:
+            await self.app(scope, receive, quiet)
+        except BaseException as exc:
+            self.error = exc  # its traceback: service.__main__ logs it at debug level
+            logging.getLogger("uvicorn.error").addFilter(_NoStartupFailedLine())
+            raise
+
+
+class _NoStartupFailedLine(logging.Filter):
+    """uvicorn's own "Application startup failed. Exiting.": the one line we print says why."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Application startup failed. Exiting."
+
+
 def run_uvicorn(settings: Settings, app, sock: socket.socket | None = None) -> None:
-    """Serve `app` until SIGTERM, on (host, port) or on an already bound listening `sock`."""
+    """Serve `app` until SIGTERM, on (host, port) or on an already bound listening `sock`.
+    A failed start raises StartupError (one line, its exit status) rather than uvicorn's
+    SystemExit(3) after a traceback."""
+    guarded = StartupFailures(app)
     config = uvicorn.Config(
-        app,
+        guarded,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -56,4 +93,12 @@ def run_uvicorn(settings: Settings, app, sock: socket.socket | None = None) -> N
         access_log=False,  # service.http.middleware.RequestContext logs each request, with its id
         log_config=None,  # keep the root handlers configure_logging set up (text or JSON)
     )
-    DrainingServer(config, app).run(sockets=None if sock is None else [sock])
+    try:
+        DrainingServer(config, app).run(sockets=None if sock is None else [sock])
+    except SystemExit:
+        if guarded.error is None:
+            raise
+        error = guarded.error
+        if isinstance(error, StartupError):
+            raise error from error.__cause__  # what it wraps stays for the debug traceback
+        raise unexpected(error) from error

@@ -10,6 +10,7 @@ import numpy as np
 
 from service.oip.codecs import InferRequest
 from service.oip.datatypes import FLOAT_TYPES
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES, prepare_decoder
 from service.pipeline.errors import BadInput
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class ModelLimits:
     max_seq_len: int
     max_sequences: int
     max_tokens: int
+    architecture: str = ""  # decoders take their own inputs (service.oip.decoder_inputs)
 
     @classmethod
     def from_config(
@@ -44,6 +46,7 @@ class ModelLimits:
             max_seq_len=max_seq_len,
             max_sequences=max_sequences,
             max_tokens=max_tokens,
+            architecture=config.architecture,
         )
 
     @property
@@ -64,6 +67,10 @@ class Payload:
     key_lengths: list[int] | None = None  # None: the query's (self-attention)
     key_padding_mask: np.ndarray | None = None  # (M,) bool, True = ignore
     is_causal: bool = False
+    # decoders only (service.oip.decoder_inputs): key is the memory (or src), key_padding_mask
+    # the memory_key_padding_mask, is_causal tgt_is_causal; these two masks besides
+    tgt_key_padding_mask: np.ndarray | None = None  # (N,) bool
+    src_key_padding_mask: np.ndarray | None = None  # (M,) bool (transformer)
     datatype: str = "FP32"  # the input's wire datatype; the output comes back in it
     batched: bool = True  # input was [B, T, E] (else [T, E])
 
@@ -110,14 +117,14 @@ def check_finite(payload: Payload) -> None:
         raise BadInput(f"input '{name}' holds NaN or Inf values")
 
 
-def _bool_param(parameters: dict[str, Any], name: str) -> bool:
+def bool_param(parameters: dict[str, Any], name: str) -> bool:
     value = parameters.get(name, False)
     if not isinstance(value, bool):
         raise BadInput(f"parameter '{name}' must be true or false, got {value!r}")
     return value
 
 
-def _float_tensor(request: InferRequest, name: str, width: int, label: str) -> np.ndarray:
+def float_tensor(request: InferRequest, name: str, width: int, label: str) -> np.ndarray:
     tensor = request.inputs[name]
     if tensor.datatype not in FLOAT_TYPES:
         raise BadInput(
@@ -135,7 +142,7 @@ def _float_tensor(request: InferRequest, name: str, width: int, label: str) -> n
     return tensor.array if len(tensor.shape) == 3 else tensor.array[None]
 
 
-def _check_length(name: str, length: int, limits: ModelLimits) -> None:
+def check_length(name: str, length: int, limits: ModelLimits) -> None:
     if length == 0:
         raise BadInput(f"input '{name}' has sequence length 0; send at least one token")
     if length > limits.max_seq_len:
@@ -147,6 +154,8 @@ def _check_length(name: str, length: int, limits: ModelLimits) -> None:
 
 def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
     """Validate `request` for the model; raises BadInput naming the first problem found."""
+    if limits.architecture in DECODER_ARCHITECTURES:
+        return prepare_decoder(request, limits)
     allowed = {"input", "key_padding_mask"} | (
         {"key", "value"} if limits.cross_attention else set()
     )
@@ -160,7 +169,7 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
             raise BadInput(f"unknown output '{name}'; this model has output '{OUTPUT_NAME}'")
 
     batched = len(request.inputs["input"].shape) == 3
-    query = _float_tensor(request, "input", limits.embed_dim, "embed_dim")  # (B, T, E)
+    query = float_tensor(request, "input", limits.embed_dim, "embed_dim")  # (B, T, E)
     batch, tgt_len = query.shape[0], query.shape[1]
     if batch == 0:
         raise BadInput("input 'input' has batch size 0")
@@ -169,7 +178,7 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
             f"request has {batch} sequences; at most {limits.max_sequences} per request "
             "(--max-batch-size)"
         )
-    _check_length("input", tgt_len, limits)
+    check_length("input", tgt_len, limits)
     if batch * tgt_len > limits.max_tokens:
         raise BadInput(
             f"request has {batch * tgt_len} tokens; at most {limits.max_tokens} per request "
@@ -181,8 +190,8 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
     if "key" in request.inputs or "value" in request.inputs:
         if not ("key" in request.inputs and "value" in request.inputs):
             raise BadInput("inputs 'key' and 'value' go together; send both or neither")
-        key = _float_tensor(request, "key", limits.kdim, "kdim")  # (B, S, kdim)
-        value = _float_tensor(request, "value", limits.vdim, "vdim")  # (B, S, vdim)
+        key = float_tensor(request, "key", limits.kdim, "kdim")  # (B, S, kdim)
+        value = float_tensor(request, "value", limits.vdim, "vdim")  # (B, S, vdim)
         for name, tensor in (("key", key), ("value", value)):
             if (len(request.inputs[name].shape) == 3) != batched:
                 raise BadInput(f"input '{name}' must have the same rank as 'input'")
@@ -194,7 +203,7 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
                 "they must match"
             )
         src_len = key.shape[1]
-        _check_length("key", src_len, limits)
+        check_length("key", src_len, limits)
     elif limits.needs_key_value:
         raise BadInput(
             f"this model needs inputs 'key' and 'value' (kdim {limits.kdim}, vdim {limits.vdim}, "
@@ -220,7 +229,7 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
                 "at least one key must be attended to"
             )
 
-    is_causal = _bool_param(request.parameters, "is_causal")
+    is_causal = bool_param(request.parameters, "is_causal")
     if is_causal and src_len != tgt_len:
         raise BadInput(
             f"is_causal needs as many keys as queries; got {tgt_len} queries and {src_len} keys"

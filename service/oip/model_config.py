@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from service.oip.datatypes import of_torch
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES, input_names
 from service.text.tokenizer import text_properties
 
 if TYPE_CHECKING:
@@ -13,6 +14,9 @@ if TYPE_CHECKING:
     from service.runtime.state import ModelEntry
 
 PLATFORM = "mha_engine"
+# The inputs every request carries: an attention model's `input`, a decoder's tgt and memory /
+# a transformer's src and tgt (PyTorch's names).
+REQUIRED_INPUTS = frozenset({"input", "tgt", "memory", "src"})
 # Triton extension names, offered over HTTP and gRPC alike (binary_tensor_data is HTTP's
 # framing; gRPC carries raw_input_contents/raw_output_contents in the core protocol).
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
@@ -29,6 +33,14 @@ def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None]], str,
     width. int8 models take and give FP32 (their dtype is float32)."""
     model = entry.model
     datatype = of_torch(model.dtype)
+    if model.architecture in DECODER_ARCHITECTURES:  # PyTorch's names: tgt, memory / src, tgt
+        floats, masks = input_names(model.architecture)
+        return (
+            [(name, datatype, model.embed_dim) for name in floats]
+            + [(name, "BOOL", None) for name in masks],
+            datatype,
+            model.embed_dim,
+        )
     inputs: list[tuple[str, str, int | None]] = [("input", datatype, model.embed_dim)]
     if model.is_cross_attention_capable:
         inputs += [("key", datatype, model.kdim), ("value", datatype, model.vdim)]
@@ -61,7 +73,8 @@ def model_metadata(entry: ModelEntry, versions: list[str]) -> dict[str, Any]:
 
 def model_config(entry: ModelEntry) -> dict[str, Any]:
     """Triton's model configuration (model_config.proto as JSON): dims leave out the batch
-    dimension (max_batch_size > 0); only `input` is required, [T, E] or [B, T, E] both work."""
+    dimension (max_batch_size > 0); only the float inputs (`input`, or a decoder's `tgt` and
+    `memory` / `src`) are required, [T, E] or [B, T, E] both work."""
     inputs, datatype, width = _tensors(entry)
     gpu = str(entry.model.device).startswith("cuda")
     return {
@@ -76,7 +89,7 @@ def model_config(entry: ModelEntry) -> dict[str, Any]:
                 "data_type": f"TYPE_{dt}",
                 "format": "FORMAT_NONE",
                 "dims": [-1] if dim is None else [-1, dim],
-                "optional": name != "input",
+                "optional": name not in REQUIRED_INPUTS,
             }
             for name, dt, dim in inputs
         ],

@@ -17,6 +17,7 @@ import torch
 
 from mha_engine import ServedModel
 from service.oip.datatypes import DATATYPES
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES, TRANSFORMER, decoder_input_name
 from service.oip.inputs import nonfinite_input
 from service.pipeline.errors import BadInput, NonFiniteOutput, ServiceError
 
@@ -121,28 +122,27 @@ def _forward(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | S
     if payloads[0].key is not None:
         kv_lens = [n for p in payloads for n in p.kv_lengths]
         staged["key"], key = stage([p.key for p in payloads], types, device, dtype)  # (M, kdim)
-        staged["value"], value = stage([p.value for p in payloads], types, device, dtype)
+        if payloads[0].value is not None:  # decoders have none: the memory is key and value
+            staged["value"], value = stage([p.value for p in payloads], types, device, dtype)
         cu_k = _cumulative(kv_lens)
     bad = _bad_inputs(payloads, staged)
-    masks = None
-    if any(p.key_padding_mask is not None for p in payloads):
-        parts = [
-            p.key_padding_mask
-            if p.key_padding_mask is not None
-            else np.zeros(sum(p.kv_lengths), dtype=bool)  # all-False: same as no mask
-            for p in payloads
-        ]
-        _, masks = stage(parts, ["BOOL"] * len(parts), device, torch.bool)  # (M,)
+    masks = _packed_mask(payloads, "key_padding_mask", kv_lens, device)  # (M,) or None
     causal = [p.is_causal for p in payloads for _ in p.lengths]
-    out = model.forward_packed(
-        query,
-        _cumulative(q_lens),
-        key=key,
-        value=value,
-        cu_seqlens_k=cu_k,
-        key_padding_mask=masks,
-        is_causal=causal,
-    )  # (N, E) on the device
+    if model.architecture in DECODER_ARCHITECTURES:
+        out = _decoder_forward(
+            model, payloads, query, q_lens, key, kv_lens, masks, causal
+        )  # (N, E) on the device
+        bad = {i: decoder_input_name(model.architecture, name) for i, name in bad.items()}
+    else:
+        out = model.forward_packed(
+            query,
+            _cumulative(q_lens),
+            key=key,
+            value=value,
+            cu_seqlens_k=cu_k,
+            key_padding_mask=masks,
+            is_causal=causal,
+        )  # (N, E) on the device
     finite = _finite(out)
     host = _to_host(out, types)  # (N, E) per wire type, one device->host copy each
     results: list[np.ndarray | ServiceError] = []
@@ -162,6 +162,49 @@ def _forward(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | S
                 )
             )
     return results
+
+
+def _packed_mask(
+    payloads: list[Payload], field: str, lengths: list[int], device: torch.device
+) -> torch.Tensor | None:
+    """The payloads' (rows,) bool masks in `field` as one packed mask on the device; payloads
+    without one get all-False rows (the same as no mask). None when no payload has one."""
+    if all(getattr(p, field) is None for p in payloads):
+        return None
+    parts, start = [], 0
+    for p in payloads:
+        rows = sum(lengths[start : start + p.num_sequences])
+        start += p.num_sequences
+        mask = getattr(p, field)
+        parts.append(mask if mask is not None else np.zeros(rows, dtype=bool))
+    return stage(parts, ["BOOL"] * len(parts), device, torch.bool)[1]  # (rows,)
+
+
+def _decoder_forward(model, payloads, tgt, tgt_lens, memory, mem_lens, memory_kpm, causal):
+    """A decoder batch through the model's forward_packed under PyTorch's argument names:
+    tgt (N, E) and the memory (or src) (M, E), each with its cu_seqlens."""
+    device = tgt.device
+    tgt_kpm = _packed_mask(payloads, "tgt_key_padding_mask", tgt_lens, device)  # (N,)
+    if model.architecture == TRANSFORMER:
+        return model.forward_packed(
+            memory,
+            _cumulative(mem_lens),
+            tgt,
+            _cumulative(tgt_lens),
+            src_key_padding_mask=_packed_mask(payloads, "src_key_padding_mask", mem_lens, device),
+            tgt_key_padding_mask=tgt_kpm,
+            memory_key_padding_mask=memory_kpm,
+            tgt_is_causal=causal,
+        )
+    return model.forward_packed(
+        tgt,
+        _cumulative(tgt_lens),
+        memory,
+        _cumulative(mem_lens),
+        tgt_key_padding_mask=tgt_kpm,
+        memory_key_padding_mask=memory_kpm,
+        tgt_is_causal=causal,
+    )
 
 
 def _to_host(out: torch.Tensor, types: list[str]) -> dict[str, np.ndarray]:

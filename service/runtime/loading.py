@@ -12,12 +12,14 @@ import numpy as np
 
 import mha_engine
 from mha_engine import ServedModel
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES
 from service.oip.inputs import ModelLimits, Payload
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.forward import hidden_states
 from service.runtime.metrics import Metrics
 from service.runtime.repository import ModelSource, model_settings, model_sources
 from service.runtime.settings import Settings
+from service.runtime.startup import load_failure
 from service.runtime.state import ModelEntry
 from service.runtime.statistics import ModelStats, Observers
 from service.runtime.work import Work
@@ -58,10 +60,11 @@ async def warm_up_model(entry: ModelEntry) -> None:
         rows = sequences * length
         query = rng.standard_normal((rows, limits.embed_dim), np.float32)  # (N, E)
         payload = Payload(query, [length] * sequences)
-        if limits.needs_key_value:
-            payload.key = rng.standard_normal((rows, limits.kdim), np.float32)
-            payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
+        if limits.needs_key_value or limits.architecture in DECODER_ARCHITECTURES:
+            payload.key = rng.standard_normal((rows, limits.kdim), np.float32)  # or memory/src
             payload.key_lengths = payload.lengths
+        if limits.needs_key_value:
+            payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
         work = Work(
             payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
         )
@@ -79,7 +82,10 @@ async def load_entries(settings: Settings) -> tuple[Metrics, dict[str, dict[str,
     metrics = Metrics(first.name, first.version)
     versions: dict[str, dict[str, ModelEntry]] = {}
     for source in sources:
-        entry = await load_entry(settings, metrics, source)
+        try:
+            entry = await load_entry(settings, metrics, source)
+        except Exception as exc:  # start-up stops here, in one line naming model and file
+            raise load_failure(source, exc) from exc
         versions.setdefault(source.name, {})[source.version] = entry
     return metrics, versions
 

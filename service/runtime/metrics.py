@@ -290,6 +290,25 @@ class Metrics:
     def set_ready(self, ready: bool) -> None:
         self.child(self.ready, self.model, self.version).set(1 if ready else 0)
 
+    def remove_state_series(self) -> None:
+        """Drop this model version's state gauges (mha_ready, mha_model_info, queue, in-flight,
+        engine busy, CUDA memory) once an explicit unload has drained it: an unloaded model is
+        not a model that is not ready, so MHANotReady and the panels must not see it. Counters
+        and histograms stay (rate() over the past keeps working). Multiprocess gauges cannot be
+        removed, but explicit model control needs --workers 1, so that case only zeroes ready."""
+        if MULTIPROCESS:
+            self.set_ready(False)
+            return
+        key = (self.model, self.version)
+        state = [self.ready, self.info, self.queue_depth_gauge, self.queue_capacity]
+        for metric in [*state, self.in_flight, self.engine_busy, *self._cuda.values()]:
+            # prometheus_client lists a family's children only in its private _metrics; each
+            # starts with the (model, version) labels.
+            for labels in [labels for labels in list(metric._metrics) if labels[:2] == key]:
+                metric.remove(*labels)
+        for cached in [k for k in list(self._children) if k[1][:2] == key]:
+            self._children.pop(cached, None)  # a reload creates fresh children
+
     def set_queue_capacity(self, sequences: int) -> None:
         self.child(self.queue_capacity, self.model, self.version).set(sequences)
 

@@ -120,13 +120,17 @@ class ModelControl:
         return entry
 
     async def _drain(self, entries: list[ModelEntry]) -> None:
-        """No longer served: not ready while their accepted work finishes, then stopped."""
+        """No longer served: not ready while their accepted work finishes, then stopped, and
+        (unless a reloaded copy owns them) its state series gone from /metrics."""
+        gone = [e for e in entries if self.state.versions.get(e.name, {}).get(e.version) is None]
         for entry in entries:
             entry.unloading = True
-            if self.state.versions.get(entry.name, {}).get(entry.version) is None:
-                self.state.publish_ready(entry)  # else its reloaded copy owns the series
+        for entry in gone:
+            self.state.publish_ready(entry)
         for entry in entries:
             await asyncio.to_thread(entry.batcher.stop, self.state.settings.drain_grace_s)
+        for entry in gone:
+            (entry.metrics or self.state.metrics).remove_state_series()
 
     async def unload(self, name: str) -> None:
         """Unload every version of `name`: gone for new requests now; accepted work finishes."""

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mha_engine import ServedClassifierModel, ServedModel, ServedTextModel
+from mha_engine import CheckpointError, ServedClassifierModel, ServedModel, ServedTextModel
 from service.oip.inputs import Payload
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,10 @@ def load_tokenizer(
                     "/v1/embeddings is off")  # fmt: skip
         return None
     max_length = min(model.max_seq_len, max_seq_len)
-    tokenizer = TextTokenizer(path, max_length)
+    try:
+        tokenizer = TextTokenizer(path, max_length)
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
+        raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from exc
     log.info("tokenizer %s: inputs truncated to %d tokens", path, max_length)
     return tokenizer
 

@@ -19,6 +19,7 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from service.pipeline.errors import InferenceError, ServiceError
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.loading import load_entries, warm_up_model
 from service.runtime.settings import Settings
+from service.runtime.startup import StartupError
 from service.runtime.state import ModelEntry, ServiceState
 from service.runtime.work import Exclusive, QueueItem, Work
 from service.workers.channel import FrameBuffer, frame, recv_message
@@ -288,7 +290,12 @@ def run(settings: Settings, path: str) -> None:
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards Ctrl-C as SIGTERM
-    state = asyncio.run(_load(settings))
+    try:
+        state = asyncio.run(_load(settings))
+    except StartupError as exc:  # one line, as one process prints it; the supervisor stops
+        log.debug("start-up failed", exc_info=exc)
+        print(f"mha-serve: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.status) from None
     engine = Engine(state)
     gc.collect()
     gc.freeze()

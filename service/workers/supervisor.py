@@ -30,6 +30,7 @@ from typing import Any
 
 from service.runtime.logs import configure_logging
 from service.runtime.settings import Settings
+from service.runtime.startup import EXIT_STARTUP, STARTUP_STATUSES, StartupError, bind_http
 
 log = logging.getLogger("service.workers")
 
@@ -67,11 +68,7 @@ class Child:
 
 
 def _bind(settings: Settings) -> socket.socket:
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    sock.listen(2048)
+    sock = bind_http(settings)  # StartupError, in one line, if the port is taken
     sock.set_inheritable(True)
     return sock
 
@@ -92,10 +89,9 @@ def supervise(settings: Settings, frontend_main: Callable[..., None]) -> int:
     path = os.path.join(workdir, "engine.sock")
     try:
         listener = _bind(settings)
-    except OSError as exc:
-        log.error("cannot bind %s:%d: %s", settings.host, settings.port, exc)
+    except StartupError:
         shutil.rmtree(workdir, ignore_errors=True)
-        return 1
+        raise
     host, port = listener.getsockname()[:2]
     context = multiprocessing.get_context("spawn")
     # Whether an engine ever served: its socket exists. (Not a multiprocessing.Event: that is
@@ -128,7 +124,9 @@ def supervise(settings: Settings, frontend_main: Callable[..., None]) -> int:
                 # only repeat it. Stop, as one process would.
                 log.error("the engine process failed before it could serve; stopping")
                 _drain(settings, engine, frontends, mark_process_dead)
-                return 3
+                # Its own status when it said why (a model that fails to load: 6), else 3.
+                code = engine.process.exitcode if engine.process is not None else None
+                return code if code in STARTUP_STATUSES else EXIT_STARTUP
         log.info("stopping: draining %d front-ends and the engine", len(frontends))
         # Nothing restarts now: let go of the listening socket, so that once the front-ends
         # close theirs new connections are refused (as by one process), not left in the backlog.

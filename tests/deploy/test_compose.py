@@ -1,8 +1,8 @@
 """docker-compose.yml: valid for Docker Compose itself and the compose-spec schema, and whole.
 
-There is no Docker engine here, so `docker-compose config` (Compose v2's real parser: schema,
-interpolation, merge keys, profiles, depends_on) is as far as a machine without one can go;
-the rest checks that what the file refers to exists and agrees with the other deploy files.
+`docker-compose config` (Compose v2's real parser: schema, interpolation, merge keys, profiles,
+depends_on) needs no Docker engine, and the rest checks that what the file refers to exists and
+agrees with the other deploy files; test_stack.py brings the stack up for real.
 """
 
 from __future__ import annotations

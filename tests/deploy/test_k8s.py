@@ -55,15 +55,17 @@ def render(overlay: str, tmp_path: Path, keda: bool = False) -> dict[str, dict]:
     return by_kind
 
 
+OVERLAYS = sorted(path.name for path in (K8S / "overlays").iterdir() if path.is_dir())
+
+
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+    """Every overlay, alone and with the KEDA component."""
+    assert {"cpu", "gpu"} <= set(OVERLAYS), OVERLAYS
     tmp = tmp_path_factory.mktemp("k8s")
-    return {
-        "cpu": render("cpu", tmp),
-        "gpu": render("gpu", tmp),
-        "cpu+keda": render("cpu", tmp, keda=True),
-        "gpu+keda": render("gpu", tmp, keda=True),
-    }
+    out = {name: render(name, tmp) for name in OVERLAYS}
+    out |= {f"{name}+keda": render(name, tmp, keda=True) for name in OVERLAYS}
+    return out
 
 
 def container(objects: dict[str, dict]) -> dict:
@@ -89,7 +91,7 @@ def test_every_core_object_validates(rendered) -> None:
                 checked += 1
     kinds = {kind for objects in rendered.values() for kind in objects}
     assert {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"} <= kinds
-    assert checked >= 4 * 3 * len(VERSIONS)
+    assert checked >= 2 * len(OVERLAYS) * 3 * len(VERSIONS)
 
 
 def test_validation_is_strict(rendered) -> None:
@@ -218,3 +220,32 @@ def test_queries_are_valid_promql(tmp_path: Path, rendered) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{len(queries)} rules found" in result.stdout
+
+
+METRIC = re.compile(r"\b(mha_[a-z0-9_]+)")
+
+
+def test_autoscaling_metrics_are_exported(rendered, demo_server) -> None:
+    """Every mha_* series the HPA (through prometheus-adapter) and KEDA query is one a real
+    server's /metrics exports, with the labels they select on (namespace and pod are added by
+    Prometheus' Kubernetes discovery, not by the server)."""
+    from benchmarks.scrape import samples
+
+    exported: dict[str, set[str]] = {}
+    for sample in samples(demo_server.metrics()):
+        exported.setdefault(sample.name, set()).update(sample.labels)
+    queries = [rule["seriesQuery"] for rule in adapter_rules().values()]
+    queries += [rule["metricsQuery"] for rule in adapter_rules().values()]
+    queries += [rule["name"]["matches"] for rule in adapter_rules().values()]
+    for objects in rendered.values():
+        if "ScaledObject" in objects:
+            queries += [t["metadata"]["query"] for t in objects["ScaledObject"]["spec"]["triggers"]]
+    names = {found for query in queries for found in METRIC.findall(query)}
+    assert "mha_queue_depth_sequences" in names, names
+    missing = names - exported.keys()
+    assert not missing, f"queried but not exported by /metrics: {missing}"
+    target_labels = {"namespace", "pod"}
+    for query in queries:
+        for metric, selector in re.findall(r"(mha_[a-z0-9_]+)\{([^}<]*)\}", query):
+            labels = set(re.findall(r"([a-z_]+)\s*[!=~]", selector))
+            assert labels - target_labels <= exported[metric], (query, exported[metric])

@@ -1,8 +1,11 @@
 """deploy/kserve: the ServingRuntime and InferenceServices agree with each other and with the
 server they start.
 
-No cluster or KServe CRD schemas here, so validation is offline: the runtime's container is
-validated strictly as a core/v1 Container (inside a Pod) against Kubernetes' schemas; its args
+No cluster here, so validation is offline: both kinds against KServe's API types as its pinned
+SDK (kserve==0.21.0) generates them from the Go types its CRDs come from (strict: unknown
+fields, wrong types and missing required fields fail; tests/deploy/openapi_models.py); the
+runtime's container also strictly as a core/v1 Container (inside a Pod) against Kubernetes'
+schemas; its args
 go through mha-serve's own flag parser (a flag that does not exist fails); the ports KServe
 routes to (HTTP, the h2c port of the gRPC InferenceService, the Prometheus annotation) and the
 readiness probe are those the parsed settings listen on; each InferenceService names the
@@ -18,6 +21,7 @@ import yaml
 from service.__main__ import parse_settings
 from service.app import create_app
 from service.runtime.repository import model_sources
+from tests.deploy.openapi_models import errors_of
 from tests.support import ROOT
 
 KSERVE = ROOT / "deploy" / "kserve"
@@ -68,6 +72,40 @@ def test_runtime_kinds_and_container_validate() -> None:
     broken = {**pod, "spec": {"containers": [{**container(), "argz": []}]}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
+KINDS = {"ServingRuntime": "V1alpha1ServingRuntime", "InferenceService": "V1beta1InferenceService"}
+
+
+def test_manifests_validate_against_kserve_api_types() -> None:
+    docs = [load(name) for name in ("servingruntime.yaml", *SERVICES)]
+    assert errors_of([(doc, KINDS[doc["kind"]]) for doc in docs]) == [[]] * len(docs)
+
+
+def test_kserve_validation_is_strict() -> None:
+    """A misspelt field, a wrong type and a missing required field are each caught."""
+    service = load("inferenceservice.yaml")
+    model = service["spec"]["predictor"]["model"]
+    misspelt = {**service, "spec": {"predictor": {"model": {**model, "protocolVersio": "v2"}}}}
+    wrong_type = {**service, "spec": {"predictor": {"minReplicas": "two", "model": model}}}
+    no_containers = {
+        **RUNTIME,
+        "spec": {k: v for k, v in RUNTIME["spec"].items() if k != "containers"},
+    }
+    unnamed = {k: v for k, v in container().items() if k != "name"}
+    no_name = {**RUNTIME, "spec": {**RUNTIME["spec"], "containers": [unnamed]}}
+    found = errors_of(
+        [
+            (misspelt, KINDS["InferenceService"]),
+            (wrong_type, KINDS["InferenceService"]),
+            (no_containers, KINDS["ServingRuntime"]),
+            (no_name, KINDS["ServingRuntime"]),
+        ]
+    )
+    assert any("protocolVersio: unknown field" in e for e in found[0]), found[0]
+    assert any("minReplicas: expected int" in e for e in found[1]), found[1]
+    assert found[2] == [".spec.containers: required by V1alpha1ServingRuntimeSpec"]
+    assert found[3] == [".spec.containers[0].name: required by V1Container"]
 
 
 @pytest.mark.parametrize("name", list(SERVICES))

@@ -3,14 +3,17 @@
 A page is read as its fenced blocks. `bash` and `python` blocks run; a `text` block right after
 one is the output it must print (`...` matches any text). A `bash` block that starts the server
 (`.venv/bin/mha-serve ARGS`, alone or at the end of the README's Run command) starts a real one
-on free ports instead, replacing the previous; the install part of the Run command is checked to
-be the README's and not re-run. The test suite's own command (pip install ... pytest) is skipped.
-Addresses 127.0.0.1:8000 / :8001 become the server's HTTP and gRPC ports.
+on free ports instead, replacing the previous. Install steps are checked, not re-run: the Run
+command's must be the README's, and each `.venv/bin/pip install` must already be satisfied in
+this environment (the package at that version, or every requirement of that extra). The test
+suite's own command (pip install ... pytest) is skipped. Addresses 127.0.0.1:8000 / :8001
+become the server's HTTP and gRPC ports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import re
 import shlex
@@ -19,12 +22,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 from tests.support import ROOT, Server, free_port, run_server
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 RUN_PREFIX = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && "
 SERVE = ".venv/bin/mha-serve"
-SNIPPET_TIMEOUT = 120  # seconds per snippet; each takes well under one
+PIP = ".venv/bin/pip install"
+SNIPPET_TIMEOUT = 120  # seconds per snippet; each takes a few
 
 
 @dataclass
@@ -53,14 +59,41 @@ def matches(expected: str, actual: str) -> bool:
     return re.fullmatch(pattern, actual.strip(), re.S) is not None
 
 
-def server_args(code: str) -> list[str] | None:
-    """The arguments of a block that starts the server, or None for any other block."""
+def server_command(code: str) -> str | None:
+    """The `mha-serve ...` line of a block that starts the server, or None for any other."""
     line = code.strip()
     if line.startswith(RUN_PREFIX):
         line = line.removeprefix(RUN_PREFIX)
     if "\n" in line or not line.startswith(SERVE):
         return None
-    return shlex.split(line)[1:]
+    return line
+
+
+def unsatisfied(install: str) -> list[str]:
+    """What a `.venv/bin/pip install ...` line asks for that this environment lacks."""
+    missing = []
+    for spec in shlex.split(install.removeprefix(PIP)):
+        if spec.startswith("-") and spec != "-e":
+            continue  # --no-deps, -q
+        if spec == "-e":
+            continue
+        if spec.startswith(".["):  # an extra of this project: each of its requirements
+            for extra in spec[2:-1].split(","):
+                for raw in importlib.metadata.requires("mha-serve") or []:
+                    req = Requirement(raw)
+                    if req.marker and req.marker.evaluate({"extra": extra}):
+                        missing += _lacks(Requirement(req.name + str(req.specifier)))
+        elif spec != ".":
+            missing += _lacks(Requirement(spec))
+    return missing
+
+
+def _lacks(req: Requirement) -> list[str]:
+    try:
+        version = importlib.metadata.version(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        return [str(req)]
+    return [] if req.specifier.contains(version, prereleases=True) else [f"{req} (has {version})"]
 
 
 class PageRunner:
@@ -79,64 +112,73 @@ class PageRunner:
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
 
-    def start(self, args: list[str]) -> None:
+    def start(self, command: str) -> None:
+        """Start `mha-serve ARGS` as the page wrote it, its arguments expanded by bash."""
         self.stack.close()
         self.stack = contextlib.ExitStack()
-        resolved = [str(self.workdir / a) if (self.workdir / a).exists() else a for a in args]
+        args = command.removeprefix(SERVE).strip()
+        words = self.shell(f'printf "%s\\0" {args}').split("\0")[:-1] if args else []
+        resolved = [str(self.workdir / w) if (self.workdir / w).exists() else w for w in words]
         self.grpc_port = free_port()
         self.server = self.stack.enter_context(
             run_server(self.logs, *resolved, "--grpc-port", str(self.grpc_port))
         )
 
     def localize(self, code: str) -> str:
-        assert self.server is not None, "a snippet runs before any block starts the server"
-        code = code.replace("127.0.0.1:8000", f"127.0.0.1:{self.server.port}")
-        code = code.replace("127.0.0.1:8001", f"127.0.0.1:{self.grpc_port}")
+        if self.server is not None:
+            code = code.replace("127.0.0.1:8000", f"127.0.0.1:{self.server.port}")
+            code = code.replace("127.0.0.1:8001", f"127.0.0.1:{self.grpc_port}")
         return code.replace(".venv/bin/python", sys.executable)
+
+    def shell(self, code: str) -> str:
+        return self.execute(["bash", "-ec", self.localize(code)], code)
 
     def run(self, snippet: Snippet) -> str:
         """Run one snippet; returns what it printed (fails the test if it exits non-zero)."""
-        code = self.localize(snippet.code)
-        python = snippet.lang == "python"
-        command = [sys.executable, "-c", code] if python else ["bash", "-ec", code]
+        assert self.server is not None, "a snippet runs before any block starts the server"
+        if snippet.lang == "python":
+            return self.execute([sys.executable, "-c", self.localize(snippet.code)], snippet.code)
+        return self.shell(snippet.code)
+
+    def execute(self, command: list[str], shown: str) -> str:
         done = subprocess.run(
             command,
             cwd=self.workdir,
             capture_output=True,
             text=True,
             timeout=SNIPPET_TIMEOUT,
-            env={"PYTHONPATH": str(ROOT), "PATH": _path()},
+            # the venv's bin first, so `mha-serve`, `python` and the tools resolve to it
+            env={
+                "PYTHONPATH": str(ROOT),
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            },
         )
-        assert done.returncode == 0, f"{snippet.code}\nexit {done.returncode}\n{done.stderr}"
+        assert done.returncode == 0, f"{shown}\nexit {done.returncode}\n{done.stderr}"
         return done.stdout
-
-
-def _path() -> str:
-    """The venv's bin first, so `mha-serve`, `python` and the tools resolve to it."""
-    return f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def run_page(page: Path, workdir: Path, logs: Path) -> int:
     """Run every snippet of `page`; returns how many ran. Fails on the first wrong output."""
-    text = page.read_text()
     ran = 0
     with PageRunner(workdir, logs) as runner:
-        for snippet in snippets(text):
-            if ".venv/bin/pip install" in snippet.code and "pytest" in snippet.code:
+        for snippet in snippets(page.read_text()):
+            if PIP in snippet.code and "pytest" in snippet.code:
                 continue  # the test suite's own command
-            args = server_args(snippet.code) if snippet.lang == "bash" else None
-            if args is not None:
-                runner.start(args)
-                ran += 1
-                continue
-            assert ".venv/bin/pip install" not in snippet.code, (
-                f"{page.name}: an install step this test cannot check: {snippet.code}"
-            )
-            output = runner.run(snippet)
-            if snippet.expected is not None:
-                assert matches(snippet.expected, output), (
-                    f"{page.name}: {snippet.code}\nprinted:\n{output}\nthe page says:\n"
-                    f"{snippet.expected}"
-                )
+            command = server_command(snippet.code) if snippet.lang == "bash" else None
+            if command is not None:
+                runner.start(command)
+            elif snippet.lang == "bash" and snippet.code.lstrip().startswith(PIP):
+                for line in snippet.code.strip().splitlines():
+                    assert line.startswith(PIP), f"{page.name}: mixed install block: {line}"
+                    lacking = unsatisfied(line.split("#")[0].strip())
+                    assert not lacking, f"{page.name}: `{line}` is not satisfied: {lacking}"
+            else:
+                assert PIP not in snippet.code, f"{page.name}: an unchecked install: {snippet.code}"
+                output = runner.run(snippet)
+                if snippet.expected is not None:
+                    assert matches(snippet.expected, output), (
+                        f"{page.name}: {snippet.code}\nprinted:\n{output}\nthe page says:\n"
+                        f"{snippet.expected}"
+                    )
             ran += 1
     return ran

@@ -1,4 +1,4 @@
-"""forward_packed: one packed entry point, one plan per call, opt-in bucketing, jagged SDPA."""
+"""forward_packed: one packed entry point, one plan per call, opt-in bucketing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from engine_helpers import FP32, engine_from, make_mha
 from test_engine_encoder_parity import make_encoder
 
 from mha_engine import varlen
-from mha_engine.varlen import cumulative, jagged_attention, make_plan, use_jagged
+from mha_engine.varlen import cumulative, make_plan
 
 EXACT = {"atol": 0.0, "rtol": 0.0}
 LENGTHS = [5, 9, 5, 1, 12]
@@ -138,23 +138,6 @@ def test_mha_cross_attention_bucketed_with_extra_keys():
     torch.testing.assert_close(
         model.forward_packed(*args, bucket_padding=1.0), model.forward_packed(*args), **FP32
     )
-
-
-def test_jagged_sdpa_path_equals_grouped_attention():
-    """The CUDA varlen route (nested jagged SDPA), run here on CPU's math kernel; unverified
-    on a GPU. On CPU tensors it is never chosen."""
-    model = engine_from(make_mha(16, 2))
-    attn = model.attn
-    x = torch.randn(sum(LENGTHS), 16)
-    plan = make_plan(LENGTHS)
-    assert plan.plain and not use_jagged(attn, x, plan)  # CPU: grouped SDPA
-    q, k, v = attn.split_qkv(attn.in_proj(x))
-    merged = jagged_attention(attn, q, k, v, plan)
-    torch.testing.assert_close(
-        attn.out_proj(merged), model.forward_packed(x, cumulative(LENGTHS)), **FP32
-    )
-    assert not make_plan(LENGTHS, is_causal=True).plain
-    assert not make_plan(LENGTHS, key_padding_mask=_packed_mask(LENGTHS, {1})).plain
 
 
 def test_packed_argument_errors():

@@ -128,8 +128,12 @@ def test_page_shows_a_sentence_with_token_labels(browser, minilm_debug_server, t
     errors: list[str] = []
     page = _open_page(browser, server.url, errors)
 
-    # A missing API key and then a wrong debug token are refused by the data routes (the page
-    # itself loads without credentials), and the page says so.
+    # The page itself loads without credentials and tries to connect without any: the data
+    # routes answer 401, so (only then) the credential form appears.
+    page.wait_for_selector("#connect-panel", state="visible")
+    assert page.text_content("#status").startswith("Could not connect: 401: missing")
+    assert "needs credentials" in page.text_content("#model-line")
+    # A missing API key and then a wrong debug token are refused, and the page says so.
     page.fill("#token", TOKEN)
     page.click("#connect")
     page.wait_for_selector("#status.error")  # (no wait_for_function: the page's CSP bars eval)
@@ -214,7 +218,9 @@ def demo_debug_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
 def test_page_random_input_for_a_tensor_model(browser, demo_debug_server) -> None:
     errors: list[str] = []
     page = _open_page(browser, demo_debug_server.url, errors)
-    _connect(page, "")  # no --debug-token on this server
+    # No --debug-token or --api-key on this server: connected on load, no credential form.
+    page.wait_for_selector("body[data-state=connected]", timeout=30_000)
+    assert page.is_hidden("#connect-panel")
     assert page.is_visible("#random-length") and page.is_hidden("#text")
     assert page.text_content("#length-limit") == "(at most 32, --debug-max-seq-len)"
     page.fill("#random-length", "10")

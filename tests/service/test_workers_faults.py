@@ -26,6 +26,7 @@ import tritonclient.grpc as tgrpc
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
+from service.runtime.startup import EXIT_MODEL_LOAD
 from tests.support import (
     Server,
     alive,
@@ -398,8 +399,9 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
 
 
 def test_an_engine_that_never_serves_stops_the_server(tmp_path: Path) -> None:
-    """A model that cannot load: the supervisor stops (status 3) rather than restart the engine
-    forever, and leaves no process, temp dir or /dev/shm entry behind."""
+    """A model that cannot load: the supervisor stops (with the engine's status for it, 6, and
+    its one line) rather than restart the engine forever, and leaves no process, temp dir or
+    /dev/shm entry behind."""
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"architecture": "multihead_attention"}')  # no weights
@@ -411,8 +413,10 @@ def test_an_engine_that_never_serves_stops_the_server(tmp_path: Path) -> None:
         children = wait_for(lambda: child_pids(server.process.pid), 30, "children started")
         code = server.process.wait(60)
         log = server.log()
-    assert code == 3, (code, log[-3000:])
+    assert code == EXIT_MODEL_LOAD, (code, log[-3000:])
     assert "the engine process failed before it could serve; stopping" in log, log[-3000:]
+    assert f"mha-serve: error: model 'broken' at {broken} failed to load" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
     for pid in children:  # type: ignore[union-attr]
         wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
     assert list(tmpdir.iterdir()) == []

@@ -1,7 +1,9 @@
 // The attention debug page: plain JavaScript, no libraries, no build step.
 // It calls the same JSON endpoints a script would (GET /debug/info, POST .../attention,
-// GET .../heads) and sends the pasted credentials on each of them: the API key (if the server
-// has --api-key) as "Authorization: Bearer", the debug token (--debug-token) as X-Debug-Token.
+// GET .../heads). On load it connects without credentials; only if the server answers 401 or
+// 403 does it show the credential form, and then sends what is pasted there on each call: the
+// API key (if the server has --api-key) as "Authorization: Bearer", the debug token
+// (--debug-token) as X-Debug-Token.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -11,7 +13,8 @@ const page = {
   apiKey: "",
   info: null, // GET /debug/info
   heads: null, // GET /v2/models/{name}/heads
-  result: null, // {layer, tokens, special, weights: Float32Array (H, T, S), H, T, S}
+  result: null, // {layer, kind, tokens, special, weights: Float32Array (H, T, S), H, T, S}
+  results: null, // decoders: {self, cross}, each like `result`; `result` is the one shown
   head: 0,
   busy: false,
 };
@@ -30,7 +33,9 @@ async function api(path, options = {}) {
   }
   if (!response.ok) {
     const why = body && body.error ? body.error : response.statusText;
-    throw new Error(`${response.status}: ${why}`);
+    const error = new Error(`${response.status}: ${why}`);
+    error.status = response.status;
+    throw error;
   }
   return body;
 }
@@ -77,6 +82,20 @@ function requestBody(layer) {
   }
   const length = Number.parseInt($("random-length").value, 10);
   const seed = Number.parseInt($("seed").value, 10) || 0;
+  if (info.decoder_inputs) {
+    // A decoder: tgt and memory (or src and tgt), PyTorch's names; causal target, and a
+    // memory 4 positions longer so the cross-attention map is visibly T x S.
+    const lengths = { tgt: length, memory: length + 4, src: length + 4 };
+    const inputs = info.decoder_inputs.map((name, i) => ({
+      name, shape: [1, lengths[name], info.embed_dim], datatype: "FP32",
+      data: normals(lengths[name] * info.embed_dim, seed + i),
+    }));
+    return {
+      inputs,
+      parameters: { ...parameters, tgt_is_causal: true },
+      outputs: [{ name: "attention_weights" }, { name: "cross_attention_weights" }],
+    };
+  }
   const inputs = [
     { name: "input", shape: [1, length, info.embed_dim], datatype: "FP32",
       data: normals(length * info.embed_dim, seed) },
@@ -163,7 +182,10 @@ function renderHeatmap() {
   grid.dataset.layer = String(layer);
   grid.dataset.rows = String(T);
   grid.dataset.cols = String(S);
-  $("heatmap-title").textContent = `Layer ${layer}, head ${h}`;
+  const what = { self: "self-attention", cross: "cross-attention (target to memory)" };
+  const kind = page.info.decoder_inputs ? `, ${what[page.result.kind]}` : "";
+  $("heatmap-title").textContent = `Layer ${layer}, head ${h}${kind}`;
+  grid.dataset.kind = page.result.kind;
   renderLegend(vmax);
 }
 
@@ -315,15 +337,19 @@ function selectHead(h) {
   renderImportance();
 }
 
+// With a submit event: the credentials pasted in the form. Without (on load): none at all.
 async function connect(event) {
-  event.preventDefault();
-  page.token = $("token").value.trim();
-  page.apiKey = $("api-key").value.trim();
+  if (event) {
+    event.preventDefault();
+    page.token = $("token").value.trim();
+    page.apiKey = $("api-key").value.trim();
+  }
   setStatus("Connecting…");
   try {
     const info = await api("/debug/info");
     page.info = info;
-    fillSelect($("layer"), info.num_layers, "layer");
+    fillSelect($("layer"), info.weight_layers || info.num_layers, "layer");
+    $("kind-control").hidden = !info.decoder_inputs;
     fillSelect($("head"), info.num_heads, "head");
     const text = info.input === "text";
     $("text-control").hidden = !text;
@@ -341,6 +367,12 @@ async function connect(event) {
     setStatus("Connected.");
     document.body.dataset.state = "connected";
   } catch (error) {
+    if (error.status === 401 || error.status === 403) {
+      $("connect-panel").hidden = false;  // the server wants credentials: ask for them
+      $("model-line").textContent =
+        "This server needs credentials: paste the debug token and the API key " +
+        "(each blank if the server has none) and connect.";
+    }
     setStatus(`Could not connect: ${error.message}`, true);
   }
 }
@@ -359,8 +391,9 @@ async function run(event) {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(requestBody(layer)),
     });
-    const weights = output(body, "attention_weights"); // (1, H, T, S)
-    const [, H, T, S] = weights.shape;
+    const kinds = { self: output(body, "attention_weights") }; // (1, H, T, S)
+    if (page.info.decoder_inputs) kinds.cross = output(body, "cross_attention_weights");
+    const [, H, T] = kinds.self.shape;
     let tokens;
     let special;
     if (page.info.input === "text") {
@@ -370,12 +403,17 @@ async function run(event) {
       tokens = Array.from({ length: T }, (_, i) => String(i));
       special = new Array(T).fill(false);
     }
-    const keyTokens = S === T ? tokens : Array.from({ length: S }, (_, i) => String(i));
-    const keySpecial = S === T ? special : new Array(S).fill(false);
-    page.result = {
-      layer, tokens, special, keyTokens, keySpecial, H, T, S,
-      weights: Float32Array.from(weights.data),
-    };
+    page.results = {};
+    for (const [kind, weights] of Object.entries(kinds)) {
+      const S = weights.shape[3];
+      page.results[kind] = {
+        layer, tokens, special, H, T, S, kind,
+        keyTokens: S === T ? tokens : Array.from({ length: S }, (_, i) => String(i)),
+        keySpecial: S === T ? special : new Array(S).fill(false),
+        weights: Float32Array.from(weights.data),
+      };
+    }
+    page.result = page.results[$("kind").value] || page.results.self;
     page.head = Math.min(Number($("head").value) || 0, H - 1);
     $("results").hidden = false;
     renderHeatmap();
@@ -405,6 +443,13 @@ document.addEventListener("DOMContentLoaded", () => {
     if (page.result) run();  // while busy, the finished run picks the new layer up
   });
   $("head").addEventListener("change", () => selectHead(Number($("head").value)));
+  $("kind").addEventListener("change", () => {
+    if (!page.results) return;
+    page.result = page.results[$("kind").value] || page.results.self;
+    renderHeatmap();
+    renderHeads();
+  });
   $("heatmap").addEventListener("mousemove", showTooltip);
   $("heatmap").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+  connect(null);  // no credentials needed: connected at once, no form shown
 });

@@ -29,12 +29,15 @@ from starlette.concurrency import run_in_threadpool
 from service.debug import heatmap, text_attention
 from service.debug import page as debug_page
 from service.debug.attention_weights import (
+    CROSS_WEIGHTS_NAME,
+    ENCODER_WEIGHTS_NAME,
     WEIGHTS_NAME,
     WeightsResult,
     compute,
     first_sequence,
     panels,
     parse_options,
+    weight_layers,
 )
 from service.http.deps import ensure_serving, get_state
 from service.http.middleware import bearer_credential
@@ -47,6 +50,7 @@ from service.oip.codecs import (
     decode_request,
     encode_response,
 )
+from service.oip.decoder_inputs import DECODER_ARCHITECTURES, TRANSFORMER
 from service.oip.inputs import OUTPUT_NAME, check_finite, prepare
 from service.pipeline.errors import (
     BadInput,
@@ -160,7 +164,7 @@ def _max_len(settings: Settings) -> tuple[int, str]:
 def _check_sizes(request: InferRequest, settings: Settings) -> None:
     """The debug limits, named by their flags (the weights are O(B·H·T·S) memory)."""
     max_len, flag = _max_len(settings)
-    for name in ("input", "key"):
+    for name in ("input", "key", "tgt", "memory", "src"):
         tensor = request.inputs.get(name)
         if tensor is None or len(tensor.shape) not in (2, 3):
             continue  # prepare() names the problem
@@ -215,11 +219,14 @@ async def _attention(
         return await _text_attention(state, request, text_header, png, version)
     decoded = await run_in_threadpool(decode_request, body, binary_header)
     asked = dict(decoded.outputs)
-    unknown = sorted(set(asked) - {OUTPUT_NAME, WEIGHTS_NAME})
+    names = [OUTPUT_NAME, WEIGHTS_NAME]
+    if model.architecture in DECODER_ARCHITECTURES:
+        names.append(CROSS_WEIGHTS_NAME)
+    if model.architecture == TRANSFORMER:
+        names.append(ENCODER_WEIGHTS_NAME)
+    unknown = sorted(set(asked) - set(names))
     if unknown:
-        raise BadInput(
-            f"unknown output(s) {unknown}; this endpoint has '{OUTPUT_NAME}' and '{WEIGHTS_NAME}'"
-        )
+        raise BadInput(f"unknown output(s) {unknown}; this endpoint has {names}")
     _check_sizes(decoded, settings)
     limits = replace(
         state.limits,
@@ -228,7 +235,7 @@ async def _attention(
     )
     payload = await run_in_threadpool(prepare, replace(decoded, outputs={}), limits)
     await run_in_threadpool(check_finite, payload)  # weights of NaN inputs would be NaN
-    options = parse_options(decoded.parameters, model.architecture, model.num_layers)
+    options = parse_options(decoded.parameters, model.architecture, weight_layers(model))
 
     if png:
         first = first_sequence(payload)
@@ -252,6 +259,7 @@ async def _attention(
     tensors = [
         OutputTensor(OUTPUT_NAME, payload.datatype, result.output),
         OutputTensor(WEIGHTS_NAME, payload.datatype, result.weights),
+        *(OutputTensor(name, payload.datatype, w) for name, w in result.extra.items()),
     ]
     if asked:
         tensors = [t for t in tensors if t.name in asked]
