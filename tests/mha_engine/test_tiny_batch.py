@@ -2,9 +2,10 @@
 
 GEMM kernels pick other code paths for very few rows (MKL's fp32 sgemm for 1-3 rows, and 5-7
 and 9-11 with 2 threads; oneDNN's for 1 row at K=1536); mha_engine.fused pads each linear's
-input to MIN_ROWS rows (and models pad a whole packed batch at entry). Shapes are MiniLM's (E=384, 6 heads, FFN 1536, GELU), in fp32, bf16 and int8,
-with the fused oneDNN path on (default) and off (MHA_ENGINE_FUSED_CPU=0), at 1 thread, 2 and
-torch's default (the server's: one per core).
+input to MIN_ROWS rows (and models pad a whole packed batch at entry). Shapes are MiniLM's
+(E=384, 6 heads, FFN 1536, GELU), in fp32, bf16 and int8, with the fused oneDNN path on
+(default) and off (MHA_ENGINE_FUSED_CPU=0), at 1 thread, 2 and torch's default (the server's:
+one per core).
 """
 
 from __future__ import annotations
