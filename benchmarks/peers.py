@@ -201,7 +201,7 @@ def main() -> None:
     med = {name: statistics.median(r) for name, r in got.items()}
     print(
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, "
+        f"CPU capability {fused.cpu_capability()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, {threads} threads, "
         f"load avg {os.getloadavg()[0]:.2f}"
     )

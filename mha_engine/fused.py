@@ -66,23 +66,16 @@ def fused_cpu_enabled() -> bool:
 
 
 def cpu_capability() -> str:
-    """The vector ISA PyTorch's CPU kernels run with here (AVX512, AVX2, ...), plus what
-    oneDNN can use for bf16 and int8 GEMMs: what diagnostics and benchmarks report."""
+    """The vector ISA PyTorch's CPU kernels run with here (AVX512, AVX2, ...), plus the native
+    bf16 / int8 / AMX instructions oneDNN can use: what diagnostics and benchmarks report."""
     cap = torch.backends.cpu.get_cpu_capability()
-    extras = [
-        name
-        for name, has in (
-            ("bf16", getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)),
-            ("fp16", getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)),
-        )
-        if has is not None and has()
-    ]
-    amx = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
-    vnni = getattr(torch._C._cpu, "_is_avx512_vnni_supported", None)
-    if vnni is not None and vnni():
-        extras.append("vnni")
-    if amx is not None and amx():
-        extras.append("amx")
+    probes = (
+        ("avx512-bf16", "_is_avx512_bf16_supported"),
+        ("vnni", "_is_vnni_supported"),
+        ("amx", "_is_amx_tile_supported"),
+        ("amx-fp16", "_is_amx_fp16_supported"),
+    )
+    extras = [name for name, fn in probes if getattr(torch.cpu, fn, lambda: False)()]
     return f"{cap} ({', '.join(extras)})" if extras else cap
 
 
