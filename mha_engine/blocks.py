@@ -46,8 +46,8 @@ class EncoderLayer(nn.Module):
         a, w = self.self_attn(h, h, h, key_padding_mask, attn_mask, is_causal, need_weights)
         return residual + a, w
 
-    def _ff(self, x: Tensor, residual: Tensor) -> Tensor:
-        """residual + linear2(activation(linear1(x))), activation and add fused on CPU."""
+    def _ff(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """[residual +] linear2(activation(linear1(x))), activation and add fused on CPU."""
         h = linear(self.linear1, x, self.activation_name)  # (..., F)
         return linear(self.linear2, h, residual=residual)  # (..., E)
 
