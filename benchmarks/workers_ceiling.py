@@ -34,6 +34,7 @@ def channel_ms(seq_len: int, embed_dim: int, repeats: int = 2000) -> tuple[float
     from service.oip.inputs import Payload
     from service.runtime.forward import hidden_states
     from service.workers.channel import FrameBuffer, frame
+    from service.workers.messages import Done, Submit
     from service.workers.slab import Slab
     from service.workers.wire import (
         payload_from_wire,
@@ -52,14 +53,14 @@ def channel_ms(seq_len: int, embed_dim: int, repeats: int = 2000) -> tuple[float
         out = (slab.alloc(x.nbytes), x.nbytes)
         regions.append(out)
         wire = payload_to_wire(Payload(x, [seq_len]), slab, regions)
-        data = frame(("submit", i, ("mha", "1"), hidden_states, 1e9, wire, out))
+        data = frame(Submit(i, ("mha", "1"), hidden_states, 1e9, wire, out))
         t1 = clock()
         (message,) = FrameBuffer().feed(data)
-        payload = payload_from_wire(message[5], slab)
-        reply = frame(("done", i, *result_to_wire(slab, message[6], payload.query)))
+        payload = payload_from_wire(message.wire, slab)
+        reply = frame(Done(i, result_to_wire(slab, message.out, payload.query), 0.0, 0.0))
         t2 = clock()
         (done,) = FrameBuffer().feed(reply)
-        result_from_wire(slab, out, done[2:])
+        result_from_wire(slab, out, done.result)
         for offset, nbytes in regions:
             slab.free(offset, nbytes)
         t3 = clock()

@@ -19,6 +19,7 @@ from service.grpc.server import GrpcListener
 from service.http import docs
 from service.http.flow import BodyRate, ResponseBackpressure, ResponseBudget
 from service.http.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
+from service.http.openapi import add_body_schemas
 from service.http.routes import (
     config_stats,
     debug,
@@ -101,6 +102,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
         redoc_url=None,  # ReDoc has no offline bundle here
     )
     app.state.settings = settings
+    add_body_schemas(app)
     if settings.api_key is not None:
         app.add_middleware(
             ApiKeyAuth,

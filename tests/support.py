@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import jsonschema
+import numpy as np
 import yaml
 
 from benchmarks import scrape
 from benchmarks.client import binary_infer_body
 from benchmarks.server import ROOT, Proc, free_port, running
 
-__all__ = ["ROOT", "Server", "free_port", "run_server"]
+__all__ = [
+    "FP32_TOL", "ROOT", "Server", "binary_output", "free_port", "output_of", "run_server",
+    "wait_for",
+]  # fmt: skip
+FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 OIP_SPEC = ROOT.parent / "shared" / "oip" / "open_inference_rest.yaml"
 
 
@@ -142,3 +149,28 @@ def serving_pid(server_port: int, client_port: int, pids: Iterable[int]) -> int 
                 if inode in socket_inodes(pid):
                     return pid
     return None
+
+
+def binary_output(content: bytes, headers: Mapping[str, Any]) -> np.ndarray:
+    """The float32 'output' tensor of a binary OIP response body (a copy: writable)."""
+    length = int(headers["Inference-Header-Content-Length"])
+    (out,) = json.loads(content[:length])["outputs"]
+    return np.frombuffer(content[length:], np.float32).reshape(out["shape"]).copy()
+
+
+def output_of(response: Any) -> np.ndarray:
+    """The float32 'output' of a binary httpx response, which must be a 200."""
+    assert response.status_code == 200, response.text
+    return binary_output(response.content, response.headers)
+
+
+def wait_for(
+    check: Callable[[], object], what: str = "the condition", timeout: float = 20
+) -> object:
+    """Poll `check()` until truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.01)
+    return result

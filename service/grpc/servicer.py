@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import json_format
@@ -24,15 +25,14 @@ from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.grpc.tensors import decode_infer_request, encode_infer_response
-from service.http.deps import ensure_serving
 from service.http.middleware import bearer_credential, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
-from service.oip.inputs import OUTPUT_NAME, prepare, request_timeout_s
+from service.oip.inputs import OUTPUT_NAME
 from service.oip.model_config import extensions, model_config, model_metadata
-from service.pipeline.errors import BadInput, DeadlineExceeded, ServiceError, Unauthorized
-from service.runtime.forward import hidden_states
+from service.pipeline.errors import BadInput, ServiceError, Unauthorized
+from service.pipeline.models import admit
+from service.pipeline.tensors import TensorRequest, TensorResult, infer
 from service.runtime.model_control import UNLOAD_PARAMETERS
-from service.runtime.work import Work
 
 if TYPE_CHECKING:
     from service.runtime.model_control import ModelControl
@@ -55,19 +55,15 @@ class Call:
         self.reason: str | None = None
 
 
-async def wait_work(entry: ModelEntry, work: Work, timeout: float) -> Any:
-    """Await queued `work`: DEADLINE_EXCEEDED if the deadline passes before it starts; a
-    cancelled call (client gone, its deadline) takes the work out of the queue."""
-    try:
-        done, _ = await asyncio.wait({work.future}, timeout=timeout)
-        if done:
-            return work.future.result()
-        if await entry.batcher.withdraw([work]):
-            raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
-        return await work.future  # already running: it finishes within one forward
-    finally:
-        if not work.future.done():  # cancelled: never compute it
-            entry.batcher.cancel(work)
+async def _encode(raw: bool, result: TensorResult) -> pb.ModelInferResponse:
+    """The result as a ModelInferResponse (raw output contents when the request sent raw)."""
+    return encode_infer_response(
+        result.entry.name,
+        result.entry.version,
+        result.request_id,
+        [OutputTensor(OUTPUT_NAME, result.payload.datatype, result.array)],
+        raw=raw,
+    )
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -145,6 +141,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 },
             )
 
+    def _ready(self, name: str, version: str) -> bool:
+        """Triton's answer: false for a model it knows but cannot serve now (loading, unloading,
+        unloaded, or that version not served); NOT_FOUND only for a name it has never heard of."""
+        state = self.state
+        entry = state.versions.get(name, {}).get(version) if version else state.models.get(name)
+        if entry is not None:
+            return state.model_ready(entry)
+        if name in state.versions or name in self.control.known():
+            return False
+        state.find(name, version or None)  # raises NOT_FOUND naming what is served
+        return False
+
     def _model(self, name: str, version: str) -> ModelEntry:
         return self.state.find(name, version or None)
 
@@ -159,8 +167,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         async with self._call("ModelReady", context):
-            entry = self._model(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.state.model_ready(entry))
+            return pb.ModelReadyResponse(ready=self._ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
         async with self._call("ServerMetadata", context):
@@ -200,52 +207,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         name, version = request.model_name, request.model_version
         async with self._call("ModelInfer", context, "infer", name, version) as call:
-            entry = self._model(request.model_name, request.model_version)
-            with entry.stats.request():
-                return await self._infer(entry, request, context, call)
-
-    async def _infer(self, entry: ModelEntry, request, context, call: Call):
-        state = self.state
-        ensure_serving(state, entry)
-        metrics = entry.metrics or state.metrics
-        started = time.perf_counter()
-        raw = bool(request.raw_input_contents)
-        # Raw contents decode to views (no pass over the values); large typed contents are
-        # copied value by value, off the event loop.
-        if not raw and request.ByteSize() > OFFLOAD_BYTES:
-            decoded = await asyncio.to_thread(decode_infer_request, request)
-            payload = await asyncio.to_thread(prepare, decoded, entry.limits)
-        else:
-            decoded = decode_infer_request(request)
-            payload = prepare(decoded, entry.limits)
-        seconds = time.perf_counter() - started
-        metrics.codec(metrics.decode, "grpc", seconds)
-        entry.stats.add("compute_input", seconds)
-        metrics.sequences_received(payload.lengths)
-
-        timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
-        remaining = context.time_remaining()  # the call's gRPC deadline, if it has one
-        if remaining is not None:
-            timeout = min(timeout, max(remaining, 0.0))
-        deadline = time.monotonic() + timeout
-        loop = asyncio.get_running_loop()
-        work = Work(payload=payload, runner=hidden_states, deadline=deadline, loop=loop)
-        entry.batcher.submit(work)
-        output = await wait_work(entry, work, timeout)  # (N, E), a slice of the batch output
-
-        started = time.perf_counter()
-        array = payload.dense(output, payload.lengths) if payload.batched else output  # (B, T, E)
-        response = encode_infer_response(
-            entry.name,
-            entry.version,
-            decoded.id or call.request_id,
-            [OutputTensor(OUTPUT_NAME, payload.datatype, array)],
-            raw=raw,
-        )
-        seconds = time.perf_counter() - started
-        metrics.codec(metrics.encode, "grpc", seconds)
-        entry.stats.add("compute_output", seconds)
-        return response
+            admit(self.state, name, version or None)  # 404 / 503 before any work
+            raw = bool(request.raw_input_contents)
+            work = TensorRequest(
+                model=name,
+                version=version or None,
+                protocol="grpc",
+                request_id=call.request_id,
+                decode=functools.partial(decode_infer_request, request),
+                # Raw contents decode to views (no pass over the values); large typed contents
+                # are copied value by value, off the event loop.
+                offload=not raw and request.ByteSize() > OFFLOAD_BYTES,
+                deadline_s=context.time_remaining(),  # the call's gRPC deadline, if any
+            )
+            return await infer(self.state, work, functools.partial(_encode, raw))
 
     # -- model repository (service/runtime/model_control.py) --------------------------------
     async def RepositoryIndex(self, request, context):

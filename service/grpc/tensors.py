@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from service.grpc import grpc_service_pb2 as pb
-from service.oip.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor
+from service.oip.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor, check_shape
 from service.oip.datatypes import DATATYPES
 from service.pipeline.errors import BadInput
 
@@ -43,17 +43,6 @@ def _parameters(parameters: Any) -> dict[str, Any]:
     return {key: parameter_value(value) for key, value in parameters.items()}
 
 
-def _shape(tensor: pb.ModelInferRequest.InferInputTensor) -> tuple[tuple[int, ...], int]:
-    """The shape and its element count in Python ints (no int64 wrap-around)."""
-    shape = tuple(tensor.shape)
-    if len(shape) > MAX_RANK or any(dim < 0 for dim in shape):
-        raise BadInput(
-            f"input '{tensor.name}': shape {list(shape)} must be at most {MAX_RANK} "
-            "non-negative integers"
-        )
-    return shape, math.prod(shape)
-
-
 def _raw_array(name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes):
     dtype = DATATYPES[datatype].numpy
     if len(raw) != count * dtype.itemsize:
@@ -61,7 +50,7 @@ def _raw_array(name: str, datatype: str, shape: tuple[int, ...], count: int, raw
             f"input '{name}': raw_input_contents has {len(raw)} bytes but shape {list(shape)} "
             f"of {datatype} needs {count * dtype.itemsize}"
         )
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype)  # flat: reshaped once its dimensions are checked
 
 
 def _typed_array(tensor: pb.ModelInferRequest.InferInputTensor, shape, count: int) -> np.ndarray:
@@ -86,7 +75,7 @@ def _typed_array(tensor: pb.ModelInferRequest.InferInputTensor, shape, count: in
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise BadInput(f"input '{name}': contents.{field} holds values outside {datatype}")
         array = array.astype(dtype)
-    return array.reshape(shape)
+    return array  # flat: reshaped once its dimensions are checked
 
 
 def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
@@ -100,13 +89,20 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
             "send one per input, in the order of 'inputs'"
         )
     inputs: dict[str, InferTensor] = {}
+    message_bytes = request.ByteSize()  # what a dimension is checked against, as over HTTP
     for index, tensor in enumerate(request.inputs):
         name, datatype = tensor.name, tensor.datatype
         if name in inputs:
             raise BadInput(f"input '{name}' appears twice")
         if datatype not in DATATYPES:
             raise BadInput(f"input '{name}': datatype {datatype!r} is not supported here")
-        shape, count = _shape(tensor)
+        shape = tuple(tensor.shape)
+        if len(shape) > MAX_RANK or any(dim < 0 for dim in shape):
+            raise BadInput(
+                f"input '{name}': shape {list(shape)} must be at most {MAX_RANK} "
+                "non-negative integers"
+            )
+        count = math.prod(shape)  # Python ints: no int64 wrap-around
         if raw:
             if tensor.HasField("contents"):
                 raise BadInput(
@@ -115,6 +111,10 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
             array = _raw_array(name, datatype, shape, count, raw[index])
         else:
             array = _typed_array(tensor, shape, count)
+        # The data matches the count; each dimension is still bounded like an HTTP body's (a
+        # zero-size dimension beside huge ones matches any count of zero).
+        check_shape(list(shape), name, message_bytes)
+        array = array.reshape(shape)
         inputs[name] = InferTensor(name, datatype, shape, array)
     outputs = {}
     for output in request.outputs:

@@ -33,22 +33,6 @@ async def _state(request: Request) -> ServiceState:
 State = Annotated[ServiceState, Depends(_state)]
 
 
-def ensure_serving(state: ServiceState, entry: ModelEntry | None = None) -> None:
-    """503 while warming up or draining: work is accepted only by a ready server, or (given
-    `entry`) by a ready model version."""
-    if state.serving if entry is None else state.model_ready(entry):
-        return
-    if state.draining:
-        message = "server is draining; retry on another replica"
-    elif entry is not None and entry.unloading:
-        message = f"model '{entry.name}' version {entry.version} is being unloaded"
-    else:
-        if entry is not None:
-            entry.batcher.check_open()  # a closed batcher, or (--workers) the engine restarting
-        message = "model is warming up"
-    raise NotReady(message, headers={"Retry-After": "1"})
-
-
 async def path_model(state: State, model_name: str, model_version: str | None = None) -> ModelEntry:
     """The model named by the path (`/v2/models/{model_name}[/versions/{model_version}]`)."""
     return state.find(model_name, model_version or None)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
+from pydantic import BaseModel
+
 from service.oip.datatypes import FLOAT_TYPES
 
 DATATYPES = [*FLOAT_TYPES, "BOOL"]  # what /infer accepts
@@ -182,3 +185,53 @@ INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
     **ERROR_RESPONSES,
 }
+
+
+# Request-body models of the routes that read their body themselves (service.http.body), by
+# name: add_body_schemas() puts them in the document's components, as FastAPI would have.
+BODY_MODELS: dict[str, type[BaseModel]] = {}
+
+
+def inlined(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its $defs substituted in place (the route's OpenAPI document
+    has no $defs section for them to point into)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+def json_body(*models: type[BaseModel]) -> dict:
+    """openapi_extra documenting a JSON request body of one of `models` (the route reads the
+    body itself, so FastAPI cannot infer it): a reference to the one model's component, or the
+    models inlined as alternatives."""
+    if len(models) == 1:
+        (model,) = models
+        BODY_MODELS[model.__name__] = model
+        schema: dict = {"$ref": f"#/components/schemas/{model.__name__}"}
+    else:
+        schema = {"anyOf": [inlined(m) for m in models]}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def add_body_schemas(app: FastAPI) -> None:
+    """Make app.openapi() carry the BODY_MODELS' schemas among its components."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = default()
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, model in BODY_MODELS.items():
+                schemas.setdefault(name, inlined(model))
+        return app.openapi_schema
+
+    app.openapi = openapi

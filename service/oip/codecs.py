@@ -60,10 +60,11 @@ def _check_parameters(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _check_shape(shape: Any, name: str, body_bytes: int) -> tuple[tuple[int, ...], int]:
+def check_shape(shape: Any, name: str, body_bytes: int) -> tuple[tuple[int, ...], int]:
     """The shape and its element count in Python ints (no int64 wrap-around: callers compare
     the count with the data, never allocate from it). A dimension larger than the body could
-    carry is refused here, so even a zero-sized shape never reaches numpy with huge dims."""
+    carry is refused here, so even a zero-sized shape never reaches numpy with huge dims.
+    The one shape rule of every front (JSON, binary, gRPC)."""
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
         raise BadInput(f"input '{name}': 'shape' must be a list of at most {MAX_RANK} integers")
     for dim in shape:
@@ -202,7 +203,7 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
             raise BadInput(f"input '{name}': unknown datatype {datatype!r}")
         if datatype not in DATATYPES:
             raise BadInput(f"input '{name}': datatype {datatype} is not supported here")
-        shape, count = _check_shape(raw.get("shape"), name, len(body))
+        shape, count = check_shape(raw.get("shape"), name, len(body))
         input_params = _check_parameters(raw.get("parameters"), f"input '{name}'")
         binary_size = input_params.get("binary_data_size")
         if binary_size is not None:

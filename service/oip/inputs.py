@@ -73,6 +73,7 @@ class Payload:
     src_key_padding_mask: np.ndarray | None = None  # (M,) bool (transformer)
     datatype: str = "FP32"  # the input's wire datatype; the output comes back in it
     batched: bool = True  # input was [B, T, E] (else [T, E])
+    token_types: np.ndarray | None = None  # (N,) token type ids beside token-id queries (pairs)
 
     @property
     def num_sequences(self) -> int:

@@ -36,6 +36,31 @@ log = logging.getLogger(__name__)
 SHUTTING_DOWN = "server is shutting down; retry on another replica"
 
 
+class Batcher(Protocol):
+    """What the routes and the pipeline use of a model's batcher: the DynamicBatcher here, or
+    with --workers a front-end's RemoteBatcher (service.workers.remote) forwarding to the
+    engine process's."""
+
+    model: Any
+    max_batch_size: int
+    max_batch_delay_s: float
+    max_queue: int
+
+    @property
+    def queued_sequences(self) -> int: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float | None = None) -> None: ...
+    def check_open(self) -> None: ...
+    def close(self) -> int: ...
+    def submit(self, work: QueueItem) -> None: ...
+    def run_exclusive(
+        self, fn: Callable[..., Any], args: tuple = (), *, sequences: int, deadline: float
+    ) -> QueueItem: ...
+    def cancel(self, work: QueueItem) -> bool: ...
+    async def withdraw(self, items: list[QueueItem]) -> bool: ...
+    def reserve(self, sequences: int) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
 class BatchObserver(Protocol):
     """What the batcher reports (implemented by service.runtime.metrics)."""
 
@@ -308,9 +333,11 @@ class DynamicBatcher:
             else:
                 works[0].resolve(error=InferenceError("inference failed for this request"))
             return
-        self._report_batch(works, time.perf_counter() - started, ok=True)
+        compute_s = time.perf_counter() - started
+        self._report_batch(works, compute_s, ok=True)
         self._update_drain_rate(works)
         for work, result in zip(works, results, strict=True):
+            work.infer_s = compute_s
             if isinstance(result, ServiceError):
                 work.resolve(error=result)
             else:

@@ -48,6 +48,14 @@ class ModelControl:
             by_name.setdefault(source.name, []).append(source)
         return by_name
 
+    def known(self) -> set[str]:
+        """Names the server could serve (loaded or not): a readiness probe says "not ready" for
+        these rather than "not found"."""
+        try:
+            return set(self._sources()) | set(self.state.versions)
+        except BadInput:  # an unreadable repository: only what is loaded
+            return set(self.state.versions)
+
     def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Triton's repository index, a row per model version: name, version, state (READY /
         UNAVAILABLE), reason."""

@@ -12,7 +12,7 @@ from typing import Any
 from mha_engine import ServedModel
 from service.oip.inputs import ModelLimits
 from service.pipeline.errors import ModelNotFound
-from service.runtime.batcher import DynamicBatcher
+from service.runtime.batcher import Batcher
 from service.runtime.metrics import Metrics
 from service.runtime.settings import Settings
 from service.runtime.statistics import ModelStats
@@ -29,7 +29,7 @@ class ModelEntry:
 
     name: str
     model: ServedModel
-    batcher: DynamicBatcher
+    batcher: Batcher  # local, or a --workers front-end's remote one
     limits: ModelLimits
     info: dict[str, Any]  # labels of mha_model_info and the metadata's properties
     stats: ModelStats  # Triton's statistics extension, fed by the batcher and the handlers
@@ -136,7 +136,7 @@ class ServiceState:
         return self.default.model
 
     @property
-    def batcher(self) -> DynamicBatcher:
+    def batcher(self) -> Batcher:
         return self.default.batcher
 
     @property

@@ -1,17 +1,27 @@
 """Triton's statistics extension for the served model: cumulative counts and durations.
 
-Request-level figures (success, fail, compute_input, compute_output) come from the inference
-handlers of both protocols; batch-level figures (inference_count, execution_count, queue,
-compute_infer, batch_stats) from the batcher's observer. Warm-up batches are not counted.
+As Triton records them: an executed request's success, queue, compute_input, compute_infer and
+compute_output are written together, once, when it completes (service.pipeline), so their counts
+always agree (perf_analyzer requires it); a failed request counts in `fail` only. Batch-level
+figures (inference_count, execution_count, batch_stats) come from the batcher's observer.
+Warm-up batches are not counted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Timing(NamedTuple):
+    """One executed request's durations in seconds (Triton's inference_stats kinds)."""
+
+    input_s: float  # compute_input: decode + validate
+    queue_s: float  # queued until its batch started
+    infer_s: float  # compute_infer: its batch's forward
+    output_s: float  # compute_output: encode
+    total_s: float  # success: the whole request
 
 
 class Duration:
@@ -49,22 +59,20 @@ class ModelStats:
         self.last_inference = 0  # ms since the epoch
 
     # -- request side (event loop) ----------------------------------------------------------
-    def add(self, kind: str, seconds: float) -> None:
-        """Record one request's `kind` duration (compute_input: decode + validate; compute_output:
-        encode)."""
+    def executed(self, timing: Timing) -> None:
+        """One executed request, all its durations written together."""
+        durations = self._durations
         with self._lock:
-            self._durations[kind].add(seconds)
+            durations["success"].add(timing.total_s)
+            durations["queue"].add(timing.queue_s)
+            durations["compute_input"].add(timing.input_s)
+            durations["compute_infer"].add(timing.infer_s)
+            durations["compute_output"].add(timing.output_s)
 
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Count the inference request run inside as a success or a failure, with its duration."""
-        started = time.perf_counter()
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            self.add("success" if ok else "fail", time.perf_counter() - started)
+    def failed(self, seconds: float) -> None:
+        """One request that failed (before, in or after its forward): counted in `fail` only."""
+        with self._lock:
+            self._durations["fail"].add(seconds)
 
     # -- batcher side (BatchObserver) -------------------------------------------------------
     def queue_depth(self, sequences: int) -> None:
@@ -74,7 +82,7 @@ class ModelStats:
         pass
 
     def expired(self, work: Any) -> None:
-        pass  # the handler's request() counts the failure
+        pass  # the pipeline counts the failure
 
     def batch_done(self, works: list[Any], compute_s: float, ok: bool) -> None:
         if not (ok and self.counting):
@@ -85,9 +93,6 @@ class ModelStats:
             self.inference_count += sequences
             self.last_inference = int(time.time() * 1000)
             self._batches.setdefault(sequences, Duration()).add(compute_s)
-            for work in works:
-                self._durations["queue"].add(work.started_at - work.enqueued_at)
-                self._durations["compute_infer"].add(compute_s)
 
     # -- reading -----------------------------------------------------------------------------
     async def snapshot(self) -> dict[str, Any]:

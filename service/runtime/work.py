@@ -30,6 +30,7 @@ class QueueItem:
     future: asyncio.Future = field(init=False)
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
+    infer_s: float = 0.0  # its batch's forward (set by the batcher before it resolves)
 
     def __post_init__(self) -> None:
         if self.loop is not None:
@@ -47,9 +48,15 @@ class QueueItem:
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         """Hand the outcome to the event loop (safe from any thread)."""
-        self.loop.call_soon_threadsafe(self._deliver, result, error)
+        self.loop.call_soon_threadsafe(self.deliver, result, error)
 
-    def _deliver(self, result: Any, error: BaseException | None) -> None:
+    @property
+    def queue_s(self) -> float:
+        """Seconds it waited in the queue before its batch started."""
+        return 0.0 if self.started_at is None else self.started_at - self.enqueued_at
+
+    def deliver(self, result: Any, error: BaseException | None) -> None:
+        """Resolve its future now, on the event loop's thread (a no-op once resolved)."""
         if self.future.done():
             return
         if error is not None:

@@ -205,12 +205,14 @@ def token_runner(model: ServedTextModel, payloads: list[Payload]) -> list[list[n
 def classify_runner(
     model: ServedClassifierModel, payloads: list[Payload]
 ) -> list[list[np.ndarray]]:
-    """Batcher runner for /predict and /rerank: (T, 2) [ids, token types] sequences -> logits
-    (num_labels,) float32 per sequence, one engine call for the whole batch."""
-    packed = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (N, 2)
+    """Batcher runner for /predict and /rerank: token ids (and token types) of T tokens per
+    sequence -> logits (num_labels,) float32 per sequence, one engine call for the whole batch."""
+    ids = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (N,)
     cu_seqlens = np.cumsum([0, *(n for p in payloads for n in p.lengths)]).tolist()
-    types = packed[:, 1] if model.config.type_vocab_size > 1 else None  # RoBERTa: one type
-    logits = model.classify_packed(packed[:, 0].contiguous(), cu_seqlens, types).cpu().numpy()
+    types = None  # RoBERTa: one token type
+    if model.config.type_vocab_size > 1:
+        types = torch.from_numpy(np.concatenate([p.token_types for p in payloads]))  # (N,)
+    logits = model.classify_packed(ids, cu_seqlens, types).cpu().numpy()
     out, start = [], 0
     for p in payloads:
         out.append(list(logits[start : start + p.num_sequences]))
@@ -224,8 +226,10 @@ def token_payload(ids: list[np.ndarray]) -> Payload:
 
 
 def typed_payload(encoded: list[Encoded]) -> Payload:
-    """A payload of (T, 2) [ids, token types] sequences for classify_runner (T tokens each)."""
-    return token_payload([np.stack([e.ids, e.types], axis=1) for e in encoded])
+    """A payload of token ids with their token types as their own field, for classify_runner."""
+    payload = token_payload([e.ids for e in encoded])
+    payload.token_types = np.concatenate([e.types for e in encoded])
+    return payload
 
 
 def text_kind(model: Any) -> str | None:

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from service.http.routes.common import ClientWatch, await_queued
 from service.oip.inputs import Payload
 from service.pipeline.errors import ClientDisconnected, DeadlineExceeded, PayloadTooLarge
+from service.pipeline.models import submit
+from service.pipeline.waiting import Gone, await_queued
 from service.runtime.work import Runner, Work
 from service.text.tokenizer import (
     CharLimits,
@@ -73,7 +73,7 @@ def tokenize_chunks(texts: list[Text]) -> list[list[Text]]:
 async def tokenize(
     state: ServiceState,
     entry: ModelEntry,
-    request: Request,
+    gone: Gone,
     texts: list[Text],
     deadline: float,
     encode: Callable[[list[Text]], list[Any]] | None = None,
@@ -86,21 +86,17 @@ async def tokenize(
     encode = encode or tokenizer.encode
     if sum(_chars(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
         return encode(texts)
-    watch = ClientWatch(request)
     encoded: list[Any] = []
-    try:
-        for part in tokenize_chunks(texts):
-            if watch.gone:
-                raise ClientDisconnected("client disconnected while its inputs were tokenized")
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(
-                    f"tokenizing did not finish within the request's deadline "
-                    f"({state.settings.request_timeout_s} s, --request-timeout-s)"
-                )
-            entry.batcher.check_open()
-            encoded += await run_in_threadpool(encode, part)
-    finally:
-        watch.close()
+    for part in tokenize_chunks(texts):
+        if gone.happened:
+            raise ClientDisconnected("client disconnected while its inputs were tokenized")
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(
+                f"tokenizing did not finish within the request's deadline "
+                f"({state.settings.request_timeout_s} s, --request-timeout-s)"
+            )
+        entry.batcher.check_open()
+        encoded += await run_in_threadpool(encode, part)
     return encoded
 
 
@@ -127,16 +123,19 @@ def _retrieve(future: asyncio.Future) -> None:
 async def run_parts(
     state: ServiceState,
     entry: ModelEntry,
-    request: Request,
+    gone: Gone,
     encoded: list[Encoded],
-    timeout: float,
+    deadline: float,
     runner: Runner = embed_runner,
     payload_of: Callable[[list[Encoded]], Payload] | None = None,
 ) -> list[np.ndarray]:
-    """Queue every part on `entry`'s batcher, await all; on timeout or disconnect drop the parts
-    not yet started. payload_of builds a part's payload (default: its token ids)."""
+    """Queue every part on the batcher of `entry`'s current copy, await all; on timeout or
+    disconnect drop the parts not yet started. payload_of builds a part's payload (default: its
+    token ids). `deadline` is time.monotonic()'s: 504 if tokenizing has used it up."""
+    timeout = deadline - time.monotonic()
+    if timeout <= 0:
+        raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
     loop = asyncio.get_running_loop()
-    deadline = time.monotonic() + timeout
     settings = state.settings
     works: list[Work] = []
     try:
@@ -145,10 +144,13 @@ async def run_parts(
             payload = payload_of(items) if payload_of else token_payload([e.ids for e in items])
             work = Work(payload=payload, runner=runner, deadline=deadline, loop=loop)
             work.future.add_done_callback(_retrieve)
-            entry.batcher.submit(work)  # 429 when the queue is full
+            if works:
+                entry.batcher.submit(work)  # 429 when the queue is full
+            else:  # the model's current copy: a reload since the look-up passes it on
+                entry = submit(state, entry.name, entry.version, work)
             works.append(work)
         gathered = asyncio.gather(*(w.future for w in works))
-        results = await await_queued(entry.batcher, request, gathered, works, timeout)
+        results = await await_queued(entry.batcher, gathered, works, timeout, gone)
     except BaseException:
         for work in works:
             entry.batcher.cancel(work)

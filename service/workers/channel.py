@@ -1,6 +1,6 @@
 """The control channel between a front-end and the engine process: a Unix stream socket
-carrying length-prefixed pickled tuples. Only small things travel on it (operation, ids,
-offsets, shapes, errors); tensors stay in the front-end's shared-memory slab.
+carrying length-prefixed pickled messages (service.workers.messages). Only small things travel
+on it (ids, offsets, shapes, errors); tensors stay in the front-end's shared-memory slab.
 
 Both ends are our own processes, started by one supervisor, on a socket in a private 0700
 directory, so unpickling is between trusted peers.
@@ -17,7 +17,7 @@ HEADER = struct.Struct("<I")  # frame length
 MAX_FRAME = 1 << 31  # an inline fallback may carry a large array, never past the body limit
 
 
-def frame(message: tuple) -> bytes:
+def frame(message: Any) -> bytes:
     """One message as bytes to write."""
     body = pickle.dumps(message, protocol=5)
     return HEADER.pack(len(body)) + body

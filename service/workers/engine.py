@@ -32,6 +32,23 @@ from service.runtime.startup import StartupError
 from service.runtime.state import ModelEntry, ServiceState
 from service.runtime.work import Exclusive, QueueItem, Work
 from service.workers.channel import FrameBuffer, frame, recv_message
+from service.workers.messages import (
+    Cancel,
+    Cancelled,
+    Done,
+    Error,
+    Executed,
+    Failed,
+    Hello,
+    Key,
+    Release,
+    Reply,
+    Reserve,
+    RunAlone,
+    StatsQuery,
+    Submit,
+    Welcome,
+)
 from service.workers.slab import Slab
 from service.workers.wire import (
     EntryInfo,
@@ -41,8 +58,6 @@ from service.workers.wire import (
 )
 
 log = logging.getLogger("service.workers")
-
-Key = tuple[str, str]  # (model name, version)
 
 
 class Connection:
@@ -59,7 +74,7 @@ class Connection:
         self._writer = threading.Thread(target=self._write, name=f"reply-{index}", daemon=True)
         self._writer.start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Any) -> None:
         """Queue a reply (any thread); dropped once the front-end is gone."""
         if self.alive:
             self._outbox.put(frame(message))
@@ -117,14 +132,14 @@ class _Remote:
             return
         try:
             if error is not None:
-                self.conn.send(("done", self.ident, "err", error))
+                self.conn.send(Error(self.ident, error))
             else:
                 wire = result_to_wire(self.conn.slab, self.out, result)
-                self.conn.send(("done", self.ident, *wire))
+                self.conn.send(Done(self.ident, wire, self.queue_s, self.infer_s))
         except Exception:  # e.g. a result that does not pickle: the request fails, not the batch
             log.exception("could not send a result to front-end %d", self.conn.index)
             failed = InferenceError("inference failed for this request")
-            self.conn.send(("done", self.ident, "err", failed))
+            self.conn.send(Error(self.ident, failed))
 
 
 @dataclass(eq=False, kw_only=True)
@@ -170,17 +185,17 @@ class Engine:
         message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
         sock.settimeout(None)
         hello = FrameBuffer().feed(message)
-        if not hello or hello[0][0] != "hello" or len(fds) != 1:
+        if not hello or not isinstance(hello[0], Hello) or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             sock.close()
             log.warning("a front-end connection sent no valid hello; closed")
             return
-        _, index, slab_bytes = hello[0]
+        index, slab_bytes = hello[0]
         conn = Connection(sock, Slab(slab_bytes, fd=fds[0]), index)
         with self._lock:
             self.connections.add(conn)
-        conn.send(("welcome", self.welcome()))
+        conn.send(Welcome(self.welcome()))
         threading.Thread(target=self._serve, args=(conn,), name=f"front-end-{index}").start()
 
     def _serve(self, conn: Connection) -> None:
@@ -194,10 +209,11 @@ class Engine:
                     try:
                         self._handle(conn, message)
                     except Exception:  # a bug, not the front-end's fault: fail that one request
-                        log.exception("front-end %d: cannot handle %r", conn.index, message[0])
-                        if message[0] in ("submit", "exclusive"):
+                        name = type(message).__name__
+                        log.exception("front-end %d: cannot handle %s", conn.index, name)
+                        if isinstance(message, (Submit, RunAlone)):
                             failed = InferenceError("inference failed for this request")
-                            conn.send(("done", message[1], "err", failed))
+                            conn.send(Error(message.ident, failed))
         except OSError:
             pass
         finally:
@@ -206,54 +222,50 @@ class Engine:
                 self.connections.discard(conn)
             log.info("front-end %d disconnected", conn.index)
 
-    def _handle(self, conn: Connection, message: tuple) -> None:
-        op = message[0]
-        if op == "submit":
-            _, ident, key, runner, deadline, wire, out = message
-            entry = self.entries[key]
-            payload = payload_from_wire(wire, conn.slab)
-            work = RemoteWork(
-                payload=payload, runner=runner, deadline=deadline, loop=None,
-                conn=conn, ident=ident, out=out,
-            )  # fmt: skip
-            self._queue(conn, entry.batcher, work)
-        elif op == "exclusive":
-            _, ident, key, fn, args, sequences, deadline = message
-            entry = self.entries[key]
-            item = RemoteExclusive(
-                fn=functools.partial(fn, entry.model, *args), slots=max(1, sequences),
-                deadline=deadline, loop=None, conn=conn, ident=ident,
-            )  # fmt: skip
-            self._queue(conn, entry.batcher, item)
-        elif op == "cancel":  # withdrawn (never run) is final: no "done" follows
-            _, reply_to, ident = message
-            found = conn.items.get(ident)
-            withdrawn = found is not None and found[1].cancel(found[0])
-            if withdrawn:
-                conn.items.pop(ident, None)
-            conn.send(("cancelled", ident, withdrawn, reply_to))
-        elif op == "reserve":
-            _, reply_to, key, sequences = message
-            batcher = self.entries[key].batcher
-            try:
-                batcher.hold(sequences)
-            except ServiceError as exc:
-                conn.send(("reply", reply_to, exc))
-                return
-            conn.held[reply_to] = (batcher, sequences)
-            conn.send(("reply", reply_to, None))
-        elif op == "release":
-            held = conn.held.pop(message[1], None)
-            if held is not None:
-                held[0].release(held[1])
-        elif op == "stat":
-            _, key, kind, seconds = message
-            self.entries[key].stats.add(kind, seconds)
-        elif op == "stats":
-            _, reply_to, key = message
-            conn.send(("reply", reply_to, self.entries[key].stats.as_dict()))
-        else:
-            log.warning("front-end %d sent an unknown message %r", conn.index, op)
+    def _handle(self, conn: Connection, message: Any) -> None:
+        match message:
+            case Submit(ident, key, runner, deadline, wire, out):
+                payload = payload_from_wire(wire, conn.slab)
+                work = RemoteWork(
+                    payload=payload, runner=runner, deadline=deadline, loop=None,
+                    conn=conn, ident=ident, out=out,
+                )  # fmt: skip
+                self._queue(conn, self.entries[key].batcher, work)
+            case RunAlone(ident, key, fn, args, sequences, deadline):
+                entry = self.entries[key]
+                item = RemoteExclusive(
+                    fn=functools.partial(fn, entry.model, *args), slots=max(1, sequences),
+                    deadline=deadline, loop=None, conn=conn, ident=ident,
+                )  # fmt: skip
+                self._queue(conn, entry.batcher, item)
+            case Cancel(reply_to, ident):  # withdrawn (never run) is final: no Done follows
+                found = conn.items.get(ident)
+                withdrawn = found is not None and found[1].cancel(found[0])
+                if withdrawn:
+                    conn.items.pop(ident, None)
+                conn.send(Cancelled(ident, withdrawn, reply_to))
+            case Reserve(reply_to, key, sequences):
+                batcher = self.entries[key].batcher
+                try:
+                    batcher.hold(sequences)
+                except ServiceError as exc:
+                    conn.send(Reply(reply_to, exc))
+                    return
+                conn.held[reply_to] = (batcher, sequences)
+                conn.send(Reply(reply_to, None))
+            case Release(reply_to):
+                held = conn.held.pop(reply_to, None)
+                if held is not None:
+                    held[0].release(held[1])
+            case Executed(key, timing):
+                self.entries[key].stats.executed(timing)
+            case Failed(key, seconds):
+                self.entries[key].stats.failed(seconds)
+            case StatsQuery(reply_to, key):
+                conn.send(Reply(reply_to, self.entries[key].stats.as_dict()))
+            case _:
+                name = type(message).__name__
+                log.warning("front-end %d sent an unknown message %s", conn.index, name)
 
     def _queue(self, conn: Connection, batcher: DynamicBatcher, item: QueueItem) -> None:
         conn.items[item.ident] = (item, batcher)

@@ -21,9 +21,25 @@ from service.oip.datatypes import DATATYPES
 from service.pipeline.errors import NotReady
 from service.runtime.batcher import SHUTTING_DOWN
 from service.runtime.forward import hidden_states
-from service.runtime.statistics import ModelStats
+from service.runtime.statistics import ModelStats, Timing
 from service.runtime.work import QueueItem, Work
 from service.workers.channel import FrameBuffer, frame
+from service.workers.messages import (
+    Cancel,
+    Cancelled,
+    Done,
+    Error,
+    Executed,
+    Failed,
+    Hello,
+    Release,
+    Reply,
+    Reserve,
+    RunAlone,
+    StatsQuery,
+    Submit,
+    Welcome,
+)
 from service.workers.slab import Slab
 from service.workers.wire import EntryInfo, payload_to_wire, result_from_wire
 
@@ -70,7 +86,8 @@ class _Protocol(asyncio.Protocol):
             try:
                 self.link.dispatch(message)
             except Exception:  # a bug: one reply lost (its request fails), not the channel
-                log.exception("front-end %d: cannot handle %r", self.link.index, message[0])
+                name = type(message).__name__
+                log.exception("front-end %d: cannot handle %s", self.link.index, name)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.link.lost()
@@ -121,7 +138,7 @@ class EngineLink:
             sock.setblocking(False)
             await loop.sock_connect(sock, self.path)
             slab = Slab(self.slab_bytes)
-            hello = frame(("hello", self.index, self.slab_bytes))
+            hello = frame(Hello(self.index, self.slab_bytes))
             socket.send_fds(sock, [hello], [slab.fd])
         except BaseException:
             sock.close()
@@ -143,38 +160,40 @@ class EngineLink:
             self.transport.close()
 
     # -- replies ----------------------------------------------------------------------------
-    def dispatch(self, message: tuple) -> None:
-        op = message[0]
-        if op == "done":
-            pending = self.pending.pop(message[1], None)
-            if pending is None:
-                return
-            kind = message[2]
-            if kind == "err":
-                self._free(pending)
-                pending.item._deliver(None, message[3])
-                return
-            try:
-                result = result_from_wire(pending.slab, pending.out, message[2:])
-            finally:
-                self._free(pending)
-            pending.item._deliver(result, None)
-        elif op == "cancelled":
-            _, ident, withdrawn, reply_to = message
-            if withdrawn:
+    def dispatch(self, message: Any) -> None:
+        match message:
+            case Done(ident, result, queue_s, infer_s):
+                pending = self.pending.pop(ident, None)
+                if pending is None:
+                    return
+                try:
+                    value = result_from_wire(pending.slab, pending.out, result)
+                finally:
+                    self._free(pending)
+                item = pending.item
+                item.started_at = item.enqueued_at + queue_s  # measured in the engine process
+                item.infer_s = infer_s
+                item.deliver(value, None)
+            case Error(ident, error):
                 pending = self.pending.pop(ident, None)
                 if pending is not None:
                     self._free(pending)
-                    pending.item.future.cancel()
-            future = self.replies.pop(reply_to, None)
-            if future is not None and not future.done():
-                future.set_result(withdrawn)
-        elif op == "reply":
-            future = self.replies.pop(message[1], None)
-            if future is not None and not future.done():
-                future.set_result(message[2])
-        elif op == "welcome" and self._welcome is not None and not self._welcome.done():
-            self._welcome.set_result(message[1])
+                    pending.item.deliver(None, error)
+            case Cancelled(ident, withdrawn, reply_to):
+                if withdrawn:
+                    pending = self.pending.pop(ident, None)
+                    if pending is not None:
+                        self._free(pending)
+                        pending.item.future.cancel()
+                future = self.replies.pop(reply_to, None)
+                if future is not None and not future.done():
+                    future.set_result(withdrawn)
+            case Reply(reply_to, value):
+                future = self.replies.pop(reply_to, None)
+                if future is not None and not future.done():
+                    future.set_result(value)
+            case Welcome(entries) if self._welcome is not None and not self._welcome.done():
+                self._welcome.set_result(entries)
 
     def _free(self, pending: _Pending) -> None:
         if pending.slab is self.slab and self.slab is not None:
@@ -189,7 +208,7 @@ class EngineLink:
         pending, self.pending = self.pending, {}
         replies, self.replies = self.replies, {}
         for p in pending.values():
-            p.item._deliver(None, _down())
+            p.item.deliver(None, _down())
         for future in replies.values():
             if not future.done():
                 future.set_exception(_down())
@@ -202,7 +221,7 @@ class EngineLink:
             self._closed.set_result(None)
 
     # -- requests ---------------------------------------------------------------------------
-    def send(self, message: tuple) -> None:
+    def send(self, message: Any) -> None:
         """Queue `message`; what one turn of the event loop sends goes out in one write (under
         load many requests' submits and statistics share a syscall)."""
         if self.transport is None:
@@ -216,18 +235,18 @@ class EngineLink:
         if self.transport is not None and out:
             self.transport.write(b"".join(out))
 
-    async def ask(self, message: tuple) -> Any:
-        """Send `message` with a fresh reply id after its op; await the engine's answer."""
+    async def ask(self, question: Callable[..., Any], *fields: Any) -> Any:
+        """Send `question(reply_to, *fields)` with a fresh reply id; await the engine's answer."""
         if not self.connected:
             raise _down()
         reply_to = next(self.ids)
         future = asyncio.get_running_loop().create_future()
         self.replies[reply_to] = future
-        self.send((message[0], reply_to, *message[1:]))
+        self.send(question(reply_to, *fields))
         return await future
 
-    def submit(self, item: QueueItem, message: tuple, regions: list, out: Any) -> None:
-        ident = message[1]
+    def submit(self, item: QueueItem, message: Submit | RunAlone, regions: list, out: Any) -> None:
+        ident = message.ident
         self.pending[ident] = _Pending(item, regions, out, self.slab)
         try:
             self.send(message)
@@ -238,9 +257,8 @@ class EngineLink:
 
 
 class RemoteBatcher:
-    """The DynamicBatcher interface the routes use, forwarding to the engine process's batcher
-    of one model version: the queue, its limits and 429s are the engine's, shared by all
-    front-ends."""
+    """A Batcher (service.runtime.batcher) forwarding to the engine process's batcher of one
+    model version: the queue, its limits and 429s are the engine's, shared by all front-ends."""
 
     def __init__(self, link: EngineLink, info: EntryInfo) -> None:
         self.link = link
@@ -300,7 +318,7 @@ class RemoteBatcher:
         ident = next(self.link.ids)
         self._ids[id(work)] = ident
         work.future.add_done_callback(lambda _: self._ids.pop(id(work), None))
-        message = ("submit", ident, self.key, work.runner, work.deadline, wire, out)
+        message = Submit(ident, self.key, work.runner, work.deadline, wire, out)
         self.link.submit(work, message, regions, out)
 
     def run_exclusive(
@@ -314,7 +332,7 @@ class RemoteBatcher:
         ident = next(self.link.ids)
         self._ids[id(item)] = ident
         item.future.add_done_callback(lambda _: self._ids.pop(id(item), None))
-        message = ("exclusive", ident, self.key, fn, args, sequences, deadline)
+        message = RunAlone(ident, self.key, fn, args, sequences, deadline)
         self.link.submit(item, message, [], None)
         return item
 
@@ -322,7 +340,7 @@ class RemoteBatcher:
         """Ask the engine to drop `item` if still queued (not waiting for the answer)."""
         ident = self._ids.get(id(item))
         if ident is not None and self.link.connected:
-            self.link.send(("cancel", 0, ident))  # 0: no one awaits the answer
+            self.link.send(Cancel(0, ident))  # 0: no one awaits the answer
         return False
 
     async def withdraw(self, items: list[QueueItem]) -> bool:
@@ -333,7 +351,7 @@ class RemoteBatcher:
             ident = self._ids.get(id(item))
             if ident is None or not self.link.connected:
                 continue
-            if await self.link.ask(("cancel", ident)):  # the link frees it and cancels it
+            if await self.link.ask(Cancel, ident):  # the link frees it and cancels it
                 withdrawn = True
         return withdrawn
 
@@ -344,7 +362,7 @@ class RemoteBatcher:
         reply_to = next(self.link.ids)
         future = asyncio.get_running_loop().create_future()
         self.link.replies[reply_to] = future
-        self.link.send(("reserve", reply_to, self.key, sequences))
+        self.link.send(Reserve(reply_to, self.key, sequences))
         error = await future
         if error is not None:
             raise error
@@ -352,7 +370,7 @@ class RemoteBatcher:
             yield
         finally:
             if self.link.connected:
-                self.link.send(("release", reply_to))
+                self.link.send(Release(reply_to))
 
 
 class RemoteStats(ModelStats):
@@ -364,9 +382,13 @@ class RemoteStats(ModelStats):
         self.link = link
         self.key = (info.name, info.version)
 
-    def add(self, kind: str, seconds: float) -> None:
+    def executed(self, timing: Timing) -> None:
         if self.link.connected:
-            self.link.send(("stat", self.key, kind, seconds))
+            self.link.send(Executed(self.key, timing))
+
+    def failed(self, seconds: float) -> None:
+        if self.link.connected:
+            self.link.send(Failed(self.key, seconds))
 
     async def snapshot(self) -> dict[str, Any]:
-        return await self.link.ask(("stats", self.key))
+        return await self.link.ask(StatsQuery, self.key)

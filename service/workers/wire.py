@@ -14,9 +14,10 @@ from service.oip.inputs import Payload
 from service.text.tokenizer import text_kind
 from service.workers.slab import Slab
 
-# Payload's array fields (the last two: decoder masks)
+# Payload's array fields (decoder masks; a text pair's token types)
 ARRAYS = (
     "query", "key", "value", "key_padding_mask", "tgt_key_padding_mask", "src_key_padding_mask",
+    "token_types",
 )  # fmt: skip
 # ("shm", offset, shape, dtype): a view of the slab; else the array itself (pickled inline)
 Ref = tuple | np.ndarray | None

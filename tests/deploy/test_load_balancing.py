@@ -7,7 +7,6 @@ replica mid-load costs no request: it drains what it accepted, and nginx retries
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import signal
 import socket
@@ -23,7 +22,7 @@ import torch
 import mha_engine
 from service.runtime.settings import Settings
 from tests.deploy.nginx import nginx_binary, run_nginx
-from tests.support import Server, fp32_request, run_server
+from tests.support import Server, fp32_request, output_of, run_server
 
 # One torch thread per replica: two replicas, nginx and the client share 2 cores.
 REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -64,15 +63,6 @@ def make_cases() -> list[Case]:
         body, headers = fp32_request(x)
         cases.append(Case(body, headers, expected))
     return cases
-
-
-def output_of(response: httpx.Response) -> np.ndarray:
-    """The 'output' tensor of a binary OIP response (one output, binary_data=True)."""
-    header_length = int(response.headers["Inference-Header-Content-Length"])
-    header = json.loads(response.content[:header_length])
-    (output,) = header["outputs"]
-    data = np.frombuffer(response.content[header_length:], dtype=np.float32)
-    return data.reshape(output["shape"])
 
 
 def send(client: httpx.Client, case: Case, tally: Tally) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.docs.snippets import RUN_PREFIX, SERVE, matches, run_page, snippets
 from tests.support import ROOT
 
@@ -12,6 +14,7 @@ QUICKSTART = ROOT / "docs" / "quickstart.md"
 README = ROOT / "README.md"
 
 
+@pytest.mark.timeout(900)  # three real servers in turn (demo, own weights, MiniLM)
 def test_quickstart_runs_as_written(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()

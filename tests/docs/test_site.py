@@ -94,3 +94,11 @@ def test_root_benchmarks_and_reliability_are_pointers() -> None:
         text = (ROOT / root).read_text()
         assert f"]({page})" in text
         assert len(text) < 1024, f"{root} holds figures: move them to the end of {page}"
+
+
+def test_readme_request_path_is_the_architecture_pages() -> None:
+    """README shows Architecture's request-path diagram, the same one (no second version)."""
+    diagram = re.compile(r"^```\nclient ──HTTP.*?^```\n", re.S | re.M)
+    readme = diagram.search((ROOT / "README.md").read_text())
+    page = diagram.search((ROOT / "docs" / "architecture.md").read_text())
+    assert readme and page and readme.group(0) == page.group(0)

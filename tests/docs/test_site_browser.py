@@ -4,32 +4,19 @@ it asks for nothing outside the site, search included. Skips, saying why, withou
 from __future__ import annotations
 
 import contextlib
-import functools
-import http.server
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.deploy.docker import serve_directory
+
 
 @pytest.fixture(scope="module")
 def site_url(site: Path) -> Iterator[str]:
     """The built site over HTTP on loopback (the search index loads through fetch)."""
-    handler = functools.partial(_QuietHandler, directory=str(site))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args: object) -> None:
-        pass
+    with serve_directory(site) as url:
+        yield url.rstrip("/")
 
 
 def test_pages_fetch_nothing_from_outside(site: Path, site_url: str, browser) -> None:

@@ -4,8 +4,7 @@ dashboard and alerts use is there, with counts that match what was sent."""
 from __future__ import annotations
 
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,7 +20,7 @@ from service.runtime.metrics import (
     TOKEN_BUCKETS,
 )
 from tests.observability.monitoring import Sample, parse_exposition, total
-from tests.support import Server, fp32_request, run_server
+from tests.support import Server, fp32_request, run_server, wait_for
 
 URL = "/v2/models/mha/infer"
 # Batches close at 2 sequences; a lone 1-sequence request waits the full 1 s delay in the
@@ -93,14 +92,6 @@ def post_json(server: Server, array: np.ndarray) -> httpx.Response:
         ]
     }
     return httpx.post(f"{server.url}{URL}", json=body, timeout=60)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

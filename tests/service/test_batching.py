@@ -3,7 +3,6 @@ deadlines hold, disconnects free their slots, and SIGTERM drains."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,7 @@ import torch
 import tritonclient.http as triton
 
 import mha_engine
-from tests.support import Server, fp32_request, run_server
+from tests.support import Server, fp32_request, output_of, run_server
 
 URL = "/v2/models/mha/infer"
 
@@ -23,15 +22,6 @@ URL = "/v2/models/mha/infer"
 def post(server: Server, x: np.ndarray, **parameters: object) -> httpx.Response:
     content, headers = fp32_request(x, **parameters)
     return httpx.post(f"{server.url}{URL}", content=content, headers=headers, timeout=120)
-
-
-def output_of(response: httpx.Response) -> np.ndarray:
-    """The float32 'output' of a binary response."""
-    assert response.status_code == 200, response.text
-    length = int(response.headers["Inference-Header-Content-Length"])
-    header = json.loads(response.content[:length])
-    out = header["outputs"][0]
-    return np.frombuffer(response.content[length:], dtype=np.float32).reshape(out["shape"])
 
 
 def test_concurrent_requests_are_batched_with_same_numbers(tmp_path: Path) -> None:

@@ -19,9 +19,8 @@ from torch import nn
 
 import mha_engine
 from service.debug import heatmap
-from tests.support import Server, binary_request, fp32_request, run_server
+from tests.support import FP32_TOL, Server, binary_request, fp32_request, run_server
 
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 TOKEN = "s3cret-debug-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 E, H = 32, 4  # the MHA model under test

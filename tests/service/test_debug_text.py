@@ -26,8 +26,8 @@ from service.debug import heatmap
 from service.debug.attention_weights import WEIGHTS_NAME
 from service.runtime.settings import Settings
 from tests.service.test_embeddings import minilm_dir
+from tests.support import FP32_TOL
 
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 TOKEN = "text-debug-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 NAME = "minilm"

@@ -23,9 +23,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
-from tests.support import Server, free_port, run_server, validate_oip
+from tests.support import FP32_TOL, Server, free_port, run_server, validate_oip, wait_for
 
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 NAME = "attn"
 EMBED_DIM = 64
 
@@ -399,13 +398,6 @@ def test_full_queue_is_resource_exhausted_with_retry_pushback(strict: GrpcServer
     assert {code for code, _ in results} <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert all(t.get("grpc-retry-pushback-ms") == "1000" for t in refused), refused
     assert any(code == "ok" for code, _ in results)
-
-
-def wait_for(condition, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.005)
 
 
 def _long_request(model: str, seed: int, length: int = 1024) -> service_pb2.ModelInferRequest:

@@ -17,9 +17,7 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
-from tests.support import Server, free_port, run_server
-
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
+from tests.support import FP32_TOL, Server, free_port, run_server
 
 
 def _encoder() -> nn.TransformerEncoderLayer:

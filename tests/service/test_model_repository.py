@@ -19,9 +19,7 @@ from torch import nn
 import mha_engine
 from service.__main__ import parse_settings
 from service.runtime.repository import RepositoryError, model_sources
-from tests.support import ROOT, Server, free_port, run_server
-
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
+from tests.support import FP32_TOL, ROOT, Server, free_port, run_server
 
 
 def _mha(embed_dim: int, heads: int, seed: int) -> nn.MultiheadAttention:

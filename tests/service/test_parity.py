@@ -13,9 +13,7 @@ import tritonclient.http as triton
 from torch import nn
 
 import mha_engine
-from tests.support import Server, run_server
-
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
+from tests.support import FP32_TOL, Server, run_server
 
 
 def infer(

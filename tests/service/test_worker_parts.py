@@ -14,6 +14,7 @@ import mha_engine
 from service.__main__ import parse_settings
 from service.oip.inputs import Payload
 from service.runtime.forward import hidden_states
+from service.text.tokenizer import Encoded, typed_payload
 from service.workers.channel import FrameBuffer, frame
 from service.workers.slab import ALIGN, Slab
 from service.workers.wire import (
@@ -114,6 +115,22 @@ def test_payload_crosses_by_slab_or_inline(full: bool) -> None:
     for offset, nbytes in regions:
         slab.free(offset, nbytes)
     assert slab.used == (size if full else 0)
+
+
+def test_text_pair_token_types_cross_as_their_own_field() -> None:
+    """A classifier's payload: token ids in `query`, token types beside them (not stacked)."""
+    ids = [np.array([101, 7, 102, 9, 102]), np.array([101, 5, 102])]
+    types = [np.array([0, 0, 0, 1, 1]), np.array([0, 0, 0])]
+    encoded = [Encoded(i, truncated=False, types=t) for i, t in zip(ids, types, strict=True)]
+    payload = typed_payload(encoded)
+    assert payload.query.shape == payload.token_types.shape == (8,)
+    slab = Slab(1 << 16)
+    regions: list[tuple[int, int]] = []
+    wire = pickle.loads(pickle.dumps(payload_to_wire(payload, slab, regions)))
+    got = payload_from_wire(wire, Slab(1 << 16, fd=os.dup(slab.fd)))
+    np.testing.assert_array_equal(got.query, np.concatenate(ids))
+    np.testing.assert_array_equal(got.token_types, np.concatenate(types))
+    assert got.lengths == [5, 3]
 
 
 def test_results_come_back_through_the_output_region_or_inline() -> None:

@@ -30,17 +30,18 @@ from tritonclient.utils import InferenceServerException
 import mha_engine
 from benchmarks import scrape
 from tests.support import (
+    FP32_TOL,
     Server,
     fp32_request,
     free_port,
     listening_inodes,
+    output_of,
     run_server,
     serving_pid,
     socket_inodes,
     worker_pids,
 )
 
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 KEY = "workers-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 INFER = "/v2/models/mha/infer"
@@ -115,13 +116,6 @@ def each_frontend(send, tries: int = 100) -> list[httpx.Response]:
         if len({prefix(r) for r in responses}) == 2:
             return responses
     raise AssertionError(f"one front-end answered all {tries} new connections")
-
-
-def output_of(response: httpx.Response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    length = int(response.headers["Inference-Header-Content-Length"])
-    out = json.loads(response.content[:length])["outputs"][0]
-    return np.frombuffer(response.content[length:], np.float32).reshape(out["shape"]).copy()
 
 
 def post(url: str, x: np.ndarray, headers: dict | None = None, **params: object) -> httpx.Response:

@@ -15,7 +15,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,8 +28,10 @@ from tritonclient.utils import InferenceServerException
 import mha_engine
 from service.runtime.startup import EXIT_MODEL_LOAD
 from tests.support import (
+    FP32_TOL,
     Server,
     alive,
+    binary_output,
     child_pids,
     fp32_request,
     free_port,
@@ -38,21 +40,11 @@ from tests.support import (
     serving_pid,
     slab_inodes,
     socket_inodes,
+    wait_for,
     worker_pids,
 )
 
-FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # PyTorch's own fp32 tolerances
 INFER = "/v2/models/mha/infer"
-
-
-def wait_for(check: Callable[[], object], timeout: float, what: str) -> object:
-    """Poll `check()` until truthy (returned), or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
-    return result
 
 
 def frontends(server: Server) -> dict[str, int]:
@@ -123,14 +115,6 @@ def demo(x: np.ndarray) -> torch.Tensor:
         return mha_engine.demo_module().eval()(torch.from_numpy(x))
 
 
-def output_of(raw: bytes, headers: http.client.HTTPMessage) -> np.ndarray:
-    import json
-
-    length = int(headers["Inference-Header-Content-Length"])
-    out = json.loads(raw[:length])["outputs"][0]
-    return np.frombuffer(raw[length:], np.float32).reshape(out["shape"]).copy()
-
-
 @pytest.fixture(scope="module")
 def tmpdir_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tmpdir")
@@ -148,7 +132,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tmpdir_env: Path) -> Iterat
     with run_server(tmp_path_factory.mktemp("faults"), *args, env=env) as server:
         server.grpc_port = grpc_port  # type: ignore[attr-defined]
         server.shm_before = shm_before  # type: ignore[attr-defined]
-        wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
+        wait_for(lambda: slabs_match(server), "both front-ends connected", 60)
         yield server
 
 
@@ -157,7 +141,7 @@ def test_engine_killed_is_503_then_restarted_and_ready_again(server: Server) -> 
     shm_before = set(os.listdir("/dev/shm"))
     x = np.random.default_rng(0).standard_normal((1, 1024, 512)).astype(np.float32)
     conns = [send(server, x) for _ in range(6)]  # ~6 forwards of work, one at a time
-    wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
+    wait_for(lambda: in_app(server, conns), "the requests reached the front-ends", 30)
     os.kill(old, signal.SIGKILL)
     # while the engine is down, new requests are 503 + Retry-After at once, and not ready
     small = np.ones((1, 4, 512), np.float32)
@@ -187,14 +171,14 @@ def test_engine_killed_is_503_then_restarted_and_ready_again(server: Server) -> 
         conn.close()
     assert 503 in statuses, statuses
     # restarted: a new engine, both front-ends ready again and serving the module's numbers
-    wait_for(lambda: worker_pids(server)["mha-engine"] != old, 30, "engine restarted")
+    wait_for(lambda: worker_pids(server)["mha-engine"] != old, "engine restarted", 30)
     assert not alive(old)
 
     def ready_everywhere() -> bool:
         probes = [httpx.get(f"{server.url}/v2/health/ready", timeout=10) for _ in range(10)]
         return all(p.status_code == 200 for p in probes)
 
-    wait_for(ready_everywhere, 60, "readiness back on both front-ends")
+    wait_for(ready_everywhere, "readiness back on both front-ends", 60)
     y = np.random.default_rng(1).standard_normal((1, 9, 512)).astype(np.float32)
     content, headers = fp32_request(y)
     for _ in range(6):
@@ -203,11 +187,11 @@ def test_engine_killed_is_503_then_restarted_and_ready_again(server: Server) -> 
         response = conn.getresponse()
         raw = response.read()
         assert response.status == 200, raw
-        got = output_of(raw, response.headers)
+        got = binary_output(raw, response.headers)
         torch.testing.assert_close(torch.from_numpy(got), demo(y), **FP32_TOL)
         conn.close()
     # the new engine maps the front-ends' new slabs, and they dropped their old ones
-    wait_for(lambda: slabs_match(server), 10, "one slab per live front-end")
+    wait_for(lambda: slabs_match(server), "one slab per live front-end", 10)
     assert set(os.listdir("/dev/shm")) <= shm_before  # the crash left no named segment
     log = server.log()
     assert "Traceback" not in log and f"{INFER} 500" not in log, log[-3000:]
@@ -242,14 +226,14 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
     # long requests in flight on both front-ends, queued in the engine when the victim dies
     long = np.random.default_rng(5).standard_normal((1, 1024, 512)).astype(np.float32)
     in_flight = [send(server, long) for _ in range(6)]
-    wait_for(lambda: in_app(server, in_flight), 30, "the requests reached the front-ends")
+    wait_for(lambda: in_app(server, in_flight), "the requests reached the front-ends", 30)
     survivor = [
         c
         for c in in_flight
         if serving_pid(server.port, c.sock.getsockname()[1], [fe["mha-frontend-1"]])
     ]
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: not alive(victim), 10, "front-end 0 dead")
+    wait_for(lambda: not alive(victim), "front-end 0 dead", 10)
     # the other serves on, its kept connection and new ones (the listening socket is shared)
     while True:
         statuses.append(request(pinned))
@@ -267,7 +251,7 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
         conn.close()
     # the engine let go of the dead front-end's slab (its queued work withdrawn, its running
     # work finished); the new front-end connects with its own
-    wait_for(lambda: slabs_match(server), 30, "one slab per live front-end")
+    wait_for(lambda: slabs_match(server), "one slab per live front-end", 30)
     assert not victim_slab & slab_inodes(worker_pids(server)["mha-engine"])
     new = frontends(server)["mha-frontend-0"]
     for _ in range(200):  # and the new front-end serves
@@ -283,7 +267,7 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
     pinned.close()
     # its gRPC listener is back on the shared port beside the other's
     grpc_port = server.grpc_port  # type: ignore[attr-defined]
-    wait_for(lambda: listening_inodes(grpc_port) & socket_inodes(new), 30, "gRPC listener back")
+    wait_for(lambda: listening_inodes(grpc_port) & socket_inodes(new), "gRPC listener back", 30)
     assert len(listening_inodes(grpc_port)) == 2
     for _ in range(4):
         client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
@@ -304,7 +288,7 @@ def test_supervisor_killed_takes_its_children_down(server: Server, tmpdir_env: P
     server.process.kill()
     server.process.wait(10)
     for pid in children:
-        wait_for(lambda pid=pid: not alive(pid), 15, f"child {pid} exited")
+        wait_for(lambda pid=pid: not alive(pid), f"child {pid} exited", 15)
     assert set(os.listdir("/dev/shm")) <= server.shm_before  # type: ignore[attr-defined]
     assert list(tmpdir_env.glob("mha-serve-*")) == []
 
@@ -320,24 +304,24 @@ def test_sigterm_drains_every_process_and_leaves_nothing(tmp_path: Path) -> None
             "--drain-grace-s", str(grace_s))  # fmt: skip
     x = np.random.default_rng(3).standard_normal((1, 1024, 512)).astype(np.float32)
     with run_server(tmp_path, *args, env={"TMPDIR": str(tmpdir)}) as server:
-        wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
+        wait_for(lambda: slabs_match(server), "both front-ends connected", 60)
         children = child_pids(server.process.pid)
         assert len(children) >= 3, children
         assert len(list(tmpdir.glob("mha-serve-*"))) == 1
         for pid in children:  # tensors go through memfd slabs: no named shared memory at all
             assert shm_paths(pid) == [], shm_paths(pid)
         conns = [send(server, x) for _ in range(6)]
-        wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
+        wait_for(lambda: in_app(server, conns), "the requests reached the front-ends", 30)
         server.process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        wait_for(lambda: refused(server), 10, "new connections refused while draining")
+        wait_for(lambda: refused(server), "new connections refused while draining", 10)
         statuses = []
         for conn in conns:
             response = conn.getresponse()
             raw = response.read()
             statuses.append(response.status)
             if response.status == 200:
-                got = output_of(raw, response.headers)
+                got = binary_output(raw, response.headers)
                 torch.testing.assert_close(torch.from_numpy(got), demo(x), **FP32_TOL)
         try:
             code = server.process.wait(grace_s + 10)
@@ -349,7 +333,7 @@ def test_sigterm_drains_every_process_and_leaves_nothing(tmp_path: Path) -> None
     assert exit_after < grace_s, exit_after  # the work took less than the grace
     assert code == 0, (code, log[-3000:])
     for pid in children:
-        wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
+        wait_for(lambda pid=pid: not alive(pid), f"child {pid} exited", 5)
     assert list(tmpdir.iterdir()) == []  # the supervisor's mha-serve-* directory is gone
     assert set(os.listdir("/dev/shm")) <= shm_before
     assert "Traceback" not in log and " 500" not in log, log[-3000:]
@@ -363,7 +347,7 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
             "--drain-grace-s", str(grace_s), "--request-timeout-s", "120")  # fmt: skip
     x = np.random.default_rng(4).standard_normal((1, 1024, 512)).astype(np.float32)
     with run_server(tmp_path, *args) as server:
-        wait_for(lambda: slabs_match(server), 60, "both front-ends connected")
+        wait_for(lambda: slabs_match(server), "both front-ends connected", 60)
         times = []
         for _ in range(3):  # the fastest of three: a cold first one would overstate it
             started = time.monotonic()
@@ -372,7 +356,7 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
         forward_s = min(times)
         n = min(48, int(3 * grace_s / forward_s) + 4)  # about three graces of work
         conns = [send(server, x) for _ in range(n)]
-        wait_for(lambda: in_app(server, conns), 30, "the requests reached the front-ends")
+        wait_for(lambda: in_app(server, conns), "the requests reached the front-ends", 30)
         children = child_pids(server.process.pid)
         assert len(children) >= 3, children
         server.process.send_signal(signal.SIGTERM)
@@ -390,7 +374,7 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
         log = server.log()
     assert set(statuses) == {200, 503}, statuses
     for pid in children:
-        wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
+        wait_for(lambda pid=pid: not alive(pid), f"child {pid} exited", 5)
     assert exit_after < grace_s + 2 * forward_s + 3.0, (exit_after, forward_s)
     assert code == 0, (code, log[-3000:])
     shed = re.search(r"drain grace over: (\d+) queued requests answered 503, not computed", log)
@@ -410,7 +394,7 @@ def test_an_engine_that_never_serves_stops_the_server(tmp_path: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     args = ("--workers", "2", "--model-dir", str(broken))
     with run_server(tmp_path, *args, env={"TMPDIR": str(tmpdir)}, wait=False) as server:
-        children = wait_for(lambda: child_pids(server.process.pid), 30, "children started")
+        children = wait_for(lambda: child_pids(server.process.pid), "children started", 30)
         code = server.process.wait(60)
         log = server.log()
     assert code == EXIT_MODEL_LOAD, (code, log[-3000:])
@@ -418,6 +402,6 @@ def test_an_engine_that_never_serves_stops_the_server(tmp_path: Path) -> None:
     assert f"mha-serve: error: model 'broken' at {broken} failed to load" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     for pid in children:  # type: ignore[union-attr]
-        wait_for(lambda pid=pid: not alive(pid), 5, f"child {pid} exited")
+        wait_for(lambda pid=pid: not alive(pid), f"child {pid} exited", 5)
     assert list(tmpdir.iterdir()) == []
     assert set(os.listdir("/dev/shm")) <= shm_before

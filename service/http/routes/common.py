@@ -1,4 +1,5 @@
-"""Helpers shared by the routers: awaiting queued work (deadline, disconnect), request metrics."""
+"""Helpers shared by the routers: the lean route class, parts responses, the client-gone watch,
+awaiting queued work (deadline, disconnect), request metrics."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from service.http.connections import disconnect_signal
-from service.pipeline.errors import ClientDisconnected, DeadlineExceeded, ServiceError
+from service.pipeline.errors import ServiceError
+from service.pipeline.waiting import Gone
+from service.pipeline.waiting import await_queued as pipeline_await
 
 if TYPE_CHECKING:
-    from service.runtime.batcher import DynamicBatcher
+    from service.runtime.batcher import Batcher
     from service.runtime.metrics import Metrics
     from service.runtime.state import ServiceState
 
@@ -63,91 +66,81 @@ async def wait_disconnect(request: Request) -> None:
 
 
 class ClientWatch:
-    """Whether the client has gone: our server's connection signal (service.http.connections), else
-    (another ASGI server, in-process tests) a task watching `receive` for http.disconnect."""
+    """Whether the client has gone (the pipeline's `Gone`): our server's connection signal
+    (service.http.connections), else (another ASGI server, in-process tests) a task watching
+    `receive` for http.disconnect. Create it once the body has been read; close() after."""
 
     def __init__(self, request: Request) -> None:
         self.signal = disconnect_signal(request.scope)
-        self._task = None if self.signal else asyncio.ensure_future(wait_disconnect(request))
+        self._task: asyncio.Future | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        if self.signal is None:
+            self._task = asyncio.ensure_future(wait_disconnect(request))
+            self._task.add_done_callback(self._fire)
 
     @property
-    def gone(self) -> bool:
-        return self.signal.happened if self.signal else self._task.done()
+    def happened(self) -> bool:
+        if self.signal is not None:
+            return self.signal.happened
+        return self._task.done() and not self._task.cancelled()
+
+    gone = happened
+
+    def add(self, callback: Callable[[], None]) -> None:
+        if self.signal is not None:
+            self.signal.add(callback)
+        elif self.happened:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def discard(self, callback: Callable[[], None]) -> None:
+        if self.signal is not None:
+            self.signal.discard(callback)
+        elif callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def _fire(self, task: asyncio.Future) -> None:
+        if task.cancelled():
+            return
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
 
 
+@contextmanager
+def client_gone(request: Request) -> Iterator[Gone]:
+    """What tells the pipeline that the client of `request` (its body read) has gone: our
+    server's connection signal as it is, else a ClientWatch, closed after."""
+    signal = disconnect_signal(request.scope)
+    if signal is not None:
+        yield signal
+        return
+    watch = ClientWatch(request)
+    try:
+        yield watch
+    finally:
+        watch.close()
+
+
 async def await_queued(
-    batcher: DynamicBatcher,
+    batcher: Batcher,
     request: Request,
     result: asyncio.Future,
     items: list,
     timeout: float,
 ) -> Any:
-    """Await `result` of `items` queued on `batcher` (the model's own): 499 if the client
-    leaves, 504 if the deadline passes before they ran; either way the items not yet started
-    leave the queue."""
-    signal = disconnect_signal(request.scope)
-    if signal is None:
-        return await _await_watching(batcher, request, result, items, timeout)
-    # One future, one timer and a callback on the connection: no task per request.
-    loop = asyncio.get_running_loop()
-    wake = loop.create_future()
-
-    def wake_up(*_: object) -> None:
-        if not wake.done():
-            wake.set_result(None)
-
-    result.add_done_callback(wake_up)
-    timer = loop.call_later(timeout, wake_up)
-    signal.add(wake_up)
+    """service.pipeline.waiting.await_queued for an HTTP request: 499 if the client leaves,
+    504 if the deadline passes before the items ran."""
+    watch = ClientWatch(request)
     try:
-        await wake
-    except BaseException:  # cancelled (e.g. by the server's shutdown): never compute it
-        _cancel(batcher, items)
-        raise
+        return await pipeline_await(batcher, result, items, timeout, watch)
     finally:
-        timer.cancel()
-        signal.discard(wake_up)
-        result.remove_done_callback(wake_up)
-    if result.done():
-        return result.result()
-    if signal.happened:
-        _cancel(batcher, items)
-        raise ClientDisconnected("client disconnected")
-    if await batcher.withdraw(items):
-        raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
-    return await result  # everything already running: it finishes within one forward
-
-
-def _cancel(batcher: DynamicBatcher, items: list) -> None:
-    for item in items:
-        batcher.cancel(item)
-
-
-async def _await_watching(
-    batcher: DynamicBatcher, request: Request, result: asyncio.Future, items: list, timeout: float
-) -> Any:
-    """await_queued with a task watching for http.disconnect (servers without the signal)."""
-    disconnect = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait(
-            {result, disconnect}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        if result in done:
-            return result.result()
-        if disconnect in done:
-            _cancel(batcher, items)
-            raise ClientDisconnected("client disconnected")
-        if await batcher.withdraw(items):
-            raise DeadlineExceeded(f"request timed out after {timeout:.3f} s in the queue")
-        return await result  # everything already running: it finishes within one forward
-    finally:
-        disconnect.cancel()
-        if not result.done():  # cancelled (e.g. by the server's shutdown): never compute it
-            _cancel(batcher, items)
+        watch.close()
 
 
 class Observation:

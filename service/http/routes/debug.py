@@ -39,10 +39,10 @@ from service.debug.attention_weights import (
     parse_options,
     weight_layers,
 )
-from service.http.deps import ensure_serving, get_state
+from service.http.body import read_body
+from service.http.deps import get_state
 from service.http.middleware import bearer_credential
 from service.http.routes.common import await_queued, observed
-from service.http.routes.infer import read_body
 from service.oip.codecs import (
     BINARY_HEADER,
     InferRequest,
@@ -58,6 +58,7 @@ from service.pipeline.errors import (
     Overloaded,
     Unauthorized,
 )
+from service.pipeline.models import ensure_serving
 from service.runtime.settings import Settings
 
 if TYPE_CHECKING:

@@ -21,15 +21,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.http.deps import ensure_serving, get_state
+from service.http.body import parse_json, read_body
+from service.http.deps import get_state
 from service.http.openapi import OPENAI_ERROR_RESPONSES
-from service.http.routes.common import LeanRoute, Observation, observed
-from service.http.routes.infer import read_body
+from service.http.routes.common import LeanRoute, Observation, client_gone, observed
 from service.pipeline.errors import (
     BadInput,
-    DeadlineExceeded,
     ModelNotFound,
 )
+from service.pipeline.models import ensure_serving
 from service.text.tokenizer import (
     Encoded,
     model_kind,
@@ -155,10 +155,7 @@ def parse_request(
 ) -> tuple[ModelEntry, list[str] | list[np.ndarray], str, int | None]:
     """The model the request names, its texts (or token ids), encoding_format and the
     dimensions to cut vectors to (None: keep all); BadInput names the problem."""
-    try:
-        request = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadInput(f"body is not valid JSON: {exc}") from None
+    request = parse_json(body)
     if not isinstance(request, dict):
         raise BadInput("body must be a JSON object with 'input' and 'model'")
     unknown = sorted(set(request) - FIELDS)
@@ -300,14 +297,13 @@ async def _embeddings(state: ServiceState, request: Request, seen: Observation) 
     else:
         check_chars(texts, entry.char_limits)
         async with entry.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
-            encoded = await tokenize(state, entry, request, texts, deadline)
+            with client_gone(request) as gone:
+                encoded = await tokenize(state, entry, gone, texts, deadline)
     metrics.codec(metrics.decode, "json", time.perf_counter() - started)
     metrics.sequences_received([len(e.ids) for e in encoded])
 
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
-    vectors = await run_parts(state, entry, request, encoded, remaining)
+    with client_gone(request) as gone:
+        vectors = await run_parts(state, entry, gone, encoded, deadline)
 
     tokens = sum(len(e.ids) for e in encoded)
     if dims is not None:  # Matryoshka: keep the first `dims` coordinates, unit length again

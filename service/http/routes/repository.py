@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from service.http.body import read_json
 from service.http.deps import get_state
 from service.http.openapi import ERROR_RESPONSES
 from service.pipeline.errors import BadInput
@@ -47,17 +47,7 @@ def control(request: Request) -> ModelControl:
 
 async def _body(request: Request) -> dict[str, Any]:
     """The optional JSON object body ({} when empty); 400 for anything else."""
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > BODY_LIMIT:
-            raise BadInput(f"body is over {BODY_LIMIT} bytes; these requests carry a few")
-    if not raw.strip():
-        return {}
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadInput(f"malformed JSON: {exc}") from None
+    body = await read_json(request, BODY_LIMIT, empty={})
     if not isinstance(body, dict):
         raise BadInput("body must be a JSON object")
     return body

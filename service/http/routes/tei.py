@@ -17,21 +17,23 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from service.http.deps import ensure_serving, get_state
-from service.http.openapi import TEI_ERROR_RESPONSES
-from service.http.routes.infer import read_body
+from service.http.deps import get_state
+from service.http.openapi import TEI_ERROR_RESPONSES, json_body
+from service.http.routes.common import client_gone
 from service.http.routes.tei_common import (
     MAX_CLIENT_BATCH,
     Direction,
     check_batch,
     encode_texts,
+    parse_body,
     text_entry,
     text_route,
 )
 from service.http.routes.tei_rank import HubPredictRequest, hub_predict
 from service.pipeline.errors import BadInput
+from service.pipeline.models import ensure_serving
 from service.runtime.state import ModelEntry
 from service.text.tokenizer import model_kind, raw_embed_runner, tei_model_type, token_runner
 from service.text.work import check_chars, run_parts, tokenize
@@ -128,8 +130,9 @@ async def _run(
     truncate)."""
     state = get_state(request)
     deadline = time.monotonic() + state.settings.request_timeout_s
-    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline)
-    return await run_parts(state, entry, request, encoded, deadline - time.monotonic(), runner)
+    with client_gone(request) as gone:
+        encoded = await encode_texts(gone, state, entry, texts, truncate, direction, deadline)
+        return await run_parts(state, entry, gone, encoded, deadline, runner)
 
 
 def _normalized(vectors: list[np.ndarray]) -> list[np.ndarray]:
@@ -148,10 +151,15 @@ class SimilarityRequest(BaseModel):
     truncate: bool = False
 
 
-@router.post("/similarity", summary="Cosine similarity of a sentence to others (TEI)")
-async def similarity(body: SimilarityRequest, request: Request) -> list[float]:
+@router.post(
+    "/similarity",
+    summary="Cosine similarity of a sentence to others (TEI)",
+    openapi_extra=json_body(SimilarityRequest),
+)
+async def similarity(request: Request) -> list[float]:
     state = get_state(request)
     with text_route(state, "similarity", "/similarity", "embedding") as entry:
+        body = await parse_body(request, state, SimilarityRequest)
         ensure_serving(state)
         if not body.inputs.sentences:
             raise BadInput("'inputs.sentences' is empty; send at least one sentence")
@@ -174,38 +182,13 @@ async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
         return [np.asarray(v, dtype=np.float32).tolist() for v in vectors]
 
 
-@router.post("/embed", summary="Sentence embeddings (TEI)")
-async def embed(body: EmbedRequest, request: Request) -> list[list[float]]:
+@router.post("/embed", summary="Sentence embeddings (TEI)", openapi_extra=json_body(EmbedRequest))
+async def embed(request: Request) -> list[list[float]]:
+    body = await parse_body(request, get_state(request), EmbedRequest)
     return await _embed(body, request)
 
 
-def _inlined(model: type[BaseModel]) -> dict:
-    """A model's JSON schema with its $defs substituted in place (the route's OpenAPI document
-    has no $defs section for them to point into)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def walk(node):
-        if isinstance(node, dict):
-            ref = node.get("$ref", "")
-            if ref.startswith("#/$defs/"):
-                return walk(defs[ref.removeprefix("#/$defs/")])
-            return {k: walk(v) for k, v in node.items()}
-        return [walk(v) for v in node] if isinstance(node, list) else node
-
-    return walk(schema)
-
-
-ROOT_OPENAPI = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {"anyOf": [_inlined(EmbedRequest), _inlined(HubPredictRequest)]}
-            }
-        },
-    }
-}
+ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest)
 EMBED_ALL_RESPONSES = {
     200: {
         "description": "Per input, every token's hidden state (T_i, D), special tokens included",
@@ -229,10 +212,12 @@ EMBED_ALL_RESPONSES = {
     summary="Every token's embedding, without pooling (TEI)",
     response_class=Response,
     responses=EMBED_ALL_RESPONSES,
+    openapi_extra=json_body(EmbedAllRequest),
 )
-async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
+async def embed_all(request: Request) -> Response:
     state = get_state(request)
     with text_route(state, "embed_all", "/embed_all", "embedding") as entry:
+        body = await parse_body(request, state, EmbedAllRequest)
         ensure_serving(state)
         texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
         states = await _run(
@@ -251,48 +236,40 @@ async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
 async def root(request: Request):
     state = get_state(request)
     entry = text_entry(state, "/")  # the default text model's kind picks the shape
-    raw = await read_body(request, state.settings.max_body_bytes)
-    try:
-        data = orjson.loads(bytes(raw))
-    except orjson.JSONDecodeError as exc:
-        raise BadInput(f"body is not valid JSON: {exc}") from None
     embedding = model_kind(entry.model) == "embedding"
-    try:
-        parsed = (EmbedRequest if embedding else HubPredictRequest).model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise BadInput(f"invalid request: {problems}") from None
+    parsed = await parse_body(request, state, EmbedRequest if embedding else HubPredictRequest)
     if isinstance(parsed, EmbedRequest):
         return await _embed(parsed, request)
     return await hub_predict(parsed, request)
 
 
-@router.post("/tokenize", summary="Tokens of texts (TEI)")
-async def tokenize_route(body: TokenizeRequest, request: Request) -> list[list[SimpleToken]]:
+@router.post("/tokenize", summary="Tokens of texts (TEI)", openapi_extra=json_body(TokenizeRequest))
+async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
     state = get_state(request)
     with text_route(state, "tokenize", "/tokenize") as entry:
+        body = await parse_body(request, state, TokenizeRequest)
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
         texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
         check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
         async with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
-            return await tokenize(
-                state,
-                entry,
-                request,
-                texts,
-                deadline,
-                lambda part: tokenizer.tokens(part, body.add_special_tokens),
-            )
+            with client_gone(request) as gone:
+                return await tokenize(
+                    state,
+                    entry,
+                    gone,
+                    texts,
+                    deadline,
+                    lambda part: tokenizer.tokens(part, body.add_special_tokens),
+                )
 
 
-@router.post("/decode", summary="Texts of token ids (TEI)")
-async def decode(body: DecodeRequest, request: Request) -> list[str]:
+@router.post("/decode", summary="Texts of token ids (TEI)", openapi_extra=json_body(DecodeRequest))
+async def decode(request: Request) -> list[str]:
     state = get_state(request)
     with text_route(state, "decode", "/decode") as entry:
+        body = await parse_body(request, state, DecodeRequest)
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
         ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]

@@ -3,26 +3,29 @@ texts (or pairs) -> bounded, tokenized, truncated-or-413 token ids, inside the d
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
+from service.http.body import read_object
 from service.http.routes.common import observed
 from service.pipeline.errors import (
     BadInput,
-    DeadlineExceeded,
     PayloadTooLarge,
     ServiceError,
     WrongModelKind,
 )
+from service.pipeline.waiting import Gone
 from service.text.tokenizer import Encoded, Text, model_kind
 from service.text.work import check_chars, tokenize
 
 if TYPE_CHECKING:
     from service.runtime.state import ModelEntry, ServiceState
+
+M = TypeVar("M", bound=BaseModel)
 
 MAX_CLIENT_BATCH = 32  # TEI's default --max-client-batch-size
 Direction = Literal["Right", "Left"]  # TEI's truncation_direction values
@@ -85,7 +88,7 @@ def check_batch(count: int, field: str = "inputs") -> None:
 
 
 async def encode_texts(
-    request: Request,
+    gone: Gone,
     state: ServiceState,
     entry: ModelEntry,
     texts: list[Text],
@@ -106,13 +109,29 @@ async def encode_texts(
     check_chars(texts, entry.char_limits)
     async with entry.batcher.reserve(len(texts)):
         encode = (lambda part: tokenizer.encode(part, direction)) if direction != "Right" else None
-        encoded = await tokenize(state, entry, request, texts, deadline, encode)
+        encoded = await tokenize(state, entry, gone, texts, deadline, encode)
     cut = [i for i, e in enumerate(encoded) if e.truncated]
     if cut and not truncate:
         raise PayloadTooLarge(
             f"Input validation error: {field}[{cut[0]}] is longer than the model's "
             f"{tokenizer.max_length} tokens; send less text or set 'truncate': true"
         )
-    if time.monotonic() >= deadline:
-        raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
-    return encoded
+    return encoded  # run_parts answers 504 if tokenizing used the deadline up
+
+
+def validate(model: type[M], data: Any) -> M:
+    """`data` as `model`, strictly (booleans are not numbers, "yes" is no boolean); 400
+    naming each problem."""
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in ('body', *e['loc']))}: {e['msg']}" for e in exc.errors()
+        )
+        raise BadInput(f"invalid request: {problems}") from None
+
+
+async def parse_body(request: Request, state: ServiceState, model: type[M]) -> M:
+    """A TEI route's body: read bounded (--max-body-bytes), parsed by the one JSON parser,
+    validated as `model`."""
+    return validate(model, await read_object(request, state.settings.max_body_bytes))

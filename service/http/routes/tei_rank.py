@@ -17,10 +17,18 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.http.deps import ensure_serving, get_state
-from service.http.openapi import TEI_ERROR_RESPONSES
-from service.http.routes.tei_common import Direction, check_batch, encode_texts, text_route
+from service.http.deps import get_state
+from service.http.openapi import TEI_ERROR_RESPONSES, json_body
+from service.http.routes.common import client_gone
+from service.http.routes.tei_common import (
+    Direction,
+    check_batch,
+    encode_texts,
+    parse_body,
+    text_route,
+)
 from service.pipeline.errors import BadInput
+from service.pipeline.models import ensure_serving
 from service.text.tokenizer import Text, classify_runner, scores, typed_payload
 from service.text.work import run_parts
 
@@ -86,10 +94,13 @@ async def _logits(
 ) -> list[np.ndarray]:
     """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher."""
     deadline = time.monotonic() + state.settings.request_timeout_s
-    encoded = await encode_texts(request, state, entry, texts, truncate, direction, deadline, field)
-    return await run_parts(
-        state, entry, request, encoded, deadline - time.monotonic(), classify_runner, typed_payload
-    )
+    with client_gone(request) as gone:
+        encoded = await encode_texts(
+            gone, state, entry, texts, truncate, direction, deadline, field
+        )
+        return await run_parts(
+            state, entry, gone, encoded, deadline, classify_runner, typed_payload
+        )
 
 
 def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[Prediction]:
@@ -130,10 +141,12 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Tex
     "/rerank",
     summary="Texts ranked by relevance to a query (TEI)",
     response_model_exclude_none=True,
+    openapi_extra=json_body(RerankRequest),
 )
-async def rerank(body: RerankRequest, request: Request) -> list[Rank]:
+async def rerank(request: Request) -> list[Rank]:
     state = get_state(request)
     with text_route(state, "rerank", "/rerank", "reranker") as entry:
+        body = await parse_body(request, state, RerankRequest)
         ensure_serving(state)
         if not body.query:
             raise BadInput("'query' is an empty string; send the text to rank against")
@@ -150,12 +163,15 @@ async def rerank(body: RerankRequest, request: Request) -> list[Rank]:
         ]
 
 
-@router.post("/predict", summary="Label scores of texts or text pairs (TEI)")
-async def predict(
-    body: PredictRequest, request: Request
-) -> list[Prediction] | list[list[Prediction]]:
+@router.post(
+    "/predict",
+    summary="Label scores of texts or text pairs (TEI)",
+    openapi_extra=json_body(PredictRequest),
+)
+async def predict(request: Request) -> list[Prediction] | list[list[Prediction]]:
     state = get_state(request)
     with text_route(state, "predict", "/predict", "classifier", "reranker") as entry:
+        body = await parse_body(request, state, PredictRequest)
         ensure_serving(state)
         texts, batch = _predict_inputs(body.inputs)
         logits = await _logits(

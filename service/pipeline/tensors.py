@@ -1,0 +1,110 @@
+"""The Open Inference Protocol's inference core, once for every front (HTTP JSON, HTTP binary,
+gRPC): decode and validate (compute_input), queue on the model's current copy, wait with the
+deadline / client gone / drain, encode (compute_output), and record Triton's statistics and the
+metrics once, when the request completes.
+
+A front only turns its wire format into a TensorRequest (its `decode` parses bytes it has already
+read, bounded) and its answer from a TensorResult (`encode`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from service.oip.inputs import Payload, prepare, request_timeout_s
+from service.pipeline.models import submit
+from service.pipeline.waiting import Gone, await_queued
+from service.runtime.forward import hidden_states
+from service.runtime.statistics import Timing
+from service.runtime.work import Work
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from service.oip.codecs import InferRequest
+    from service.runtime.state import ModelEntry, ServiceState
+
+R = TypeVar("R")
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorRequest:
+    """One OIP inference request as a front hands it over."""
+
+    model: str
+    version: str | None  # None: the model's highest served version
+    protocol: str  # the codec metrics' label: "json", "binary" or "grpc"
+    request_id: str  # the response's id when the request sends none
+    decode: Callable[[], InferRequest]  # the wire bytes (already read, bounded) -> tensors
+    offload: bool = False  # decode and validate on a worker thread (a large request)
+    deadline_s: float | None = None  # the transport's own deadline (gRPC's), seconds from now
+    gone: Gone | None = None  # fires when the client leaves (None: cancellation tells)
+
+
+@dataclass(slots=True)
+class TensorResult:
+    """What the model made of a request, for the front to encode."""
+
+    entry: ModelEntry
+    request: InferRequest
+    payload: Payload
+    array: np.ndarray  # (B, T, E): the request's rows of the batch output
+    request_id: str
+
+
+async def infer(
+    state: ServiceState, request: TensorRequest, encode: Callable[[TensorResult], Awaitable[R]]
+) -> R:
+    """Run `request` through the model; `encode` turns the result into the front's answer.
+    The front has admitted it (pipeline.models.admit) before reading its body. Raises
+    ServiceError (the one vocabulary every front maps to its wire shape)."""
+    started = time.perf_counter()
+    # The current copy, looked up after the front read the body (unknown: 404, not counted).
+    entry = state.find(request.model, request.version)
+    try:
+        decoded, payload, input_s = await _decode(entry, request)
+        metrics = entry.metrics or state.metrics
+        metrics.codec(metrics.decode, request.protocol, input_s)
+        metrics.sequences_received(payload.lengths)
+
+        timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
+        if request.deadline_s is not None:
+            timeout = min(timeout, max(request.deadline_s, 0.0))
+        loop = asyncio.get_running_loop()
+        work = Work(
+            payload=payload, runner=hidden_states, deadline=time.monotonic() + timeout, loop=loop
+        )
+        entry = submit(state, request.model, request.version, work)
+        output = await await_queued(entry.batcher, work.future, [work], timeout, request.gone)
+
+        encoding = time.perf_counter()
+        array = payload.dense(output, payload.lengths) if payload.batched else output  # (B, T, E)
+        rid = decoded.id or request.request_id
+        answer = await encode(TensorResult(entry, decoded, payload, array, rid))
+        output_s = time.perf_counter() - encoding
+    except BaseException:
+        entry.stats.failed(time.perf_counter() - started)
+        raise
+    metrics.codec(metrics.encode, request.protocol, output_s)
+    total_s = time.perf_counter() - started
+    entry.stats.executed(Timing(input_s, work.queue_s, work.infer_s, output_s, total_s))
+    return answer
+
+
+async def _decode(entry: ModelEntry, request: TensorRequest) -> tuple[InferRequest, Payload, float]:
+    """compute_input: the request's tensors, checked against the model's current copy."""
+    started = time.perf_counter()
+    if request.offload:
+        decoded = await asyncio.to_thread(request.decode)
+        payload = await asyncio.to_thread(prepare, decoded, entry.limits)
+    else:
+        decoded = request.decode()
+        payload = prepare(decoded, entry.limits)
+    return decoded, payload, time.perf_counter() - started
+
+
+__all__ = ["TensorRequest", "TensorResult", "infer"]
