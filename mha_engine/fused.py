@@ -95,7 +95,11 @@ def _packable(module: nn.Linear, x: Tensor) -> bool:
 def packed_weight(module: nn.Linear) -> Tensor:
     """The module's weight in oneDNN's layout, reordered once (again if the weight changes)."""
     w = module.weight
-    key = (w.data_ptr(), w._version, w.dtype)
+    try:
+        version = w._version
+    except RuntimeError:  # an inference tensor (made under inference_mode) tracks no version
+        version = -1
+    key = (w.data_ptr(), version, w.dtype)
     hit = _packed.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]

@@ -96,3 +96,15 @@ def test_the_fused_path_matches_pytorch_and_the_plain_path(monkeypatch):
 def test_cpu_capability_is_named():
     cap = fused.cpu_capability()
     assert cap.startswith(torch.backends.cpu.get_cpu_capability())
+
+
+def test_weights_made_under_inference_mode_are_packed():
+    """Inference tensors track no version counter: packing must not ask them for one."""
+    with torch.inference_mode():
+        model = _encoder("float32")
+        x = torch.randn(20, E)
+        got = model.forward_varlen([x])[0]
+    assert torch.isfinite(got).all()
+    if fused.ONEDNN:
+        linear1 = model.encoder.layers[0].linear1
+        assert fused.packed_weight(linear1) is fused.packed_weight(linear1)
