@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import MultiheadAttentionConfig
+from .fused import linear, padded_gemm
 from .masks import causal_mask, merge_masks
 from .varlen import Plan, packed_attention
 
@@ -49,7 +50,8 @@ def linear_rows(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     if rows is not None:
         return rows(start, stop)(x)
     b = linear.bias
-    return F.linear(x, linear.weight[start:stop], None if b is None else b[start:stop])
+    w, b = linear.weight[start:stop], None if b is None else b[start:stop]
+    return padded_gemm(lambda x2: F.linear(x2, w, b), x)  # tiny batches padded (fused.py)
 
 
 class FusedAttention(nn.Module):
@@ -108,13 +110,13 @@ class FusedAttention(nn.Module):
         E, KV = self.embed_dim, self.kv_dim
         if self.in_proj is not None:
             if key is query and value is query:
-                return self.split_qkv(self.in_proj(query))  # (..., E + 2KV): one GEMM
+                return self.split_qkv(linear(self.in_proj, query))  # (..., E + 2KV): one GEMM
             q = linear_rows(self.in_proj, query, 0, E)  # (..., T, E)
             kv_proj, kv0 = self.in_proj, E  # K and V are the rows after Q
         else:
-            q = self.q_proj(query)  # (..., T, E)
+            q = linear(self.q_proj, query)  # (..., T, E)
             if self.kv_proj is None:
-                return q, self.k_proj(key), self.v_proj(value)
+                return q, linear(self.k_proj, key), linear(self.v_proj, value)
             kv_proj, kv0 = self.kv_proj, 0
         if key is value:
             kv = linear_rows(kv_proj, key, kv0, kv0 + 2 * KV)  # (..., S, 2KV): one GEMM
@@ -193,15 +195,21 @@ class FusedAttention(nn.Module):
         """Batched (B, T, E) attention block: in_proj, attend, out_proj; weights (B, H, T, S')."""
         q, k, v = self.project(query, key, value)  # (B, T, E), (B, S, KV), (B, S, KV)
         y, weights = self.attend(q, k, v, key_padding_mask, attn_mask, is_causal, need_weights)
-        return self.out_proj(y), weights  # (B, T, E)
+        return linear(self.out_proj, y), weights  # (B, T, E)
 
     def forward_packed(
-        self, query: Tensor, plan: Plan, key: Tensor | None = None, value: Tensor | None = None
+        self,
+        query: Tensor,
+        plan: Plan,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        residual: Tensor | None = None,
     ) -> Tensor:
-        """Packed (N, E) queries (and (M, kdim|vdim) keys/values) attended per the plan's groups."""
+        """Packed (N, E) queries (and (M, kdim|vdim) keys/values) attended per the plan's groups;
+        a residual (N, E) is added inside out_proj (one fused GEMM on CPU)."""
         key = query if key is None else key
         value = key if value is None else value
-        return packed_attention(self, query, key, value, plan)  # (N, E)
+        return packed_attention(self, query, key, value, plan, residual)  # (N, E)
 
 
 def _from_pytorch_names(module: FusedAttention, state: dict, prefix: str, *_: object) -> None:

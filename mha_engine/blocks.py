@@ -7,20 +7,12 @@ token, so one layer serves dense (B, T, E) batches and packed (N, E) tokens with
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import FusedAttention
 from .config import TransformerEncoderConfig
+from .fused import linear
 from .varlen import Plan
-
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "relu": F.relu,
-    "gelu": F.gelu,  # exact (erf), as nn.TransformerEncoderLayer and BERT's "gelu"
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # HF "gelu_new" / "gelu_pytorch_tanh"
-}
 
 
 class EncoderLayer(nn.Module):
@@ -36,7 +28,7 @@ class EncoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(E, eps=eps, bias=bias)
         self.norm2 = nn.LayerNorm(E, eps=eps, bias=bias)
         self.norm_first = config.norm_first
-        self.activation = ACTIVATIONS[config.activation]
+        self.activation_name = config.activation
 
     def _self_attention(
         self,
@@ -46,13 +38,18 @@ class EncoderLayer(nn.Module):
         is_causal: bool,
         plan: Plan | None,
         need_weights: bool,
+        residual: Tensor,
     ) -> tuple[Tensor, Tensor | None]:
+        """residual + self-attention(h); packed, the add is fused into out_proj."""
         if plan is not None:  # packed tokens: attention per group of equal-shaped sequences
-            return self.self_attn.forward_packed(h, plan), None  # (N, E)
-        return self.self_attn(h, h, h, key_padding_mask, attn_mask, is_causal, need_weights)
+            return self.self_attn.forward_packed(h, plan, residual=residual), None  # (N, E)
+        a, w = self.self_attn(h, h, h, key_padding_mask, attn_mask, is_causal, need_weights)
+        return residual + a, w
 
-    def _ff(self, x: Tensor) -> Tensor:
-        return self.linear2(self.activation(self.linear1(x)))  # (..., F) -> (..., E)
+    def _ff(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """[residual +] linear2(activation(linear1(x))), activation and add fused on CPU."""
+        h = linear(self.linear1, x, self.activation_name)  # (..., F)
+        return linear(self.linear2, h, residual=residual)  # (..., E)
 
     def forward(
         self,
@@ -69,13 +66,12 @@ class EncoderLayer(nn.Module):
         """
         attend = (key_padding_mask, attn_mask, is_causal, plan, need_weights)
         if self.norm_first:
-            a, weights = self._self_attention(self.norm1(x), *attend)
-            x = x + a
-            x = x + self._ff(self.norm2(x))
+            x, weights = self._self_attention(self.norm1(x), *attend, residual=x)
+            x = self._ff(self.norm2(x), residual=x)
         else:
-            a, weights = self._self_attention(x, *attend)
-            x = self.norm1(x + a)
-            x = self.norm2(x + self._ff(x))
+            x, weights = self._self_attention(x, *attend, residual=x)
+            x = self.norm1(x)
+            x = self.norm2(self._ff(x, residual=x))
         return x, weights
 
 

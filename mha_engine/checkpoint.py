@@ -32,6 +32,7 @@ from .config import (
 from .decoder_models import TransformerDecoderModel, TransformerModel
 from .devices import resolve_device, resolve_precision
 from .errors import CheckpointError, check_state
+from .fused import prepack
 from .heads import TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .quantize import quantize_int8
@@ -163,7 +164,7 @@ def model_from_state_dict(
         model = MODEL_CLASSES[config.architecture](config)
     _assign(model.core, state, device, dtype)
     model = model.requires_grad_(False).eval()
-    return quantize_int8(model) if int8 else model
+    return prepack(quantize_int8(model) if int8 else model)
 
 
 def _read_weights(directory: Path) -> dict:
@@ -250,4 +251,4 @@ def text_model_from_directory(
         _assign(model.head, head, device, dtype)
     _assign(model.embeddings, embedding_state, device, torch.float32)  # see TextEmbeddings
     model = model.requires_grad_(False).eval()
-    return quantize_int8(model) if int8 else model
+    return prepack(quantize_int8(model) if int8 else model)

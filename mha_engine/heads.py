@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .config import TextEncoderConfig
 from .errors import CheckpointError, check_state
+from .fused import linear
 from .text_model import TextEncoderModel
 from .varlen import cumulative, lengths, pad_rows
 
@@ -115,7 +116,8 @@ class ClassificationHead(nn.Module):
         self.activation = torch.tanh if activation == "tanh" else torch.relu
 
     def forward(self, first: Tensor) -> Tensor:
-        return self.out(self.activation(self.dense(first)))
+        h = self.activation(linear(self.dense, first))  # (B, D)
+        return linear(self.out, h)  # (B, num_labels)
 
 
 class TextClassifierModel(TextEncoderModel):

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .fused import cpu_capability, fused_cpu_enabled
+
 if TYPE_CHECKING:
     from .attention import FusedAttention
     from .models import EngineModel
@@ -62,6 +64,22 @@ def pytorch_fast_path_blockers(model: EngineModel) -> list[str]:
     return reasons
 
 
+def engine_path(model: EngineModel) -> str:
+    """How the layers run: prepacked oneDNN linears on CPU (fused.py), plain GEMMs elsewhere."""
+    fused_cpu = (
+        model.device.type == "cpu"
+        and model.precision in ("float32", "bfloat16")
+        and fused_cpu_enabled()
+    )
+    if fused_cpu:
+        gemms = "prepacked oneDNN in_proj / out_proj+residual / FFN (GELU, residual fused)"
+    elif model.precision == "int8":
+        gemms = "int8 oneDNN GEMMs (per-row activation scales)"
+    else:
+        gemms = "fused in_proj GEMM"
+    return f"{gemms} + scaled_dot_product_attention"
+
+
 def diagnostics(model: EngineModel, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]:
     """Backend and fast-path facts for an info metric; every value is a str, int or bool."""
     backend = sdpa_backend(
@@ -76,8 +94,8 @@ def diagnostics(model: EngineModel, batch_size: int = 1, seq_len: int = 128) -> 
         "batch_size": batch_size,
         "seq_len": seq_len,
         "sdpa_backend": backend,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "engine_path": "fused in_proj GEMM + scaled_dot_product_attention + out_proj",
+        "cpu_capability": cpu_capability() if model.device.type == "cpu" else "none (not on CPU)",
+        "engine_path": engine_path(model),
         "pytorch_fast_path": not blockers,
         "pytorch_fast_path_blockers": "; ".join(blockers) or "none",
         "torch_version": torch.__version__,

@@ -31,26 +31,14 @@ import torch
 from torch import Tensor
 
 from .cuda_varlen import varlen_attention
+from .fused import MIN_ROWS as MIN_GEMM_ROWS  # noqa: F401 (re-exported)
+from .fused import linear, pad_rows  # noqa: F401 (pad_rows re-exported)
 from .masks import additive_mask
 
 if TYPE_CHECKING:
     from .attention import FusedAttention
 
 Rows = Tensor | slice
-# Measured on torch 2.13 CPU (MKL sgemm and oneDNN bf16, AVX-512): a GEMM over M < 12 rows
-# (except 4 and 8) rounds differently from the same rows inside a GEMM over M >= 12 rows, at
-# every offset; from 12 rows on, a row's bits do not depend on M. Padding small packed batches
-# to MIN_GEMM_ROWS keeps a short request alone bit-equal to it inside a larger batch.
-MIN_GEMM_ROWS = 12
-
-
-def pad_rows(x: Tensor, rows: int = MIN_GEMM_ROWS) -> Tensor:
-    """x (N, E) with zero rows appended up to `rows` (x itself when it has enough): per-token
-    ops give the real rows the bits they get in any larger batch; callers slice [:N] back.
-    CPU only: CUDA's jagged path needs exact rows (GPU GEMM invariance is unverified)."""
-    if x.shape[0] >= rows or x.is_cuda:
-        return x
-    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])  # (rows, E)
 
 
 @dataclass
@@ -256,24 +244,29 @@ def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
 
 
 def packed_attention(
-    attn: FusedAttention, query: Tensor, key: Tensor, value: Tensor, plan: Plan
+    attn: FusedAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: Plan,
+    residual: Tensor | None = None,
 ) -> Tensor:
-    """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj."""
+    """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj
+    (plus `residual`, fused into out_proj)."""
     fused = key is query and value is query and attn.in_proj is not None
     if fused:
-        qkv = attn.in_proj(query)  # (N, E + 2KV): one GEMM for Q, K, V
+        qkv = linear(attn.in_proj, query)  # (N, E + 2KV): one GEMM for Q, K, V
         q, k, v = attn.split_qkv(qkv)
     else:
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
     if fused and use_varlen(attn, query, plan):
         longest = max(plan.q_lens)
         merged = varlen_attention(q, k, v, plan.cu_seqlens, longest, attn.num_heads, attn.head_dim)
-        return attn.out_proj(merged)  # (N, E)
-    if fused:
+    elif fused:
         merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
     else:
         merged = grouped_attention(attn, plan, q=q, k=k, v=v)  # (N, E)
-    return attn.out_proj(merged)  # (N, E)
+    return linear(attn.out_proj, merged, residual=residual)  # (N, E)
 
 
 @torch.compiler.disable

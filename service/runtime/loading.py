@@ -45,6 +45,7 @@ def model_info(model: ServedModel, name: str) -> dict[str, Any]:
         "dtype": model.precision,
         "device": str(model.device),
         "sdpa_backend": diagnostics.get("sdpa_backend", "unknown"),
+        "cpu_capability": diagnostics.get("cpu_capability", "unknown"),
     }
 
 

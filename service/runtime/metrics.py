@@ -75,7 +75,7 @@ PROTOCOLS = ("http", "grpc")  # the `protocol` label of the request families
 # model_info builds them); fixed because a multiprocess gauge's label names are.
 MODEL_INFO_LABELS = (
     "name", "architecture", "embed_dim", "num_heads", "num_layers", "dtype", "device",
-    "sdpa_backend",
+    "sdpa_backend", "cpu_capability",
 )  # fmt: skip
 
 # Set by the --workers supervisor for each child before it imports anything (prometheus-client

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from service.runtime.metrics import (
     BATCH_SEQ_BUCKETS,
@@ -272,6 +273,7 @@ def test_gauges_and_model_info(exercised) -> None:
     assert (info.labels["embed_dim"], info.labels["num_heads"]) == ("512", "8")
     assert (info.labels["dtype"], info.labels["device"]) == ("float32", "cpu")
     assert info.labels["sdpa_backend"] not in ("", "unknown")
+    assert info.labels["cpu_capability"].startswith(torch.backends.cpu.get_cpu_capability())
 
 
 def test_histograms_keep_growing_with_traffic(exercised) -> None:

@@ -28,6 +28,7 @@ ROLES = ("front_a", "front_b", "engine")
 INFO = {
     "name": "m", "architecture": "transformer_encoder", "embed_dim": 512, "num_heads": 8,
     "num_layers": 1, "dtype": "float32", "device": "cpu", "sdpa_backend": "math",
+    "cpu_capability": "AVX512",
 }  # fmt: skip
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]

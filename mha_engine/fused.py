@@ -1,0 +1,173 @@
+"""Fused CPU linears: prepacked oneDNN weights, fused activation / residual, padded tiny batches.
+
+`linear(module, x, activation, residual)` is what every engine layer calls for its projections
+and feed-forward. On CPU, for float32 and bfloat16 nn.Linear weights, it runs oneDNN's linear
+(`torch.ops.mkldnn._linear_pointwise`, the op Inductor lowers CPU linears to) on a weight
+reordered once into oneDNN's blocked layout, with GELU/ReLU or the residual add fused into the
+GEMM. Measured on torch 2.13 (BENCHMARKS.md, "CPU engine"): the fused GELU gives the same bits
+as F.gelu on the linear's output, the fused add the same bits as a separate add.
+
+Batch invariance: a GEMM kernel may pick another code path for very few rows (MKL's fp32 sgemm
+gives other bits for 1-3 rows, and 5-7 and 9-11 with 2 threads; oneDNN's for 1 row at
+K=1536), so inputs with fewer than MIN_ROWS rows are padded with zero rows up to MIN_ROWS
+and the padding cut off. Every row count then runs the kernel choice of a large batch and a
+sequence gets the same bits alone or in any batch (tests/mha_engine/test_tiny_batch.py).
+
+Anything else (int8 Linears, CUDA, autograd, torch.compile tracing, MHA_ENGINE_FUSED_CPU=0)
+takes the plain module call, with the same row padding for float nn.Linear (none while
+torch.compile / torch.export trace: compiled graphs pick their own kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Measured on torch 2.13 CPU (MKL sgemm, oneDNN fp32/bf16, AVX-512): a GEMM over M < 12 rows
+# (MKL: 1-3, 5-7, 9-11 rows with 2 threads; oneDNN prepacked: 1 row at K=1536) rounds
+# differently from the same rows inside a larger GEMM; from 12 rows on, a row's bits do not
+# depend on M. The one threshold for every padding in the engine.
+MIN_ROWS = 12
+PACKABLE = (torch.float32, torch.bfloat16)
+# engine activation name -> (oneDNN post-op, its algorithm argument)
+POST_OPS = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact (erf), as nn.TransformerEncoderLayer and BERT's "gelu"
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # HF "gelu_new" / "gelu_pytorch_tanh"
+}
+
+_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = (
+    weakref.WeakKeyDictionary()
+)  # module -> ((data_ptr, version, dtype), oneDNN weight); not in state_dict or deepcopy
+
+
+def _onednn_available() -> bool:
+    ops = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and ops is not None
+        and hasattr(ops, "_linear_pointwise")
+        and hasattr(ops, "_reorder_linear_weight")
+    )
+
+
+ONEDNN = _onednn_available()
+
+
+def fused_cpu_enabled() -> bool:
+    """The prepacked oneDNN path is on (default) unless MHA_ENGINE_FUSED_CPU=0 turns it off."""
+    return ONEDNN and os.environ.get("MHA_ENGINE_FUSED_CPU", "1") != "0"
+
+
+def cpu_capability() -> str:
+    """The vector ISA PyTorch's CPU kernels run with here (AVX512, AVX2, ...), plus the native
+    bf16 / int8 / AMX instructions oneDNN can use: what diagnostics and benchmarks report."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    probes = (
+        ("avx512-bf16", "_is_avx512_bf16_supported"),
+        ("vnni", "_is_vnni_supported"),
+        ("amx", "_is_amx_tile_supported"),
+        ("amx-fp16", "_is_amx_fp16_supported"),
+    )
+    extras = [name for name, fn in probes if getattr(torch.cpu, fn, lambda: False)()]
+    return f"{cap} ({', '.join(extras)})" if extras else cap
+
+
+def _packable(module: nn.Linear, x: Tensor) -> bool:
+    w = module.weight
+    return (
+        x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and w.dtype in PACKABLE
+        and x.dtype == w.dtype
+        and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        and not torch.compiler.is_compiling()
+        and fused_cpu_enabled()
+    )
+
+
+def packed_weight(module: nn.Linear) -> Tensor:
+    """The module's weight in oneDNN's layout, reordered once (again if the weight changes)."""
+    w = module.weight
+    try:
+        version = w._version
+    except RuntimeError:  # an inference tensor (made under inference_mode) tracks no version
+        version = -1
+    key = (w.data_ptr(), version, w.dtype)
+    hit = _packed.get(module)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+    _packed[module] = (key, packed)
+    return packed
+
+
+def prepack(model: nn.Module) -> nn.Module:
+    """Reorder every CPU float Linear's weight for oneDNN now (load-time warm-up); returns it."""
+    if fused_cpu_enabled():
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and w.device.type == "cpu" and w.dtype in PACKABLE:
+                packed_weight(module)
+    return model
+
+
+def pad_rows(x: Tensor, rows: int = MIN_ROWS) -> Tensor:
+    """x (N, ...) with zero rows appended up to `rows` (x itself when it has enough): per-token
+    ops give the real rows the bits they get in any larger batch; callers slice [:N] back.
+    CPU only: CUDA's jagged path needs exact rows (GPU GEMM invariance is unverified)."""
+    if x.shape[0] >= rows or x.is_cuda:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])  # (rows, ...)
+
+
+def _as_rows(x: Tensor, pad: bool) -> tuple[Tensor, int]:
+    """x as (N', K) rows, zero rows appended up to MIN_ROWS when pad and 0 < N < MIN_ROWS.
+
+    Not while torch.compile / torch.export trace: a branch on N would specialise the graph.
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # (N, K)
+    n = x2.shape[0]
+    if pad and not torch.compiler.is_compiling() and n > 0:
+        x2 = pad_rows(x2)  # (max(N, MIN_ROWS), K)
+    return x2, n
+
+
+def padded_gemm(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """fn (a row-wise GEMM) on x (..., K) with tiny batches padded; output (..., M)."""
+    x2, n = _as_rows(x, pad=True)
+    y = fn(x2)  # (N', M)
+    return y[:n].reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear(
+    module: nn.Module, x: Tensor, activation: str | None = None, residual: Tensor | None = None
+) -> Tensor:
+    """activation(module(x)) + residual, fused on CPU where it can be; any leading shape.
+
+    Float nn.Linear inputs below MIN_ROWS rows are padded (exact batch invariance); other
+    modules (Int8Linear: exact per row by construction) are called on the rows as they are.
+    """
+    pad = isinstance(module, nn.Linear)
+    x2, n = _as_rows(x, pad)
+    r2 = None if residual is None else _as_rows(residual, pad)[0]  # (N', M)
+    if pad and _packable(module, x2) and (activation is None or r2 is None):
+        w = packed_weight(module)
+        if r2 is not None:
+            y = torch.ops.mkldnn._linear_pointwise.binary(x2, r2, w, module.bias, "add")
+        else:
+            op, algorithm = POST_OPS[activation] if activation else ("none", "")
+            y = torch.ops.mkldnn._linear_pointwise(x2, w, module.bias, op, [], algorithm)
+    else:
+        y = module(x2)  # (N', M)
+        if activation is not None:
+            y = ACTIVATIONS[activation](y)
+        if r2 is not None:
+            y = y + r2
+    return y[:n].reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,110 @@
+"""Tiny packed batches (1-16 rows) give every sequence the bits it gets in a large batch.
+
+GEMM kernels pick other code paths for very few rows (MKL's fp32 sgemm for 1-3 rows, and 5-7
+and 9-11 with 2 threads; oneDNN's for 1 row at K=1536); mha_engine.fused pads each linear's
+input to MIN_ROWS rows (and models pad a whole packed batch at entry). Shapes are MiniLM's
+(E=384, 6 heads, FFN 1536, GELU), in fp32, bf16 and int8, with the fused oneDNN path on
+(default) and off (MHA_ENGINE_FUSED_CPU=0), at 1 thread, 2 and torch's default (the server's:
+one per core).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mha_engine
+from mha_engine import fused
+from tests.mha_engine.engine_helpers import FP32, engine_from, make_mha
+
+E, HEADS, FFN = 384, 6, 1536
+THREADS = sorted({1, 2, torch.get_num_threads()})
+
+
+def _encoder(precision: str):
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(E, HEADS, FFN, 0.0, "gelu", batch_first=True)
+    model = engine_from(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval())
+    if precision == "int8":
+        return mha_engine.quantize_int8(model)
+    return model.to(dtype=getattr(torch, precision))
+
+
+@pytest.fixture(params=[True, False], ids=["fused", "plain"])
+def fused_path(request, monkeypatch):
+    monkeypatch.setenv("MHA_ENGINE_FUSED_CPU", "1" if request.param else "0")
+    return request.param
+
+
+@pytest.fixture(params=THREADS, ids=lambda t: f"{t}threads")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
+def test_tiny_packed_batches_match_a_large_batch(precision, fused_path, threads):
+    model = _encoder(precision)
+    dtype = torch.float32 if precision == "int8" else getattr(torch, precision)
+    torch.manual_seed(5)
+    tiny = [torch.randn(n, E, dtype=dtype) for n in range(1, 17)]
+    filler = [torch.randn(n, E, dtype=dtype) for n in (40, 33, 57)]
+    large = model.forward_varlen(filler + tiny)[len(filler) :]  # 130 + 136 rows
+    for seq, want in zip(tiny, large, strict=True):  # packed batches of 1..16 rows
+        assert torch.equal(model.forward_varlen([seq])[0], want), f"{len(seq)} rows"
+    for group in ([0, 1], [0, 1, 2], [2, 4], [0, 0, 0, 0, 1]):  # several tiny sequences
+        outs = model.forward_varlen([tiny[i] for i in group])
+        for i, got in zip(group, outs, strict=True):
+            assert torch.equal(got, large[i]), f"batch {group}, sequence of {i + 1} rows"
+
+
+def test_tiny_batches_of_the_attention_block(fused_path, threads):
+    """The MHA block alone: 1..16 packed rows against the same rows in a large batch."""
+    model = engine_from(make_mha(E, HEADS))
+    torch.manual_seed(6)
+    seqs = [torch.randn(n, E) for n in range(1, 17)]
+    large = model.forward_varlen([torch.randn(50, E), *seqs])[1:]
+    for seq, want in zip(seqs, large, strict=True):
+        assert torch.equal(model.forward_varlen([seq])[0], want), f"{len(seq)} rows"
+
+
+def test_the_fused_path_matches_pytorch_and_the_plain_path(monkeypatch):
+    """Prepacked oneDNN linears with fused GELU / residual stay within fp32 parity of PyTorch's
+    own layer, and pack once per weight (again after the weight changes)."""
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(E, HEADS, FFN, 0.0, "gelu", batch_first=True).eval()
+    model = engine_from(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False))
+    x = torch.randn(2, 30, E)
+    with torch.no_grad():
+        want = layer(x)
+    got = model(x)
+    torch.testing.assert_close(got, want, **FP32)
+    monkeypatch.setenv("MHA_ENGINE_FUSED_CPU", "0")
+    torch.testing.assert_close(model(x), got, **FP32)
+    linear1 = model.encoder.layers[0].linear1
+    if fused.ONEDNN:
+        first = fused.packed_weight(linear1)
+        assert fused.packed_weight(linear1) is first
+        with torch.no_grad():
+            linear1.weight.mul_(1.0)  # in place: a new version, packed again
+        assert fused.packed_weight(linear1) is not first
+
+
+def test_cpu_capability_is_named():
+    cap = fused.cpu_capability()
+    assert cap.startswith(torch.backends.cpu.get_cpu_capability())
+
+
+def test_weights_made_under_inference_mode_are_packed():
+    """Inference tensors track no version counter: packing must not ask them for one."""
+    with torch.inference_mode():
+        model = _encoder("float32")
+        x = torch.randn(20, E)
+        got = model.forward_varlen([x])[0]
+    assert torch.isfinite(got).all()
+    if fused.ONEDNN:
+        linear1 = model.encoder.layers[0].linear1
+        assert fused.packed_weight(linear1) is fused.packed_weight(linear1)
