@@ -226,7 +226,8 @@ def describe(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return (
             f"{props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, "
-            f"driver/runtime {torch.cuda.get_device_capability(device)}, torch {torch.__version__}"
+            f"compute capability {torch.cuda.get_device_capability(device)}, "
+            f"torch {torch.__version__} (the driver: nvidia-smi)"
         )
     return f"CPU ({torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}"
 

@@ -28,7 +28,7 @@ import functools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -43,9 +43,6 @@ from prometheus_client import (
     platform_collector,
     process_collector,
 )
-
-if TYPE_CHECKING:  # torch only where CUDA gauges are added: the supervisor of --workers
-    import torch  # imports this module and holds no model
 
 # Buckets are chosen for this workload. Latency: a T=16 forward takes ~0.2 ms on CPU, a full
 # batch of long sequences seconds; requests add queue wait (default batch delay 2 ms) and HTTP.
@@ -241,13 +238,18 @@ class Metrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def _add_cuda_gauges(self, device: torch.device) -> None:
-        """Memory gauges of the model's CUDA device, read at scrape time (not on CPU runs)."""
+    def _add_cuda_gauges(self, name: str) -> None:
+        """Memory gauges of CUDA device `name`, read at scrape time; none where CUDA is not
+        available. torch is imported here: the --workers supervisor has none (unverified on a
+        GPU; test_cuda_branches runs this on CPU with torch.cuda patched)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return
         if MULTIPROCESS:
             _cuda_gauges_skipped()
             return
-        import torch
-
+        device = torch.device(name)
         if not self._cuda:
             self._cuda["allocated"] = Gauge(
                 "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
@@ -281,11 +283,8 @@ class Metrics:
             values = [labels[k] for k in MODEL_INFO_LABELS]
             self.info.labels(self.model, self.version, *values).set(1)
         device = str(info.get("device", ""))
-        if device.startswith("cuda"):  # unverified on a GPU; run on CPU by test_cuda_branches
-            import torch  # here, not at module level: the --workers supervisor has no torch
-
-            if torch.cuda.is_available():
-                self._add_cuda_gauges(torch.device(device))
+        if device.startswith("cuda"):
+            self._add_cuda_gauges(device)
 
     def set_ready(self, ready: bool) -> None:
         self.child(self.ready, self.model, self.version).set(1 if ready else 0)
