@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
+from service.grpc.decode_errors import DecodeErrors
 from service.grpc.servicer import InferenceServicer
 from service.runtime.startup import EXIT_PORT, GRPC_FLAGS, StartupError, check_grpc_port
 
@@ -17,57 +17,6 @@ if TYPE_CHECKING:
     from service.runtime.state import ServiceState
 
 log = logging.getLogger("service.grpc")
-
-
-class Undecodable:
-    """What a request that is no valid protobuf message deserializes to (grpc would otherwise
-    end the call UNKNOWN, with a traceback in the log, for a client's mistake)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def decode(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except Exception as exc:  # protobuf's DecodeError, or anything a bad message raises
-            return Undecodable(exc)
-
-    return decode
-
-
-def _refusing(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, Undecodable):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the request is not a valid protobuf message: {request.error}",
-            )
-        return await behavior(request, context)
-
-    return call
-
-
-class DecodeErrors(grpc.aio.ServerInterceptor):
-    """Undecodable requests end INVALID_ARGUMENT naming the problem; each method's handler is
-    wrapped once and reused."""
-
-    def __init__(self) -> None:
-        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
-
-    async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        handler = self._handlers.get(method)
-        if handler is None:
-            handler = await continuation(handler_call_details)
-            if handler is not None and handler.unary_unary and handler.request_deserializer:
-                handler = handler._replace(
-                    unary_unary=_refusing(handler.unary_unary),
-                    request_deserializer=_lenient(handler.request_deserializer),
-                )
-                self._handlers[method] = handler
-        return handler
 
 
 class GrpcListener:

@@ -14,7 +14,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -23,8 +23,10 @@ from google.protobuf import json_format
 from service import __version__
 from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
+from service.grpc.shared_memory import SharedMemoryServicer
 from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
-from service.grpc.tensors import decode_infer_request, encode_infer_response
+from service.grpc.streaming import stream_infer
+from service.grpc.tensors import decode_infer_request, encode_infer_response, in_shared_memory
 from service.http.middleware import bearer_credential, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
 from service.oip.inputs import OUTPUT_NAME
@@ -33,6 +35,7 @@ from service.pipeline.errors import BadInput, ServiceError, Unauthorized
 from service.pipeline.models import admit
 from service.pipeline.tensors import TensorRequest, TensorResult, infer
 from service.runtime.model_control import UNLOAD_PARAMETERS
+from service.shm.tensors import SharedMemoryIO, write_outputs
 
 if TYPE_CHECKING:
     from service.runtime.model_control import ModelControl
@@ -55,18 +58,20 @@ class Call:
         self.reason: str | None = None
 
 
-async def _encode(raw: bool, result: TensorResult) -> pb.ModelInferResponse:
-    """The result as a ModelInferResponse (raw output contents when the request sent raw)."""
+async def _encode(raw: bool, shm: SharedMemoryIO, result: TensorResult) -> pb.ModelInferResponse:
+    """The result as a ModelInferResponse (raw output contents when the request sent raw), or
+    written into the client's shared memory where it asked."""
+    parameters = await write_outputs(shm, OUTPUT_NAME, result.array)
     return encode_infer_response(
         result.entry.name,
         result.entry.version,
         result.request_id,
-        [OutputTensor(OUTPUT_NAME, result.payload.datatype, result.array)],
+        [OutputTensor(OUTPUT_NAME, result.payload.datatype, result.array, parameters)],
         raw=raw,
     )
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServicer):
     """Handlers over the lifespan's ServiceState."""
 
     def __init__(self, state: ServiceState, control: ModelControl) -> None:
@@ -90,39 +95,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if not secrets.compare_digest(credential.encode(), self.api_key):
             raise Unauthorized("wrong API key")
 
-    @contextlib.asynccontextmanager
-    async def _call(
+    @contextlib.contextmanager
+    def _observed(
         self,
         method: str,
-        context: grpc.aio.ServicerContext,
+        rid: str,
         endpoint: str | None = None,
         model: str | None = None,
         version: str = "",
-    ) -> AsyncIterator[Call]:
-        """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
+    ) -> Iterator[Call]:
+        """One request's access-log line and (for `endpoint`) in-flight gauge and metrics, with
+        the status the caller sets on the Call (a cancelled one records 499)."""
         started = time.perf_counter()
-        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        call = Call(method, request_id(metadata.get("x-request-id")))
+        call = Call(method, rid)
         metrics = self.state.metrics_for(model, version)
         gauge = metrics.in_flight_child if endpoint else None
         if gauge is not None:
             gauge.inc()
         try:
-            await context.send_initial_metadata((("x-request-id", call.request_id),))
-            self._check_key(method, metadata)
             yield call
-        except ServiceError as exc:
-            call.status, call.reason = exc.status, exc.reason
-            await context.abort(grpc_code(exc), exc.message, trailing_metadata(exc))
         except asyncio.CancelledError:
             call.status, call.reason = CANCELLED_STATUS, "client_disconnected"
             raise
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            call.status, call.reason = 500, "inference_error"
-            log.exception("unhandled error in gRPC %s", method)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
         finally:
             seconds = time.perf_counter() - started
             if gauge is not None:
@@ -140,6 +134,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     "path": log_safe(method),
                 },
             )
+
+    @contextlib.asynccontextmanager
+    async def _call(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        endpoint: str | None = None,
+        model: str | None = None,
+        version: str = "",
+    ) -> AsyncIterator[Call]:
+        """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        rid = request_id(metadata.get("x-request-id"))
+        with self._observed(method, rid, endpoint, model, version) as call:
+            try:
+                await context.send_initial_metadata((("x-request-id", call.request_id),))
+                self._check_key(method, metadata)
+                yield call
+            except ServiceError as exc:
+                call.status, call.reason = exc.status, exc.reason
+                await context.abort(grpc_code(exc), exc.message, trailing_metadata(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                call.status, call.reason = 500, "inference_error"
+                log.exception("unhandled error in gRPC %s", method)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
 
     def _ready(self, name: str, version: str) -> bool:
         """Triton's answer: false for a model it knows but cannot serve now (loading, unloading,
@@ -207,20 +230,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         name, version = request.model_name, request.model_version
         async with self._call("ModelInfer", context, "infer", name, version) as call:
-            admit(self.state, name, version or None)  # 404 / 503 before any work
-            raw = bool(request.raw_input_contents)
+            return await self.infer(request, call.request_id, context.time_remaining())
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async with self._call("ModelStreamInfer", context) as call:
+            await stream_infer(self, request_iterator, context, call.request_id)
+
+    async def infer(
+        self, request: pb.ModelInferRequest, rid: str, deadline_s: float | None
+    ) -> pb.ModelInferResponse:
+        """One ModelInferRequest through the OIP core (unary calls and each request of a
+        stream); `deadline_s`: the call's gRPC deadline, if any. Raises ServiceError."""
+        name, version = request.model_name, request.model_version
+        admit(self.state, name, version or None)  # 404 / 503 before any work
+        shared = in_shared_memory(request)
+        # tritonclient reads raw outputs only: raw unless the request sent typed contents
+        raw = bool(request.raw_input_contents) or shared
+        with SharedMemoryIO(self.state.shared_memory) as shm:
             work = TensorRequest(
                 model=name,
                 version=version or None,
                 protocol="grpc",
-                request_id=call.request_id,
-                decode=functools.partial(decode_infer_request, request),
+                request_id=rid,
+                decode=functools.partial(decode_infer_request, request, shm),
                 # Raw contents decode to views (no pass over the values); large typed contents
-                # are copied value by value, off the event loop.
-                offload=not raw and request.ByteSize() > OFFLOAD_BYTES,
-                deadline_s=context.time_remaining(),  # the call's gRPC deadline, if any
+                # and shared-memory inputs are copied value by value, off the event loop.
+                offload=shared or (not raw and request.ByteSize() > OFFLOAD_BYTES),
+                deadline_s=deadline_s,
             )
-            return await infer(self.state, work, functools.partial(_encode, raw))
+            return await infer(self.state, work, functools.partial(_encode, raw, shm))
 
     # -- model repository (service/runtime/model_control.py) --------------------------------
     async def RepositoryIndex(self, request, context):

@@ -23,12 +23,17 @@ CODES: dict[int, grpc.StatusCode] = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
     500: grpc.StatusCode.INTERNAL,
+    501: grpc.StatusCode.UNIMPLEMENTED,
 }
 CANCELLED_STATUS = 499  # what a cancelled call records in the metrics (nginx's 499)
 
 
 def grpc_code(error: ServiceError) -> grpc.StatusCode:
-    """The status code for `error`: by its HTTP status, 4xx never worse than INVALID_ARGUMENT."""
+    """The status code for `error`: its own (`grpc_status`, e.g. ALREADY_EXISTS) or by its HTTP
+    status, 4xx never worse than INVALID_ARGUMENT."""
+    named = getattr(error, "grpc_status", None)
+    if named is not None:
+        return grpc.StatusCode[named]
     code = CODES.get(error.status)
     if code is None:
         code = grpc.StatusCode.INVALID_ARGUMENT if error.status < 500 else grpc.StatusCode.INTERNAL

@@ -8,7 +8,7 @@ read as numpy views over the message's bytes (no copy); typed contents are copie
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,10 @@ from service.grpc import grpc_service_pb2 as pb
 from service.oip.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor, check_shape
 from service.oip.datatypes import DATATYPES
 from service.pipeline.errors import BadInput
+from service.shm import REGION
+
+if TYPE_CHECKING:
+    from service.shm.tensors import SharedMemoryIO
 
 # datatype -> the InferTensorContents field that carries it (FP16/BF16 only as raw bytes).
 CONTENT_FIELDS = {
@@ -31,6 +35,10 @@ CONTENT_FIELDS = {
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
 }
+
+
+_PARAMETER_FIELDS = {bool: "bool_param", int: "int64_param", str: "string_param",
+                     float: "double_param"}  # fmt: skip
 
 
 def parameter_value(parameter: pb.InferParameter) -> Any:
@@ -78,24 +86,41 @@ def _typed_array(tensor: pb.ModelInferRequest.InferInputTensor, shape, count: in
     return array  # flat: reshaped once its dimensions are checked
 
 
-def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
-    """The protobuf request as an InferRequest; raises BadInput naming the field at fault."""
+def in_shared_memory(request: pb.ModelInferRequest) -> bool:
+    """Whether any input or output of `request` is in system shared memory."""
+    return any(REGION in t.parameters for t in (*request.inputs, *request.outputs))
+
+
+def decode_infer_request(
+    request: pb.ModelInferRequest, shm: SharedMemoryIO | None = None
+) -> InferRequest:
+    """The protobuf request as an InferRequest; raises BadInput naming the field at fault.
+    Tensors in system shared memory are read (inputs) or checked (outputs) through `shm`."""
     if not request.inputs:
         raise BadInput("'inputs' must hold at least one tensor")
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
+    in_messages = [t for t in request.inputs if REGION not in t.parameters]
+    if raw and len(raw) != len(in_messages):
         raise BadInput(
-            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
-            "send one per input, in the order of 'inputs'"
+            f"raw_input_contents has {len(raw)} entries for {len(in_messages)} inputs not in "
+            "shared memory; send one per such input, in the order of 'inputs'"
         )
     inputs: dict[str, InferTensor] = {}
     message_bytes = request.ByteSize()  # what a dimension is checked against, as over HTTP
-    for index, tensor in enumerate(request.inputs):
+    index = 0  # the next raw_input_contents entry
+    for tensor in request.inputs:
         name, datatype = tensor.name, tensor.datatype
         if name in inputs:
             raise BadInput(f"input '{name}' appears twice")
         if datatype not in DATATYPES:
             raise BadInput(f"input '{name}': datatype {datatype!r} is not supported here")
+        if REGION in tensor.parameters:  # Triton's system shared memory (service.shm)
+            if tensor.HasField("contents") or shm is None:
+                raise BadInput(f"input '{name}': send shared_memory_region or contents, not both")
+            params = _parameters(tensor.parameters)
+            array = shm.read_input(name, datatype, list(tensor.shape), params)
+            inputs[name] = InferTensor(name, datatype, array.shape, array)
+            continue
         shape = tuple(tensor.shape)
         if len(shape) > MAX_RANK or any(dim < 0 for dim in shape):
             raise BadInput(
@@ -109,6 +134,7 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
                     f"input '{name}' has contents and raw_input_contents; send one of them"
                 )
             array = _raw_array(name, datatype, shape, count, raw[index])
+            index += 1
         else:
             array = _typed_array(tensor, shape, count)
         # The data matches the count; each dimension is still bounded like an HTTP body's (a
@@ -120,6 +146,8 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferRequest:
     for output in request.outputs:
         # the flag only matters over HTTP: gRPC answers in raw or typed contents (see encode)
         outputs[output.name] = True
+        if REGION in output.parameters and shm is not None:
+            shm.want_output(output.name, _parameters(output.parameters))
     return InferRequest(request.id or None, _parameters(request.parameters), inputs, outputs, True)
 
 
@@ -138,7 +166,10 @@ def encode_infer_response(
     for tensor in outputs:
         entry = response.outputs.add(name=tensor.name, datatype=tensor.datatype)
         entry.shape.extend(tensor.array.shape)
-        if typed:
+        if tensor.parameters is not None:  # written into shared memory: no contents
+            for key, value in tensor.parameters.items():
+                setattr(entry.parameters[key], _PARAMETER_FIELDS[type(value)], value)
+        elif typed:
             getattr(entry.contents, CONTENT_FIELDS[tensor.datatype]).extend(
                 tensor.array.reshape(-1).tolist()
             )
