@@ -29,6 +29,7 @@ from service.http.routes import (
     metrics_route,
     openai_models,
     repository,
+    shared_memory,
     tei,
     tei_rank,
 )
@@ -124,6 +125,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.include_router(config_stats.router)  # before health: /v2/models/stats is not a model
     app.include_router(health.router)
     app.include_router(repository.router)
+    app.include_router(shared_memory.router)
     app.include_router(metrics_route.router)
     docs.install(app)
     app.include_router(openai_models.router)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -22,6 +22,10 @@ from service.oip.datatypes import (
     bf16_to_float32,
 )
 from service.pipeline.errors import BadInput
+from service.shm import REGION
+
+if TYPE_CHECKING:
+    from service.shm.tensors import SharedMemoryIO
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 MAX_RANK = 8
@@ -168,8 +172,11 @@ def _flag(parameters: dict[str, Any], key: str, default: bool, where: str) -> bo
     return value
 
 
-def decode_request(body: bytes | bytearray, header_length: str | None) -> InferRequest:
-    """Parse an OIP inference request; raises BadInput naming what is wrong."""
+def decode_request(
+    body: bytes | bytearray, header_length: str | None, shm: SharedMemoryIO | None = None
+) -> InferRequest:
+    """Parse an OIP inference request; raises BadInput naming what is wrong. Tensors in
+    system shared memory are read (inputs) or checked (outputs) through `shm`."""
     json_end = json_length(header_length, len(body))
     try:
         header = orjson.loads(memoryview(body)[:json_end])
@@ -203,8 +210,14 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
             raise BadInput(f"input '{name}': unknown datatype {datatype!r}")
         if datatype not in DATATYPES:
             raise BadInput(f"input '{name}': datatype {datatype} is not supported here")
-        shape, count = check_shape(raw.get("shape"), name, len(body))
         input_params = _check_parameters(raw.get("parameters"), f"input '{name}'")
+        if REGION in input_params:  # Triton's system shared memory (service.shm)
+            if "data" in raw or "binary_data_size" in input_params or shm is None:
+                raise BadInput(f"input '{name}': send shared_memory_region or data, not both")
+            array = shm.read_input(name, datatype, raw.get("shape"), input_params)
+            inputs[name] = InferTensor(name, datatype, array.shape, array)
+            continue
+        shape, count = check_shape(raw.get("shape"), name, len(body))
         binary_size = input_params.get("binary_data_size")
         if binary_size is not None:
             if header_length is None:
@@ -251,6 +264,8 @@ def decode_request(body: bytes | bytearray, header_length: str | None) -> InferR
             if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
                 raise BadInput("each requested output must be an object with a string 'name'")
             out_params = _check_parameters(raw.get("parameters"), f"output '{raw['name']}'")
+            if REGION in out_params and shm is not None:
+                shm.want_output(raw["name"], out_params)
             outputs[raw["name"]] = _flag(
                 out_params, "binary_data", binary_default, f"output '{raw['name']}'"
             )
@@ -264,6 +279,7 @@ class OutputTensor:
     name: str
     datatype: str
     array: np.ndarray
+    parameters: dict[str, Any] | None = None  # set: the data went elsewhere (shared memory)
 
 
 def _json_data(tensor: OutputTensor) -> np.ndarray:
@@ -288,7 +304,9 @@ def encode_parts(
             "datatype": tensor.datatype,
             "shape": list(tensor.array.shape),
         }
-        if binary.get(tensor.name, False):
+        if tensor.parameters is not None:
+            entry["parameters"] = tensor.parameters
+        elif binary.get(tensor.name, False):
             raw = memoryview(np.ascontiguousarray(tensor.array).reshape(-1)).cast("B")
             entry["parameters"] = {"binary_data_size": raw.nbytes}
             chunks.append(raw)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.oip.datatypes import of_torch
 from service.oip.decoder_inputs import DECODER_ARCHITECTURES, input_names
+from service.shm.regions import unavailable
 from service.text.tokenizer import text_properties
 
 if TYPE_CHECKING:
@@ -23,9 +24,14 @@ EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
 
 
 def extensions(settings: Settings) -> list[str]:
-    """The extensions offered: model_repository (index, load, unload) in explicit mode only."""
+    """The extensions offered: model_repository (index, load, unload) in explicit mode only;
+    system_shared_memory where it works (one process, Linux)."""
     explicit = settings.model_control_mode == "explicit"
-    return [*EXTENSIONS, *(["model_repository"] if explicit else [])]
+    return [
+        *EXTENSIONS,
+        *(["model_repository"] if explicit else []),
+        *(["system_shared_memory"] if unavailable(settings) is None else []),
+    ]
 
 
 def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None]], str, int]:

@@ -57,6 +57,25 @@ class Settings(BaseSettings):
     grpc_host: str | None = Field(
         None, description="Address the gRPC listener binds. Default: the same as --host."
     )
+    grpc_stream_in_flight: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Requests of one gRPC ModelStreamInfer stream in progress at once; past "
+        "it the server reads no more of that stream until one is answered.",
+    )
+    shm_max_regions: int = Field(
+        64,
+        ge=0,
+        description="Most system shared-memory regions registered at once (Triton's "
+        "/v2/systemsharedmemory extension); 0 turns registration off.",
+    )
+    shm_max_bytes: int = Field(
+        16 * 1024**3,
+        ge=0,
+        description="Most bytes of client shared memory mapped at once, over all registered "
+        "regions (address space and page tables, not memory of the server's own).",
+    )
     device: str | None = Field(None, description="torch device: cuda, cuda:1, cpu. Default: auto.")
     dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         "float32",

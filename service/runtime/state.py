@@ -17,6 +17,7 @@ from service.runtime.batcher import Batcher
 from service.runtime.metrics import Metrics
 from service.runtime.settings import Settings
 from service.runtime.statistics import ModelStats
+from service.shm.regions import SystemRegions
 from service.text.tokenizer import CharLimits, TextTokenizer
 
 log = logging.getLogger("service")
@@ -65,9 +66,11 @@ class ServiceState:
     started_at: float = field(default_factory=time.time)
     loop: asyncio.AbstractEventLoop | None = None
     grace_timer: asyncio.TimerHandle | None = None
+    shared_memory: SystemRegions = field(init=False)  # Triton's system shared memory
 
     def __post_init__(self) -> None:
         self.models = {}
+        self.shared_memory = SystemRegions.for_settings(self.settings)
         for name in self.versions:
             self._follow(name)
 

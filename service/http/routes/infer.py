@@ -26,6 +26,8 @@ from service.pipeline.models import admit
 from service.pipeline.tensors import TensorRequest, TensorResult
 from service.pipeline.tensors import infer as run_infer
 from service.runtime.state import ServiceState
+from service.shm import REGION
+from service.shm.tensors import SharedMemoryIO, write_outputs
 
 router = APIRouter(tags=["inference"], route_class=LeanRoute)
 
@@ -36,33 +38,42 @@ async def _infer(
     admit(state, model_name, version)  # 404 / 503 before the body is read
     body = await read_body(request, state.settings.max_body_bytes)
     header_length = request.headers.get(BINARY_HEADER)
-    with client_gone(request) as gone:
+    # Triton's system shared memory (service.shm): its inputs are copied out, off the loop
+    shared = REGION.encode() in body
+    with client_gone(request) as gone, SharedMemoryIO(state.shared_memory) as shm:
         work = TensorRequest(
             model=model_name,
             version=version,
             protocol="json" if header_length is None else "binary",
             request_id=request.state.request_id,
-            decode=functools.partial(decode_request, body, header_length),
-            offload=json_length(header_length, len(body)) > OFFLOAD_BYTES,
+            decode=functools.partial(decode_request, body, header_length, shm),
+            offload=shared or json_length(header_length, len(body)) > OFFLOAD_BYTES,
             gone=gone,
         )
-        return await run_infer(state, work, functools.partial(_encode, request, version))
+        return await run_infer(state, work, functools.partial(_encode, request, version, shm))
 
 
-async def _encode(request: Request, version: str | None, result: TensorResult) -> Response:
-    """The result as OIP JSON, or Triton's binary extension where the request asks for it."""
+async def _encode(
+    request: Request, version: str | None, shm: SharedMemoryIO, result: TensorResult
+) -> Response:
+    """The result as OIP JSON, or Triton's binary extension where the request asks for it, or
+    written into the client's shared memory."""
     array, decoded = result.array, result.request
+    parameters = await write_outputs(shm, OUTPUT_NAME, array)
     binary = {OUTPUT_NAME: decoded.outputs.get(OUTPUT_NAME, decoded.binary_output_default)}
+    if parameters is not None:
+        binary[OUTPUT_NAME] = False  # nothing of it in the body
     args = (
         result.entry.name,
         version,
         result.request_id,  # OIP id, else the X-Request-ID
-        [OutputTensor(OUTPUT_NAME, result.payload.datatype, array)],
+        [OutputTensor(OUTPUT_NAME, result.payload.datatype, array, parameters)],
         binary,
     )
     # Refuse before encoding what could not be sent now (JSON: ~11 bytes a value, counted at 8).
-    response_budget(request).check(array.nbytes if binary[OUTPUT_NAME] else 8 * array.size)
-    if not binary[OUTPUT_NAME] and array.nbytes > OFFLOAD_BYTES:
+    if parameters is None:
+        response_budget(request).check(array.nbytes if binary[OUTPUT_NAME] else 8 * array.size)
+    if parameters is None and not binary[OUTPUT_NAME] and array.nbytes > OFFLOAD_BYTES:
         parts, header_bytes = await run_in_threadpool(encode_parts, *args)
     else:
         parts, header_bytes = encode_parts(*args)
