@@ -1,14 +1,14 @@
 """Triton's shared-memory RPCs: system shared memory over the server's registry
-(service.shm.regions); CUDA shared memory answers UNIMPLEMENTED on registration, as Triton's
-CPU builds do (status lists none, unregistering has nothing to remove: perf_analyzer
-unregisters both kinds before it starts)."""
+(service.shm.regions); CUDA shared memory answers INVALID_ARGUMENT "GPUs not supported" on
+registration, as Triton's CPU builds do (status lists none, unregistering has nothing to
+remove: perf_analyzer unregisters both kinds before it starts)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from service.grpc import grpc_service_pb2 as pb
-from service.shm.regions import CUDA_UNSUPPORTED, NotSupported
+from service.shm.regions import RegionNotFound, cuda_unsupported
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -54,12 +54,12 @@ class SharedMemoryServicer:
     async def CudaSharedMemoryStatus(self, request, context):
         async with self._call("CudaSharedMemoryStatus", context):
             if request.name:
-                raise NotSupported(CUDA_UNSUPPORTED)
+                raise RegionNotFound(f"unable to find cuda shared memory region: '{request.name}'")
             return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request, context):
         async with self._call("CudaSharedMemoryRegister", context):
-            raise NotSupported(CUDA_UNSUPPORTED)
+            raise cuda_unsupported(request.name)
 
     async def CudaSharedMemoryUnregister(self, request, context):
         async with self._call("CudaSharedMemoryUnregister", context):

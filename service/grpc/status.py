@@ -23,7 +23,6 @@ CODES: dict[int, grpc.StatusCode] = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
     500: grpc.StatusCode.INTERNAL,
-    501: grpc.StatusCode.UNIMPLEMENTED,
 }
 CANCELLED_STATUS = 499  # what a cancelled call records in the metrics (nginx's 499)
 

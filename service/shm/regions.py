@@ -25,7 +25,14 @@ if TYPE_CHECKING:
 
 SHM_DIR = Path("/dev/shm")  # where Linux's shm_open keeps its objects
 KEY_MAX = 255  # NAME_MAX: an shm_open name is one file name
-CUDA_UNSUPPORTED = "CUDA shared memory is not supported: this build serves on the CPU only"
+
+
+def cuda_unsupported(name: str) -> NotSupported:
+    """Triton's answer on a build without GPUs, naming the region."""
+    return NotSupported(
+        f"failed to register CUDA shared memory region: '{name}', GPUs not supported "
+        "(this build serves on the CPU only)"
+    )
 
 
 class RegionExists(ServiceError):
@@ -47,12 +54,11 @@ class RegionsFull(ServiceError):
     reason = "overloaded"
 
 
-class NotSupported(ServiceError):
-    """What this build cannot do (Triton's UNSUPPORTED: HTTP 501, gRPC UNIMPLEMENTED)."""
+class NotSupported(BadInput):
+    """What this build or configuration cannot do: Triton's CPU builds answer a CUDA
+    registration INVALID_ARG ("GPUs not supported"), HTTP 400."""
 
-    status = 501
     reason = "unsupported"
-    grpc_status = "UNIMPLEMENTED"
 
 
 @dataclass(eq=False)

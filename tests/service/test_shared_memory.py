@@ -205,11 +205,11 @@ def test_cuda_shared_memory_is_not_supported(server) -> None:
     http = thttp.InferenceServerClient(server.http.address)
     grpc_client = server.client()
     error = _error(http.register_cuda_shared_memory, "cuda", base64.b64encode(b"handle"), 0, 64)
-    assert "not supported" in error.message() and error.status() == "501"
+    assert "GPUs not supported" in error.message() and error.status() == "400"
     error = _error(
         grpc_client.register_cuda_shared_memory, "cuda", base64.b64encode(b"handle"), 0, 64
     )
-    assert error.status() == "StatusCode.UNIMPLEMENTED"
+    assert error.status() == "StatusCode.INVALID_ARGUMENT" and "'cuda'" in error.message()
     assert http.get_cuda_shared_memory_status() == []
     assert not grpc_client.get_cuda_shared_memory_status().regions
     http.unregister_cuda_shared_memory()

@@ -1,6 +1,7 @@
 """Triton's shared-memory extension over HTTP: register, unregister and list system
-shared-memory regions (service.shm.regions); CUDA shared memory answers 501 on registration, as
-Triton's CPU builds do (status lists none, unregistering has nothing to remove)."""
+shared-memory regions (service.shm.regions); CUDA shared memory answers 400 "GPUs not supported"
+on registration, as Triton's CPU builds do (status lists none, unregistering has nothing to
+remove)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from fastapi import APIRouter, Request
 
 from service.http.body import read_json
 from service.http.deps import get_state
-from service.http.openapi import ERROR_RESPONSES, error_responses
+from service.http.openapi import ERROR_RESPONSES
 from service.http.routes.repository import BODY_LIMIT
 from service.pipeline.errors import BadInput
-from service.shm.regions import CUDA_UNSUPPORTED, NotSupported
+from service.shm.regions import cuda_unsupported
 
 router = APIRouter(tags=["shared memory"])
 SYSTEM = "/v2/systemsharedmemory"
@@ -35,13 +36,29 @@ STATUS_RESPONSES = {
     },
     **{code: ERROR_RESPONSES[code] for code in (404, 503)},
 }
-DONE = {200: {"description": "Done", "content": {"application/json": {"schema": {}}}}}
-ERRORS = error_responses(
-    ERROR_RESPONSES[400]["content"]["application/json"]["schema"],
-    {501: "Not offered: CUDA shared memory (a CPU build), or system shared memory with "
-          "--workers > 1"},
-)  # fmt: skip
-CONTROL_RESPONSES = {**DONE, **{code: ERRORS[code] for code in (400, 429, 501, 503)}}
+DONE = {
+    200: {"description": "Done", "content": {"application/json": {"schema": {}}}},
+    503: ERROR_RESPONSES[503],
+}
+CONTROL_RESPONSES = {**DONE, **{code: ERROR_RESPONSES[code] for code in (400, 413, 429)}}
+REGISTER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "key": {"type": "string", "description": "shm_open name, e.g. /input0"},
+                        "offset": {"type": "integer", "minimum": 0, "default": 0},
+                        "byte_size": {"type": "integer", "minimum": 1},
+                    },
+                    "required": ["key", "byte_size"],
+                }
+            }
+        },
+    }
+}
 
 
 @router.get(
@@ -60,6 +77,7 @@ async def system_status(request: Request, region_name: str | None = None) -> lis
     f"{SYSTEM}/region/{{region_name}}/register",
     summary="Register a system shared-memory region: {key, offset, byte_size}",
     responses=CONTROL_RESPONSES,
+    openapi_extra=REGISTER_BODY,
 )
 async def system_register(request: Request, region_name: str) -> dict[str, Any]:
     state = get_state(request)
@@ -90,11 +108,12 @@ async def cuda_status(request: Request) -> list[dict[str, Any]]:
 @router.get(f"{CUDA}/region/{{region_name}}/status", include_in_schema=False)
 @router.post(
     f"{CUDA}/region/{{region_name}}/register",
-    summary="CUDA shared memory: not supported on a CPU build (501)",
+    summary="CUDA shared memory: not supported on a CPU build (400)",
     responses=CONTROL_RESPONSES,
+    openapi_extra={"requestBody": {"content": {"application/json": {"schema": {}}}}},
 )
 async def cuda_register(request: Request, region_name: str) -> dict[str, Any]:
-    raise NotSupported(CUDA_UNSUPPORTED)
+    raise cuda_unsupported(region_name)
 
 
 @router.post(
