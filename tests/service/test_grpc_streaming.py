@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from tritonclient.grpc import service_pb2
 
 import mha_engine
 from tests.service.test_grpc import GrpcServer, expected, fp32_input, rng_input
+from tests.service.test_triton_statistics import THROUGHPUT
+from tests.service.test_triton_statistics import input_data as input_data  # a fixture
+from tests.service.test_triton_statistics import perf_analyzer as perf_analyzer  # a fixture
 from tests.support import FP32_TOL, free_port, run_server, wait_for
 
 NAME = "attn"
@@ -240,3 +244,25 @@ def test_stream_deadline_ends_the_stream_and_its_queued_request(held) -> None:
     wait_for(lambda: held.http.metric("mha_requests_in_flight") == 0, "nothing in flight")
     ended = sum(_lines(held, "ModelStreamInfer.request", s) for s in (499, 504))
     assert ended >= 1 and _batches(held) == batches
+
+
+def test_perf_analyzer_streams(perf_analyzer, server, input_data) -> None:
+    """Triton's perf_analyzer (the tritonclient wheel's) over ModelStreamInfer, for a few
+    seconds, bounded. (Its --shared-memory mode refuses models with optional inputs, which
+    every model here has: key_padding_mask; tests/service/test_shared_memory.py covers shared
+    memory with tritonclient instead.)"""
+    binary, env = perf_analyzer
+    cmd = [
+        str(binary), "-m", NAME, "-u", server.grpc_address, "-i", "grpc", "--streaming",
+        "--input-data", str(input_data),
+        "--concurrency-range", "4",
+        "--measurement-interval", "1000",  # ms per window
+        "--max-trials", "3",
+        "--stability-percentage", "1000",  # a shared machine is never stable
+    ]  # fmt: skip
+    got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    output = got.stdout + got.stderr
+    assert got.returncode == 0, output[-3000:]
+    match = THROUGHPUT.search(output)
+    assert match and float(match.group(1)) > 0, output[-3000:]
+    assert "Traceback" not in server.http.log()
