@@ -22,7 +22,8 @@ from torch import nn
 from tritonclient.grpc import service_pb2
 
 import mha_engine
-from tests.service.test_grpc import GrpcServer, expected, fp32_input, rng_input
+from tests.service.test_grpc import AUTH, GrpcServer, expected, fp32_input, rng_input
+from tests.service.test_grpc import strict as strict  # a fixture: API key, one-sequence queue
 from tests.service.test_triton_statistics import THROUGHPUT
 from tests.service.test_triton_statistics import input_data as input_data  # a fixture
 from tests.service.test_triton_statistics import perf_analyzer as perf_analyzer  # a fixture
@@ -266,3 +267,26 @@ def test_perf_analyzer_streams(perf_analyzer, server, input_data) -> None:
     match = THROUGHPUT.search(output)
     assert match and float(match.group(1)) > 0, output[-3000:]
     assert "Traceback" not in server.http.log()
+
+
+def test_stream_needs_the_api_key_and_keeps_the_queue_limit(strict) -> None:
+    """The stream is refused UNAUTHENTICATED without the key; with it, a request past the
+    one-sequence queue is answered RESOURCE_EXHAUSTED's message and the stream goes on."""
+    results: queue.Queue = queue.Queue()
+    client = strict.client()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("mha", [fp32_input(rng_input(1, 1, 2, 512))])
+    ((_, error),) = _collect(results, 1)
+    client.stop_stream()
+    assert error.status() == "StatusCode.UNAUTHENTICATED", error
+
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=AUTH)
+    count = 8
+    for i in range(count):  # long sequences keep the engine busy: the queue fills
+        x = rng_input(10 + i, 1, 1024, 512)
+        client.async_stream_infer("mha", [fp32_input(x)], request_id=f"long-{i}")
+    answers = _collect(results, count)
+    client.stop_stream()
+    refused = [e for _, e in answers if e is not None]
+    assert all("queue" in e.message() for e in refused), refused
+    assert len(refused) < count  # the first one, at least, ran
