@@ -157,16 +157,29 @@ class SystemRegions:
     """The server's registered regions, bounded in count and total bytes. Thread-safe: requests
     decoded on worker threads take leases too."""
 
-    def __init__(self, max_regions: int, max_bytes: int, disabled: str | None = None) -> None:
+    def __init__(
+        self,
+        max_regions: int,
+        max_bytes: int,
+        disabled: str | None = None,
+        max_tensor_bytes: int | None = None,
+    ) -> None:
         self.max_regions = max_regions
         self.max_bytes = max_bytes
         self.disabled = disabled  # why registration is refused (None: it is offered)
+        # one tensor's bytes at most: what a request body could carry (--max-body-bytes)
+        self.max_tensor_bytes = max_tensor_bytes
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def for_settings(cls, settings: Settings) -> SystemRegions:
-        return cls(settings.shm_max_regions, settings.shm_max_bytes, unavailable(settings))
+        return cls(
+            settings.shm_max_regions,
+            settings.shm_max_bytes,
+            unavailable(settings),
+            max_tensor_bytes=settings.max_body_bytes,
+        )
 
     def register(self, name: str, key: str, offset: Any, byte_size: Any) -> None:
         """Map the region and name it; 400 when it cannot be mapped as asked."""

@@ -72,6 +72,12 @@ class SharedMemoryIO:
         byte_size = _int(parameters, BYTE_SIZE, what)
         if self.regions.disabled:
             raise BadInput(f"{what}: {self.regions.disabled}")
+        limit = self.regions.max_tensor_bytes
+        if limit is not None and byte_size > limit:  # before anything is copied
+            raise BadInput(
+                f"{what}: shared_memory_byte_size {byte_size} is over --max-body-bytes "
+                f"({limit}), the most a request's tensor may hold"
+            )
         region = self.regions.acquire(name)
         self._leases.append(region)
         if offset + byte_size > region.byte_size:

@@ -46,7 +46,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, module) -> Iterator[GrpcSer
     mha_engine.save_model(module, model_dir)
     port = free_port()
     args = ("--model-dir", str(model_dir), "--grpc-port", str(port), "--max-seq-len", "64")
-    with run_server(model_dir.parent, *args, "--shm-max-regions", "8") as http:
+    limits = ("--shm-max-regions", "8", "--max-body-bytes", str(4 * NBYTES))
+    with run_server(model_dir.parent, *args, *limits) as http:
         yield GrpcServer(http, port)
 
 
@@ -174,6 +175,10 @@ def test_out_of_bounds_wrong_sizes_and_unknown_regions_are_refused(server, regio
         if protocol == "grpc":
             assert error.status() == "StatusCode.INVALID_ARGUMENT"
     assert "unable to find" in _error(_shm_infer, client, protocol, "nope", "out").message()
+    # a tensor over --max-body-bytes is refused before anything is copied
+    made.create("huge", 5 * NBYTES)
+    error = _error(_shm_infer, client, protocol, "huge", "out", in_size=5 * NBYTES)
+    assert "over --max-body-bytes" in error.message()
     assert "unable to find" in _error(_shm_infer, client, protocol, "in", "nope").message()
     # nothing was written into the output region by any refused request
     assert not shm.get_contents_as_numpy(handle_out, np.float32, list(SHAPE)).any()
