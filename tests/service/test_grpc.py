@@ -4,6 +4,7 @@ servers on loopback with the unmodified tritonclient (gRPC and HTTP)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -46,20 +47,32 @@ class GrpcServer:
         return service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
+def attention(embed_dim: int) -> nn.MultiheadAttention:
+    """The self-attention module these tests serve (seeded: the same weights every time)."""
+    torch.manual_seed(0)
+    return nn.MultiheadAttention(embed_dim, 4, batch_first=True).eval()
+
+
+@contextlib.contextmanager
+def serving(root: Path, module: nn.Module, *args: str) -> Iterator[GrpcServer]:
+    """`module` saved under `root` as NAME and served over HTTP and gRPC with `args`."""
+    model_dir = root / NAME
+    mha_engine.save_model(module, model_dir)
+    port = free_port()
+    with run_server(root, "--model-dir", str(model_dir), "--grpc-port", str(port), *args) as http:
+        yield GrpcServer(http, port)
+
+
 @pytest.fixture(scope="module")
 def module() -> nn.MultiheadAttention:
-    torch.manual_seed(0)
-    return nn.MultiheadAttention(EMBED_DIM, 4, batch_first=True).eval()
+    return attention(EMBED_DIM)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, module) -> Iterator[GrpcServer]:
-    model_dir: Path = tmp_path_factory.mktemp("models") / NAME
-    mha_engine.save_model(module, model_dir)
-    port = free_port()
-    args = ("--model-dir", str(model_dir), "--grpc-port", str(port), "--max-seq-len", "256")
-    with run_server(model_dir.parent, *args, "--max-body-bytes", "1000000") as http:
-        yield GrpcServer(http, port)
+    limits = ("--max-seq-len", "256", "--max-body-bytes", "1000000")
+    with serving(tmp_path_factory.mktemp("models"), module, *limits) as grpc_server:
+        yield grpc_server
 
 
 def expected(module: nn.Module, x: np.ndarray) -> torch.Tensor:

@@ -8,26 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-import torch
 import tritonclient.grpc as tgrpc
 import tritonclient.grpc.aio as tgrpc_aio
 from torch import nn
 from tritonclient.grpc import service_pb2
 
-import mha_engine
-from tests.service.test_grpc import AUTH, GrpcServer, expected, fp32_input, rng_input
+from tests.service.test_grpc import (
+    AUTH,
+    GrpcServer,
+    attention,
+    expected,
+    fp32_input,
+    rng_input,
+    serving,
+)
 from tests.service.test_grpc import strict as strict  # a fixture: API key, one-sequence queue
-from tests.service.test_triton_statistics import THROUGHPUT
 from tests.service.test_triton_statistics import input_data as input_data  # a fixture
+from tests.service.test_triton_statistics import measure
 from tests.service.test_triton_statistics import perf_analyzer as perf_analyzer  # a fixture
-from tests.support import FP32_TOL, free_port, run_server, wait_for
+from tests.support import FP32_TOL, wait_for
 
 NAME = "attn"
 EMBED_DIM = 32
@@ -36,18 +40,14 @@ STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 @pytest.fixture(scope="module")
 def module() -> nn.MultiheadAttention:
-    torch.manual_seed(0)
-    return nn.MultiheadAttention(EMBED_DIM, 4, batch_first=True).eval()
+    return attention(EMBED_DIM)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, module) -> Iterator[GrpcServer]:
-    model_dir: Path = tmp_path_factory.mktemp("models") / NAME
-    mha_engine.save_model(module, model_dir)
-    port = free_port()
-    args = ("--model-dir", str(model_dir), "--grpc-port", str(port), "--max-seq-len", "64")
-    with run_server(model_dir.parent, *args, "--grpc-stream-in-flight", "4") as http:
-        yield GrpcServer(http, port)
+    limits = ("--max-seq-len", "64", "--grpc-stream-in-flight", "4")
+    with serving(tmp_path_factory.mktemp("models"), module, *limits) as grpc_server:
+        yield grpc_server
 
 
 def _stats(client: tgrpc.InferenceServerClient) -> tuple[int, int]:
@@ -169,13 +169,9 @@ def held(tmp_path_factory: pytest.TempPathFactory, module) -> Iterator[GrpcServe
     """A server whose batches wait 10 s for batch-mates: what a test queues stays queued
     (never computed) while the test cancels it, within milliseconds (its warm-up's one-sequence
     batch waits the 10 s once, at start)."""
-    model_dir: Path = tmp_path_factory.mktemp("held") / NAME
-    mha_engine.save_model(module, model_dir)
-    port = free_port()
-    args = ("--model-dir", str(model_dir), "--grpc-port", str(port), "--max-seq-len", "64")
-    hold = ("--max-batch-delay-ms", "10000", "--request-timeout-s", "120")
-    with run_server(model_dir.parent, *args, *hold) as http:
-        yield GrpcServer(http, port)
+    hold = ("--max-seq-len", "64", "--max-batch-delay-ms", "10000", "--request-timeout-s", "120")
+    with serving(tmp_path_factory.mktemp("held"), module, *hold) as grpc_server:
+        yield grpc_server
 
 
 def _lines(server: GrpcServer, method: str, status: int) -> int:
@@ -252,20 +248,8 @@ def test_perf_analyzer_streams(perf_analyzer, server, input_data) -> None:
     seconds, bounded. (Its --shared-memory mode refuses models with optional inputs, which
     every model here has: key_padding_mask; tests/service/test_shared_memory.py covers shared
     memory with tritonclient instead.)"""
-    binary, env = perf_analyzer
-    cmd = [
-        str(binary), "-m", NAME, "-u", server.grpc_address, "-i", "grpc", "--streaming",
-        "--input-data", str(input_data),
-        "--concurrency-range", "4",
-        "--measurement-interval", "1000",  # ms per window
-        "--max-trials", "3",
-        "--stability-percentage", "1000",  # a shared machine is never stable
-    ]  # fmt: skip
-    got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    output = got.stdout + got.stderr
-    assert got.returncode == 0, output[-3000:]
-    match = THROUGHPUT.search(output)
-    assert match and float(match.group(1)) > 0, output[-3000:]
+    options = ("-i", "grpc", "--streaming", "--input-data", str(input_data))
+    measure(perf_analyzer, server.grpc_address, *options)
     assert "Traceback" not in server.http.log()
 
 

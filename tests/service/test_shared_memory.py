@@ -10,22 +10,19 @@ import base64
 import concurrent.futures
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 import tritonclient.utils.shared_memory as shm
 from torch import nn
 from tritonclient.utils import InferenceServerException
 
-import mha_engine
 from service.runtime.settings import Settings
 from service.shm.regions import SystemRegions, unavailable
-from tests.service.test_grpc import GrpcServer, expected, rng_input
-from tests.support import FP32_TOL, free_port, run_server
+from tests.service.test_grpc import GrpcServer, attention, expected, rng_input, serving
+from tests.support import FP32_TOL
 
 NAME = "attn"
 EMBED_DIM = 32
@@ -36,19 +33,14 @@ PROTOCOLS = ("http", "grpc")
 
 @pytest.fixture(scope="module")
 def module() -> nn.MultiheadAttention:
-    torch.manual_seed(0)
-    return nn.MultiheadAttention(EMBED_DIM, 4, batch_first=True).eval()
+    return attention(EMBED_DIM)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, module) -> Iterator[GrpcServer]:
-    model_dir: Path = tmp_path_factory.mktemp("models") / NAME
-    mha_engine.save_model(module, model_dir)
-    port = free_port()
-    args = ("--model-dir", str(model_dir), "--grpc-port", str(port), "--max-seq-len", "64")
-    limits = ("--shm-max-regions", "8", "--max-body-bytes", str(4 * NBYTES))
-    with run_server(model_dir.parent, *args, *limits) as http:
-        yield GrpcServer(http, port)
+    limits = ("--max-seq-len", "64", "--shm-max-regions", "8", "--max-body-bytes", str(4 * NBYTES))
+    with serving(tmp_path_factory.mktemp("models"), module, *limits) as grpc_server:
+        yield grpc_server
 
 
 def _client(server: GrpcServer, protocol: str):

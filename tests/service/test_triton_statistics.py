@@ -249,14 +249,12 @@ def input_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_perf_analyzer_measures_the_server(perf_analyzer, server, input_data, protocol):
+def measure(perf_analyzer: tuple[Path, dict[str, str]], url: str, *options: str) -> str:
+    """Run perf_analyzer on NAME at `url` for a few bounded windows; its output, once it has
+    ended with rc 0 and a throughput line."""
     binary, env = perf_analyzer
-    http, address = server
-    url = http.address if protocol == "http" else address
     cmd = [
-        str(binary), "-m", NAME, "-u", url, "-i", protocol,
-        "--input-data", str(input_data),
+        str(binary), "-m", NAME, "-u", url, *options,
         "--concurrency-range", "4",
         "--measurement-interval", "1000",  # ms per window
         "--max-trials", "4",
@@ -267,4 +265,12 @@ def test_perf_analyzer_measures_the_server(perf_analyzer, server, input_data, pr
     assert got.returncode == 0, output[-3000:]
     match = THROUGHPUT.search(output)
     assert match and float(match.group(1)) > 0, output[-3000:]
+    return output
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_measures_the_server(perf_analyzer, server, input_data, protocol):
+    http, address = server
+    url = http.address if protocol == "http" else address
+    measure(perf_analyzer, url, "-i", protocol, "--input-data", str(input_data))
     assert "Traceback" not in http.log()
