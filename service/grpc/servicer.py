@@ -96,7 +96,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
             raise Unauthorized("wrong API key")
 
     @contextlib.contextmanager
-    def _observed(
+    def observed(
         self,
         method: str,
         rid: str,
@@ -147,7 +147,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
         """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         rid = request_id(metadata.get("x-request-id"))
-        with self._observed(method, rid, endpoint, model, version) as call:
+        with self.observed(method, rid, endpoint, model, version) as call:
             try:
                 await context.send_initial_metadata((("x-request-id", call.request_id),))
                 self._check_key(method, metadata)

@@ -52,7 +52,7 @@ async def _answer(
         return
     rid = request.id or request_id(None)
     name, version = request.model_name, request.model_version
-    with servicer._observed(METHOD, rid, "infer", name, version) as call:
+    with servicer.observed(METHOD, rid, "infer", name, version) as call:
         try:
             response = await servicer.infer(request, rid, context.time_remaining())
             answer = pb.ModelStreamInferResponse(infer_response=response)

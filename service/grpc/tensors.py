@@ -115,7 +115,9 @@ def decode_infer_request(
         if datatype not in DATATYPES:
             raise BadInput(f"input '{name}': datatype {datatype!r} is not supported here")
         if REGION in tensor.parameters:  # Triton's system shared memory (service.shm)
-            if tensor.HasField("contents") or shm is None:
+            if shm is None:
+                raise BadInput(f"input '{name}': system shared memory is not offered here")
+            if tensor.HasField("contents"):
                 raise BadInput(f"input '{name}': send shared_memory_region or contents, not both")
             params = _parameters(tensor.parameters)
             array = shm.read_input(name, datatype, list(tensor.shape), params)

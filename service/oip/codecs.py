@@ -212,7 +212,9 @@ def decode_request(
             raise BadInput(f"input '{name}': datatype {datatype} is not supported here")
         input_params = _check_parameters(raw.get("parameters"), f"input '{name}'")
         if REGION in input_params:  # Triton's system shared memory (service.shm)
-            if "data" in raw or "binary_data_size" in input_params or shm is None:
+            if shm is None:
+                raise BadInput(f"input '{name}': system shared memory is not offered here")
+            if "data" in raw or "binary_data_size" in input_params:
                 raise BadInput(f"input '{name}': send shared_memory_region or data, not both")
             array = shm.read_input(name, datatype, raw.get("shape"), input_params)
             inputs[name] = InferTensor(name, datatype, array.shape, array)

@@ -176,6 +176,18 @@ def test_out_of_bounds_wrong_sizes_and_unknown_regions_are_refused(server, regio
     assert not shm.get_contents_as_numpy(handle_out, np.float32, list(SHAPE)).any()
 
 
+def test_an_object_shrunk_after_registering_is_refused_not_read(server, regions) -> None:
+    """The client truncates its object below the registered size: requests get a 400 naming the
+    region (reading the mapping past the object's end would fault the server)."""
+    protocol, made = regions
+    made.create("in", NBYTES)
+    made.create("out", NBYTES)
+    os.truncate(f"/dev/shm/mha-test-{os.getpid()}-in", NBYTES // 2)
+    error = _error(_shm_infer, made.client, protocol, "in", "out")
+    assert "is now smaller than the" in error.message(), error.message()
+    assert made.client.is_server_live()
+
+
 def test_registration_is_checked(server, regions) -> None:
     protocol, made = regions
     client = made.client
