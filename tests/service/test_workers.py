@@ -470,3 +470,15 @@ def test_deadline_while_queued_behind_a_forward_is_504_withdrawn(small: Server) 
     assert blocker.getresponse().status == 200
     blocker.close()
     assert computed() - before == 1  # the blocker alone
+
+
+def test_system_shared_memory_is_not_offered_with_several_front_ends(small: Server) -> None:
+    """Regions belong to a process: with --workers 2 they would be per front-end, so the
+    extension is not listed and registering says why (400), on every front-end."""
+    client = triton.InferenceServerClient(small.address)
+    assert "system_shared_memory" not in client.get_server_metadata()["extensions"]
+    for _ in range(4):  # new connections: the kernel spreads them over the front-ends
+        fresh = triton.InferenceServerClient(small.address)
+        with pytest.raises(InferenceServerException, match="needs --workers 1") as info:
+            fresh.register_system_shared_memory("r", "/mha-anything", 64)
+        assert info.value.status() == "400"
