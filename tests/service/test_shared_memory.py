@@ -121,6 +121,16 @@ def test_inputs_and_outputs_in_shared_memory_match_pytorch(server, regions, modu
         assert not result.get_response().raw_output_contents
 
 
+def test_input_in_shared_memory_output_in_the_answer(server, regions, module) -> None:
+    protocol, made = regions
+    x = rng_input(4, *SHAPE)
+    shm.set_shared_memory_region(made.create("in", NBYTES), [x])
+    item = _lib(protocol).InferInput("input", list(SHAPE), "FP32")
+    item.set_shared_memory("in", NBYTES)
+    got = made.client.infer(NAME, [item]).as_numpy("output")
+    np.testing.assert_allclose(got, expected(module, x).numpy(), **FP32_TOL)
+
+
 def test_offsets_within_regions(server, regions, module) -> None:
     """Both tensors in one region at offsets, the region itself registered from an offset."""
     protocol, made = regions
