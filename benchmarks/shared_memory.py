@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import platform
 import queue
@@ -50,12 +51,16 @@ class Mode:
         self.setup = setup
 
 
+_RUNS = itertools.count()  # every setup makes objects of its own (sizes differ per length)
+
+
 def _regions(client, worker: int, nbytes: int, tag: str) -> list:
     """An input and an output region for one worker, registered with the server."""
     handles = []
+    run = next(_RUNS)
     for kind in ("in", "out"):
         name = f"{tag}-{kind}-{worker}"
-        key = f"/mha-bench-{os.getpid()}-{name}"
+        key = f"/mha-bench-{os.getpid()}-{run}-{name}"
         handles.append(shm.create_shared_memory_region(name, key, nbytes))
         client.register_system_shared_memory(name, key, nbytes)
     return handles
@@ -121,7 +126,7 @@ def modes(proc: Proc, grpc_address: str, x: np.ndarray, cleanup: list) -> list[M
 def closed_loop(mode: Mode, concurrency: int, seconds: float) -> tuple[int, float]:
     """(requests completed in the measured window, its seconds), after a 1 s warm-up. Each
     thread sets its mode up itself (tritonclient.http's clients belong to their thread)."""
-    ready = threading.Barrier(concurrency + 1)
+    ready = threading.Barrier(concurrency + 1, timeout=60)  # a failed setup breaks it
     counts = [0] * concurrency
     window: list[float] = []
 
@@ -211,6 +216,8 @@ def main() -> None:
                             )
                             runs.setdefault(mode.name, []).append(_measure(proc, load))
                             admin.unregister_system_shared_memory()
+                            while cleanup:
+                                shm.destroy_shared_memory_region(cleanup.pop())
                         load = functools.partial(
                             streaming, grpc_address, x, args.concurrency, args.seconds
                         )
@@ -230,8 +237,8 @@ def main() -> None:
                             f"{', '.join(f'{r:.2f}' for r in cpus)} |"
                         )
             finally:
-                for handle in cleanup:
-                    shm.destroy_shared_memory_region(handle)
+                while cleanup:
+                    shm.destroy_shared_memory_region(cleanup.pop())
 
 
 def _measure(proc: Proc, run: Callable[[], tuple[int, float]]) -> tuple[float, float]:
