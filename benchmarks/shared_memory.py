@@ -1,10 +1,12 @@
 """System shared memory and gRPC streaming against the socket paths, on one server.
 
 Run `flock /work/bench.lock python -m benchmarks.shared_memory [--seconds 4]` from the repository
-root. One `mha-serve` serves an nn.MultiheadAttention(512, 8) over HTTP and gRPC; for each
-sequence length the modes run back to back in `--rounds` rounds (so load from other processes
-hits them alike), each keeping `--concurrency` requests of shape [1, T, 512] in flight with the
-unmodified tritonclient (one client per thread over HTTP; one gRPC client, or one stream):
+root. One `mha-serve` serves an nn.MultiheadAttention(`--embed-dim`, 2) over HTTP and gRPC;
+for each sequence length the modes run back to back in `--rounds` rounds (so load from other
+processes hits them alike), each keeping `--concurrency` requests of shape [`--batch`, T,
+embed_dim] in flight with the unmodified tritonclient (one client per thread over HTTP; one
+gRPC client, or one stream). A small embed_dim makes the forward cheap next to moving the
+tensors, which is where shared memory can matter:
 
 - HTTP binary / HTTP shm: Triton's binary tensors, or input and output in system shared memory
 - gRPC raw / gRPC shm: raw_input_contents, or shared memory (unary ModelInfer)
@@ -39,8 +41,7 @@ from torch import nn
 import mha_engine
 from benchmarks.server import HOST, Proc, free_port, running
 
-NAME = "mha512"
-E = 512
+NAME = "mha"
 
 
 class Mode:
@@ -180,18 +181,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--batch", type=int, default=128, help="sequences per request")
+    parser.add_argument("--embed-dim", type=int, default=16)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    module = nn.MultiheadAttention(E, 8, batch_first=True).eval()
+    module = nn.MultiheadAttention(args.embed_dim, 2, batch_first=True).eval()
     cleanup: list = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / NAME
         mha_engine.save_model(module, model_dir)
         grpc_port = free_port()
         grpc_address = f"{HOST}:{grpc_port}"
-        with running("--model-dir", str(model_dir), "--grpc-port", str(grpc_port)) as proc:
+        serve = ("--model-dir", str(model_dir), "--grpc-port", str(grpc_port))
+        limits = ("--max-batch-size", str(args.batch), "--max-queue", str(8 * args.batch))
+        with running(*serve, *limits) as proc:
             print(
                 f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
                 f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -199,7 +204,8 @@ def main() -> None:
                 f"load average {os.getloadavg()[0]:.2f}"
             )
             print(
-                f"# nn.MultiheadAttention({E}, 8); concurrency {args.concurrency}; "
+                f"# nn.MultiheadAttention({args.embed_dim}, 2), requests of {args.batch} "
+                f"sequences; concurrency {args.concurrency}; "
                 f"{args.seconds:g} s per run (after 1 s warm-up); {args.rounds} rounds"
             )
             print("| T | MB in + out | mode | req/s | server CPU ms/request |")
@@ -207,7 +213,8 @@ def main() -> None:
             admin = thttp.InferenceServerClient(proc.address)
             try:
                 for length in args.lengths:
-                    x = np.random.default_rng(length).standard_normal((1, length, E), np.float32)
+                    shape = (args.batch, length, args.embed_dim)
+                    x = np.random.default_rng(length).standard_normal(shape, np.float32)
                     runs: dict[str, list[tuple[float, float]]] = {}
                     for _ in range(args.rounds):
                         for mode in modes(proc, grpc_address, x, cleanup):

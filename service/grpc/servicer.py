@@ -26,7 +26,12 @@ from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc.shared_memory import SharedMemoryServicer
 from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.grpc.streaming import stream_infer
-from service.grpc.tensors import decode_infer_request, encode_infer_response, in_shared_memory
+from service.grpc.tensors import (
+    decode_infer_request,
+    encode_infer_response,
+    in_shared_memory,
+    shared_input_bytes,
+)
 from service.http.middleware import bearer_credential, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
 from service.oip.inputs import OUTPUT_NAME
@@ -254,8 +259,9 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
                 request_id=rid,
                 decode=functools.partial(decode_infer_request, request, shm),
                 # Raw contents decode to views (no pass over the values); large typed contents
-                # and shared-memory inputs are copied value by value, off the event loop.
-                offload=shared or (not raw and request.ByteSize() > OFFLOAD_BYTES),
+                # and large shared-memory inputs are copied, off the event loop.
+                offload=shared_input_bytes(request) > OFFLOAD_BYTES
+                or (not raw and request.ByteSize() > OFFLOAD_BYTES),
                 deadline_s=deadline_s,
             )
             return await infer(self.state, work, functools.partial(_encode, raw, shm))

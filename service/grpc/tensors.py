@@ -16,7 +16,7 @@ from service.grpc import grpc_service_pb2 as pb
 from service.oip.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor, check_shape
 from service.oip.datatypes import DATATYPES
 from service.pipeline.errors import BadInput
-from service.shm import REGION
+from service.shm import BYTE_SIZE, REGION
 
 if TYPE_CHECKING:
     from service.shm.tensors import SharedMemoryIO
@@ -89,6 +89,13 @@ def _typed_array(tensor: pb.ModelInferRequest.InferInputTensor, shape, count: in
 def in_shared_memory(request: pb.ModelInferRequest) -> bool:
     """Whether any input or output of `request` is in system shared memory."""
     return any(REGION in t.parameters for t in (*request.inputs, *request.outputs))
+
+
+def shared_input_bytes(request: pb.ModelInferRequest) -> int:
+    """The bytes its inputs in shared memory say they hold (what decoding copies)."""
+    return sum(
+        t.parameters[BYTE_SIZE].int64_param for t in request.inputs if REGION in t.parameters
+    )
 
 
 def decode_infer_request(
