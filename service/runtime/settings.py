@@ -65,6 +65,17 @@ class Settings(BaseSettings):
         "(CPU only; inputs and outputs stay FP32).",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, replay plain packed self-attention batches (no masks, not "
+        "causal) from CUDA graphs captured at load, one per (tokens, longest sequence) bucket.",
+    )
+    cuda_graph_max_tokens: int = Field(
+        16384,
+        ge=16,
+        description="Largest token bucket captured as a CUDA graph (a power of two; bigger "
+        "batches run eagerly, where the GPU, not the launches, bounds them).",
+    )
     max_batch_tokens: int = Field(
         16384, ge=1, description="Most tokens (sum of sequence lengths) in one forward."
     )
