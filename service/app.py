@@ -31,7 +31,6 @@ from service.http.routes import (
     openai_models,
     repository,
     tei,
-    tei_rank,
 )
 from service.pipeline.errors import ServiceError, error_body
 from service.runtime.loading import load_entries, warm_up_model
@@ -132,8 +131,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.include_router(metrics_route.router)
     docs.install(app)
     app.include_router(openai_models.router)
-    app.include_router(tei.router)
-    app.include_router(tei_rank.router)
+    tei.install(app)  # with tei_rank's routes; at the root and under /models/{model_name}
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)

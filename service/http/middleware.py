@@ -171,7 +171,8 @@ class ApiKeyAuth:
     the open health/metrics set when --open-health-metrics is on; constant-time compare. The
     debug token (--debug-token) is checked on top of it by the debug routes."""
 
-    OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
+    # /health (TEI) and /ping (SageMaker) are probes too: orchestrators call them without keys.
+    OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/ping", "/metrics"})
     # The debug page's static files (no data, no secrets): a browser loads them without headers;
     # every call the page makes for data goes through this guard like any script's.
     PAGE_PATHS = ("/debug/assets/",)

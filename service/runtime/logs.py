@@ -32,7 +32,7 @@ def rfc3339(created: float) -> str:
     return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
-PROBE_PATHS = ("/v2/health/", "/metrics")
+PROBE_PATHS = ("/v2/health/", "/metrics", "/health", "/ping")
 
 
 def _not_probe(record: logging.LogRecord) -> bool:
