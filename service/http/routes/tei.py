@@ -300,10 +300,10 @@ async def info(request: Request) -> Info:
         model_dtype=str(entry.model.dtype).removeprefix("torch."),
         model_type=tei_model_type(entry.model),
         max_input_length=tokenizer.max_length,
-        max_batch_tokens=state.settings.max_batch_tokens,
-        max_batch_requests=state.settings.max_batch_size,
+        max_batch_tokens=entry.limits.max_tokens,  # the model's own (mha-serve.json, a load's
+        max_batch_requests=entry.batcher.max_batch_size,  # config), not the server's flags
         max_client_batch_size=MAX_CLIENT_BATCH,
-        max_concurrent_requests=state.settings.max_queue,
+        max_concurrent_requests=entry.batcher.max_queue,
         prompts=entry.prompts,
         version=__version__,
     )
@@ -315,8 +315,13 @@ HEALTH_RESPONSES = {
 }
 
 
-@router.get("/health", summary="Health (TEI)", responses=HEALTH_RESPONSES)
-@router.get("/ping", summary="Health (SageMaker, as TEI serves it)", responses=HEALTH_RESPONSES)
+@router.get("/health", summary="Health (TEI)", response_class=Response, responses=HEALTH_RESPONSES)
+@router.get(
+    "/ping",
+    summary="Health (SageMaker, as TEI serves it)",
+    response_class=Response,
+    responses=HEALTH_RESPONSES,
+)
 async def health(request: Request) -> Response:
     """200 with an empty body while ready (under /models/{name}: that model ready), else 503 in
     TEI's error shape; probes use it, so it never runs the model."""
