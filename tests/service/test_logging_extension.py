@@ -118,3 +118,21 @@ def test_grpc_bad_settings_are_invalid_argument(server, clients):
         g.update_log_settings({"log_format": "ISO8601"})
     assert "'log_format' must be one of" in info.value.message()
     assert g.get_log_settings(as_json=True)["settings"]["log_info"] == {"bool_param": True}
+
+
+def test_log_settings_need_the_api_key(tmp_path):
+    port = free_port()
+    env = {"MHA_API_KEY": "log-key"}
+    with run_server(tmp_path, "--grpc-port", str(port), env=env) as http:
+        h = thttp.InferenceServerClient(http.address)
+        g = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
+        auth = {"authorization": "Bearer log-key"}
+        with pytest.raises(InferenceServerException) as info:
+            h.update_log_settings({"log_info": False})
+        assert info.value.status() == "401"
+        with pytest.raises(InferenceServerException) as info:
+            g.get_log_settings()
+        assert info.value.status() == str(grpc.StatusCode.UNAUTHENTICATED)
+        assert h.get_log_settings(headers=auth)["log_info"] is True  # nothing changed
+        got = g.update_log_settings({"log_warning": False}, headers=auth, as_json=True)
+        assert got["settings"]["log_warning"] == {"bool_param": False}
