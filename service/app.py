@@ -30,7 +30,7 @@ from service.http.routes import (
     metrics_route,
     openai_models,
     repository,
-    tei,
+    tei_mount,
 )
 from service.pipeline.errors import ServiceError, error_body
 from service.runtime.loading import load_entries, warm_up_model
@@ -131,7 +131,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.include_router(metrics_route.router)
     docs.install(app)
     app.include_router(openai_models.router)
-    tei.install(app)  # with tei_rank's routes; at the root and under /models/{model_name}
+    tei_mount.install(app)  # TEI and SageMaker routes, at the root and under /models/{name}
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)

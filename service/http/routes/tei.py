@@ -1,9 +1,8 @@
 """text-embeddings-inference's routes for embedding models and the model-neutral ones:
-/embed, /embed_all, /similarity, /tokenize, /decode, /info, /health, TEI's POST / (which
-huggingface_hub's InferenceClient calls: /embed for an embedding model, /predict otherwise),
-and SageMaker's /ping and /invocations as TEI serves them. /rerank and /predict are in
-tei_rank.py. service.app mounts these routers twice: at the root (the first text model that
-fits) and under /models/{model_name} (that model).
+/embed, /embed_all, /similarity, /tokenize, /decode, /info, and TEI's POST / (which
+huggingface_hub's InferenceClient calls: /embed for an embedding model, /predict otherwise).
+/rerank and /predict are in tei_rank.py; /health, /ping, /invocations and the mounts (at the
+root and per model) in tei_mount.py.
 
 Same shapes as TEI (`inputs` a string or a list of strings; `/embed` answers a list of vectors);
 errors are TEI's `{"error": ..., "error_type": ...}`, 424 for a route the model's head does
@@ -17,13 +16,12 @@ import time
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.http.deps import get_state, loaded_state
+from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
-from service.http.routes import tei_rank
 from service.http.routes.common import client_gone
 from service.http.routes.tei_common import (
     MAX_CLIENT_BATCH,
@@ -35,8 +33,8 @@ from service.http.routes.tei_common import (
     text_entry,
     text_route,
 )
-from service.http.routes.tei_rank import HubPredictRequest, hub_predict, predict, rerank
-from service.pipeline.errors import BadInput, NotReady
+from service.http.routes.tei_rank import HubPredictRequest, hub_predict
+from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
 from service.runtime.state import ModelEntry
 from service.text.tokenizer import model_kind, raw_embed_runner, tei_model_type, token_runner
@@ -173,7 +171,7 @@ async def similarity(request: Request) -> list[float]:
         return [float(np.dot(source, v)) for v in others]
 
 
-async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
+async def embed_body(body: EmbedRequest, request: Request) -> list[list[float]]:
     state = get_state(request)
     with text_route(request, state, "embed", "/embed", "embedding") as entry:
         ensure_serving(state)
@@ -189,7 +187,7 @@ async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
 @router.post("/embed", summary="Sentence embeddings (TEI)", openapi_extra=json_body(EmbedRequest))
 async def embed(request: Request) -> list[list[float]]:
     body = await parse_body(request, get_state(request), EmbedRequest)
-    return await _embed(body, request)
+    return await embed_body(body, request)
 
 
 ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest)
@@ -243,7 +241,7 @@ async def root(request: Request):
     embedding = model_kind(entry.model) == "embedding"
     parsed = await parse_body(request, state, EmbedRequest if embedding else HubPredictRequest)
     if isinstance(parsed, EmbedRequest):
-        return await _embed(parsed, request)
+        return await embed_body(parsed, request)
     return await hub_predict(parsed, request)
 
 
@@ -306,75 +304,4 @@ async def info(request: Request) -> Info:
         max_concurrent_requests=entry.batcher.max_queue,
         prompts=entry.prompts,
         version=__version__,
-    )
-
-
-HEALTH_RESPONSES = {
-    200: {"description": "Ready: every model warmed up, not draining (empty body)"},
-    503: TEI_ERROR_RESPONSES[503],
-}
-
-
-@router.get("/health", summary="Health (TEI)", response_class=Response, responses=HEALTH_RESPONSES)
-@router.get(
-    "/ping",
-    summary="Health (SageMaker, as TEI serves it)",
-    response_class=Response,
-    responses=HEALTH_RESPONSES,
-)
-async def health(request: Request) -> Response:
-    """200 with an empty body while ready (under /models/{name}: that model ready), else 503 in
-    TEI's error shape; probes use it, so it never runs the model."""
-    state = loaded_state(request)
-    if state is None:
-        raise NotReady("model is still loading")
-    name = routed_model(request)
-    ready = state.model_ready(state.find(name)) if name is not None else state.serving
-    if not ready:
-        raise NotReady("not ready: warming up, unloading or draining")
-    return Response(status_code=200)
-
-
-@router.post(
-    "/invocations",
-    summary="SageMaker's inference route, as TEI answers it: /embed for an embedding model, "
-    "/predict for a classifier, /rerank for a reranker (the first text model, or the one the "
-    "path names)",
-    openapi_extra=json_body(EmbedRequest),
-)
-async def invocations(request: Request):
-    state = get_state(request)
-    kind = model_kind(text_entry(state, "/invocations", model=routed_model(request)).model)
-    if kind == "embedding":
-        return await _embed(await parse_body(request, state, EmbedRequest), request)
-    if kind == "classifier":
-        return await predict(request)
-    return [rank.model_dump(exclude_none=True) for rank in await rerank(request)]  # as /rerank
-
-
-MODEL_MOUNT = "/models/{model_name}"  # huggingface_hub's layout: InferenceClient(base_url=...)
-
-
-async def _model_name(
-    model_name: str = Path(description="A served text model: these routes use it"),
-) -> None:
-    """Declares the mount's path parameter; the handlers read it through routed_model()."""
-
-
-def install(app: FastAPI) -> None:
-    """The TEI and SageMaker routes at the root (the first text model that fits) and under
-    /models/{model_name} (that model), where POST /models/{model_name} is that model's POST /."""
-    per_model = [Depends(_model_name)]
-    for routes in (router, tei_rank.router):
-        app.include_router(routes)
-        app.include_router(routes, prefix=MODEL_MOUNT, dependencies=per_model)
-    app.add_api_route(
-        MODEL_MOUNT,
-        root,
-        methods=["POST"],
-        summary="One model's POST / (huggingface_hub's InferenceClient(base_url=.../models/NAME))",
-        openapi_extra=ROOT_OPENAPI,
-        dependencies=per_model,
-        tags=["text-embeddings-inference"],
-        responses=TEI_ERROR_RESPONSES,
     )
