@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from service.pipeline.errors import BadInput, ModelNotFound
@@ -30,9 +31,9 @@ UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
 log = logging.getLogger("service.runtime.model_control")
 
 
-def check_parameters(names: object, allowed: frozenset[str]) -> None:
+def check_parameters(names: Iterable[str], allowed: frozenset[str]) -> None:
     """400 naming the load/unload parameters (of `names`) this server cannot honour."""
-    refused = sorted(set(names) - allowed)  # type: ignore[call-overload]
+    refused = sorted(set(names) - allowed)
     if refused:
         raise BadInput(
             f"load/unload parameters {refused} are not supported (this one takes "
