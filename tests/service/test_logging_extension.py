@@ -4,6 +4,7 @@ sampling), and bad settings are refused naming them, in the protocol's error sha
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import grpc
@@ -87,6 +88,18 @@ def test_log_info_off_silences_info_lines_and_verbose_turns_debug_on(server, cli
     wait_for(lambda: "/v2/models/info-on 404" in _log(http)[mark:], timeout=10)
     assert "info-off" not in _log(http)[mark:]
     assert " DEBUG service.logging: log settings now: " in _log(http)[mark:]  # verbose
+
+
+def test_log_format_switches_to_json_lines(server, clients):
+    http, _ = server
+    h, _ = clients
+    mark = len(_log(http))
+    assert h.update_log_settings({"log_format": "json"})["log_format"] == "json"
+    httpx.get(f"{http.url}/v2/models/json-line", headers={"x-request-id": "json-line-id"})
+    wait_for(lambda: "json-line-id" in _log(http)[mark:], timeout=10)
+    (line,) = [x for x in _log(http)[mark:].splitlines() if "json-line-id" in x]
+    entry = json.loads(line)
+    assert entry["path"] == "/v2/models/json-line" and entry["status"] == 404
 
 
 @pytest.mark.parametrize(
