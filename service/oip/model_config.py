@@ -30,6 +30,7 @@ def extensions(settings: Settings) -> list[str]:
     return [
         *EXTENSIONS,
         *(["model_repository"] if explicit else []),
+        "logging",  # GET/POST /v2/logging, gRPC LogSettings
         *(["system_shared_memory"] if unavailable(settings) is None else []),
     ]
 
