@@ -195,7 +195,11 @@ def main() -> None:
         grpc_port = free_port()
         grpc_address = f"{HOST}:{grpc_port}"
         serve = ("--model-dir", str(model_dir), "--grpc-port", str(grpc_port))
-        limits = ("--max-batch-size", str(args.batch), "--max-queue", str(8 * args.batch))
+        tokens = args.batch * max(args.lengths)
+        limits = (
+            *("--max-batch-size", str(args.batch), "--max-queue", str(8 * args.batch)),
+            *("--max-batch-tokens", str(tokens), "--max-seq-len", str(max(args.lengths))),
+        )
         with running(*serve, *limits) as proc:
             print(
                 f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
