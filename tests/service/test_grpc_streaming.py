@@ -7,6 +7,7 @@ request as a unary call would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from collections.abc import Iterator
 
@@ -15,8 +16,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.grpc.aio as tgrpc_aio
+import tritonclient.http as thttp
 from torch import nn
 from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
 
 from tests.service.test_grpc import (
     AUTH,
@@ -24,6 +27,7 @@ from tests.service.test_grpc import (
     attention,
     expected,
     fp32_input,
+    grpc_error,
     rng_input,
     serving,
 )
@@ -36,6 +40,7 @@ from tests.support import FP32_TOL, wait_for
 NAME = "attn"
 EMBED_DIM = 32
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+IN_FLIGHT = 4  # the held server's --grpc-stream-in-flight
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +175,8 @@ def held(tmp_path_factory: pytest.TempPathFactory, module) -> Iterator[GrpcServe
     (never computed) while the test cancels it, within milliseconds (its warm-up's one-sequence
     batch waits the 10 s once, at start)."""
     hold = ("--max-seq-len", "64", "--max-batch-delay-ms", "10000", "--request-timeout-s", "120")
-    with serving(tmp_path_factory.mktemp("held"), module, *hold) as grpc_server:
+    bound = ("--grpc-stream-in-flight", str(IN_FLIGHT))
+    with serving(tmp_path_factory.mktemp("held"), module, *hold, *bound) as grpc_server:
         yield grpc_server
 
 
@@ -191,10 +197,11 @@ def _batches(server: GrpcServer) -> float:
 
 
 def test_aio_cancel_cancels_the_queued_requests(held) -> None:
-    """The client cancels a stream whose requests are queued: each leaves the queue uncomputed
-    (499 in the access log), the stream ends cancelled, and the next stream is served."""
+    """The client sends more requests than --grpc-stream-in-flight: the server takes that many
+    (the rest wait unread). It cancels: each taken one leaves the queue uncomputed (499 in the
+    access log), the others never start, and the stream ends cancelled."""
     x = rng_input(5, 1, 6, EMBED_DIM)
-    count = 6
+    count = IN_FLIGHT + 3
     batches = _batches(held)
 
     async def requests():
@@ -208,14 +215,14 @@ def test_aio_cancel_cancels_the_queued_requests(held) -> None:
         async with tgrpc_aio.InferenceServerClient(held.grpc_address) as client:
             stream = client.stream_infer(requests())
             pending = asyncio.ensure_future(stream.__anext__())
-            await asyncio.to_thread(wait_for, lambda: _queued(held) == count, "requests queued")
+            await asyncio.to_thread(wait_for, lambda: _queued(held) == IN_FLIGHT, "queued")
             assert stream.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await pending
 
     asyncio.run(run())
     wait_for(lambda: _lines(held, "ModelStreamInfer", 499) == 1, "the stream's 499 line")
-    assert _lines(held, "ModelStreamInfer.request", 499) == count
+    assert _lines(held, "ModelStreamInfer.request", 499) == IN_FLIGHT
     assert _queued(held) == 0 and held.http.metric("mha_requests_in_flight") == 0
     assert _batches(held) == batches  # nothing of it was computed
 
@@ -259,7 +266,10 @@ def test_stream_needs_the_api_key_and_keeps_the_queue_limit(strict) -> None:
     results: queue.Queue = queue.Queue()
     client = strict.client()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("mha", [fp32_input(rng_input(1, 1, 2, 512))])
+    # the server may end the stream before the request is written: tritonclient then refuses
+    # to send it, and the callback has the reason
+    with contextlib.suppress(InferenceServerException):
+        client.async_stream_infer("mha", [fp32_input(rng_input(1, 1, 2, 512))])
     ((_, error),) = _collect(results, 1)
     client.stop_stream()
     assert error.status() == "StatusCode.UNAUTHENTICATED", error
@@ -274,3 +284,14 @@ def test_stream_needs_the_api_key_and_keeps_the_queue_limit(strict) -> None:
     refused = [e for _, e in answers if e is not None]
     assert all("queue" in e.message() for e in refused), refused
     assert len(refused) < count  # the first one, at least, ran
+
+
+def test_shared_memory_rpcs_and_routes_need_the_api_key(strict) -> None:
+    client = strict.client()
+    error = grpc_error(client.get_system_shared_memory_status)
+    assert error.status() == "StatusCode.UNAUTHENTICATED"
+    assert not client.get_system_shared_memory_status(headers=AUTH).regions
+    http = thttp.InferenceServerClient(strict.http.address)
+    with pytest.raises(InferenceServerException, match="Authorization"):
+        http.get_system_shared_memory_status()
+    assert http.get_system_shared_memory_status(headers=AUTH) == []
