@@ -78,21 +78,24 @@ def modes(proc: Proc, grpc_address: str, x: np.ndarray, cleanup: list) -> list[M
         output = thttp.InferRequestedOutput("output", binary_data=True)
         return lambda: client.infer(NAME, [item], outputs=[output]).as_numpy("output")
 
-    def http_shm(worker: int) -> Callable[[], None]:
-        client = thttp.InferenceServerClient(proc.address)
-        handle_in, handle_out = _regions(client, worker, nbytes, "http")
+    def in_shm(lib, client, tag: str, worker: int) -> Callable[[], None]:
+        """Input and output in regions of this worker's own, through `lib`'s client."""
+        handle_in, handle_out = _regions(client, worker, nbytes, tag)
         cleanup.extend((handle_in, handle_out))
         shm.set_shared_memory_region(handle_in, [x])
-        item = thttp.InferInput("input", shape, "FP32")
-        item.set_shared_memory(f"http-in-{worker}", nbytes)
-        output = thttp.InferRequestedOutput("output")
-        output.set_shared_memory(f"http-out-{worker}", nbytes)
+        item = lib.InferInput("input", shape, "FP32")
+        item.set_shared_memory(f"{tag}-in-{worker}", nbytes)
+        output = lib.InferRequestedOutput("output")
+        output.set_shared_memory(f"{tag}-out-{worker}", nbytes)
 
         def call() -> None:
             client.infer(NAME, [item], outputs=[output])
             shm.get_contents_as_numpy(handle_out, np.float32, shape)
 
         return call
+
+    def http_shm(worker: int) -> Callable[[], None]:
+        return in_shm(thttp, thttp.InferenceServerClient(proc.address), "http", worker)
 
     grpc_client = tgrpc.InferenceServerClient(grpc_address)
 
@@ -102,19 +105,7 @@ def modes(proc: Proc, grpc_address: str, x: np.ndarray, cleanup: list) -> list[M
         return lambda: grpc_client.infer(NAME, [item]).as_numpy("output")
 
     def grpc_shm(worker: int) -> Callable[[], None]:
-        handle_in, handle_out = _regions(grpc_client, worker, nbytes, "grpc")
-        cleanup.extend((handle_in, handle_out))
-        shm.set_shared_memory_region(handle_in, [x])
-        item = tgrpc.InferInput("input", shape, "FP32")
-        item.set_shared_memory(f"grpc-in-{worker}", nbytes)
-        output = tgrpc.InferRequestedOutput("output")
-        output.set_shared_memory(f"grpc-out-{worker}", nbytes)
-
-        def call() -> None:
-            grpc_client.infer(NAME, [item], outputs=[output])
-            shm.get_contents_as_numpy(handle_out, np.float32, shape)
-
-        return call
+        return in_shm(tgrpc, grpc_client, "grpc", worker)
 
     return [
         Mode("HTTP binary", http_binary),
