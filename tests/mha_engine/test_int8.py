@@ -50,7 +50,7 @@ def test_int8_linear_is_the_exact_integer_product(in_features, out_features, lev
     lin = Int8Linear(weight, bias, levels)
     q, scale, mid = lin.quantize_rows(x)
     assert lin.zero_point == levels + 1
-    assert 1 <= int(q.min()) and int(q.max()) <= 2 * levels + 1  # 7 bits: pairs < 2**15 - 1
+    assert int(q.min()) >= 1 and int(q.max()) <= 2 * levels + 1  # 7 bits: pairs < 2**15 - 1
     centred = q.double() - lin.zero_point  # (N, K)
     want = centred @ lin.weight_int8.double().T  # exact int sums
     want = want * lin.weight_scale.double() * scale.double()[:, None] + bias.double()
