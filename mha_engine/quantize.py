@@ -78,6 +78,8 @@ class Int8Linear(nn.Module):
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         self.levels = activation_levels() if levels is None else levels
+        if not 1 <= self.levels <= 127:  # q = round(t) must fit int8 before the + zero point
+            raise ValueError(f"levels must be in [1, 127], got {self.levels}")
         self.zero_point = self.levels + 1  # q in [1, 2 * levels + 1]
         scale = weight.abs().amax(dim=1).div(WEIGHT_MAX).clamp(min=TINY)  # (M,)
         weight_q = torch.round(weight / scale[:, None]).clamp(-WEIGHT_MAX, WEIGHT_MAX)

@@ -137,6 +137,8 @@ def test_int8_refuses_clearly_where_it_cannot_run(monkeypatch):
         mha_engine.quantize_int8(bf16)
     with pytest.raises(ValueError, match=r"no nn\.Linear"):
         mha_engine.quantize_int8(nn.LayerNorm(4))
+    with pytest.raises(ValueError, match=r"levels must be in \[1, 127\]"):
+        Int8Linear(torch.ones(2, 2), None, levels=128)
 
 
 @pytest.mark.parametrize(
