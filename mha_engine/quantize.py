@@ -12,8 +12,8 @@ that picked the kernel (figures: BENCHMARKS.md, "int8 kernels"; torch 2.13 CPU):
   has no fast kernel either (seconds for one MiniLM-sized product).
 - oneDNN's `qlinear_pointwise` (the op Inductor lowers x86 int8 linears to) is fast but takes
   one activation scale and zero point. So each row is quantized around its own midpoint with
-  its own scale, x ~ scale * (q - ZERO) + mid, the kernel gets scale 1 and the fixed zero
-  point ZERO (it subtracts it exactly, in integers), and the float epilogue applies the row's
+  its own scale, x ~ scale * (q - zero_point) + mid, the kernel gets scale 1 and the fixed
+  zero_point (it subtracts it exactly, in integers), and the float epilogue applies the row's
   scale and adds mid * (the weight row sums) and the bias. The integer sums are exact and the
   epilogue is elementwise, so a row's result depends only on that row: bit-identical alone or
   in any batch (tested).
