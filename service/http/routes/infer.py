@@ -30,6 +30,7 @@ from service.shm import REGION
 from service.shm.tensors import SharedMemoryIO, write_outputs
 
 router = APIRouter(tags=["inference"], route_class=LeanRoute)
+REGION_MARK = REGION.encode()
 
 
 async def _infer(
@@ -38,8 +39,10 @@ async def _infer(
     admit(state, model_name, version)  # 404 / 503 before the body is read
     body = await read_body(request, state.settings.max_body_bytes)
     header_length = request.headers.get(BINARY_HEADER)
-    # Triton's system shared memory (service.shm): its inputs are copied out, off the loop
-    shared = REGION.encode() in body
+    json_end = json_length(header_length, len(body))
+    # Large JSON is parsed off the event loop, and so are requests naming shared memory (their
+    # inputs are copied out of the regions): looked for in the JSON part only, never in tensors
+    offload = json_end > OFFLOAD_BYTES or body.find(REGION_MARK, 0, json_end) >= 0
     with client_gone(request) as gone, SharedMemoryIO(state.shared_memory) as shm:
         work = TensorRequest(
             model=model_name,
@@ -47,7 +50,7 @@ async def _infer(
             protocol="json" if header_length is None else "binary",
             request_id=request.state.request_id,
             decode=functools.partial(decode_request, body, header_length, shm),
-            offload=shared or json_length(header_length, len(body)) > OFFLOAD_BYTES,
+            offload=offload,
             gone=gone,
         )
         return await run_infer(state, work, functools.partial(_encode, request, version, shm))
