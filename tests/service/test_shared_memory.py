@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 import tritonclient.utils.shared_memory as shm
@@ -322,3 +323,27 @@ def test_not_offered_with_several_front_ends_or_turned_off() -> None:
     assert unavailable(Settings(workers=2)) is not None
     assert unavailable(Settings(shm_max_regions=0)) is not None
     assert unavailable(Settings()) is None
+
+
+def test_cross_attention_mixes_shared_memory_and_raw_inputs(tmp_path) -> None:
+    """gRPC: `input` in shared memory, `key` and `value` in raw_input_contents (one entry per
+    input not in shared memory, in order) against PyTorch's own module."""
+    torch.manual_seed(0)
+    module = nn.MultiheadAttention(EMBED_DIM, 4, kdim=24, vdim=20, batch_first=True).eval()
+    q, k, v = rng_input(20, 2, 5, EMBED_DIM), rng_input(21, 2, 7, 24), rng_input(22, 2, 7, 20)
+    with serving(tmp_path, module, "--max-seq-len", "64") as cross:
+        client = cross.client()
+        made = Regions(client)
+        try:
+            shm.set_shared_memory_region(made.create("q", q.nbytes), [q])
+            query = tgrpc.InferInput("input", list(q.shape), "FP32")
+            query.set_shared_memory("q", q.nbytes)
+            tensors = [query]
+            for name, x in (("key", k), ("value", v)):
+                tensors.append(tgrpc.InferInput(name, list(x.shape), "FP32"))
+                tensors[-1].set_data_from_numpy(x)
+            got = client.infer(NAME, tensors).as_numpy("output")
+        finally:
+            made.close()
+    want = module(*(torch.from_numpy(t) for t in (q, k, v)), need_weights=False)[0]
+    np.testing.assert_allclose(got, want.detach().numpy(), **FP32_TOL)
