@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 from service import __version__
 from service.grpc.server import GrpcListener
 from service.http import docs
+from service.http.fastpath import FastPath
 from service.http.flow import BodyRate, ResponseBackpressure, ResponseBudget
 from service.http.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
 from service.http.openapi import add_body_schemas
@@ -32,6 +33,7 @@ from service.http.routes import (
     tei,
     tei_rank,
 )
+from service.http.routes.common import error_response
 from service.pipeline.errors import ServiceError, error_body
 from service.runtime.loading import load_entries, warm_up_model
 from service.runtime.model_control import ModelControl
@@ -118,6 +120,8 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.add_middleware(ResponseBackpressure, budget=app.state.response_budget)
     # outermost: even a 401 gets an id and a log line
     app.add_middleware(RequestContext, sample_rate=settings.access_log_sample_rate)
+    if settings.fast_path:  # ahead of all of it: the hot routes without the layers above
+        app.add_middleware(FastPath, settings=settings, budget=app.state.response_budget)
     # The hot routes first: the router tries routes in order, so each earlier one costs a match.
     app.include_router(infer.router)
     app.include_router(embeddings.router)
@@ -133,8 +137,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        body = error_body(request.url.path, exc.status, exc.message, exc.reason, exc.param)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from service.http.connections import disconnect_signal
-from service.pipeline.errors import ServiceError
+from service.pipeline.errors import ServiceError, error_body
 from service.pipeline.waiting import Gone
 from service.pipeline.waiting import await_queued as pipeline_await
 
@@ -37,6 +37,12 @@ class LeanRoute(APIRoute):
             return await endpoint(request, **request.path_params)
 
         return handler
+
+
+def error_response(path: str, exc: ServiceError) -> JSONResponse:
+    """A ServiceError as the answer of route `path`, in its protocol's error shape."""
+    body = error_body(path, exc.status, exc.message, exc.reason, exc.param)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 class PartsResponse(Response):
