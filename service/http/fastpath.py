@@ -62,6 +62,7 @@ class FastPath:
         self.body_rate = BodyRate(None, settings.body_timeout_s, settings.body_min_rate)
         self.context = RequestContext(None, settings.access_log_sample_rate)
         self.budget = budget
+        self.answered = 0  # requests this path answered itself (the parity tests check it)
 
     def _takes(self, scope: Scope) -> bool:
         """Whether this request is the fast path's: the rest (refusals included) goes on."""
@@ -85,6 +86,7 @@ class FastPath:
         if (route is None and path != EMBEDDINGS) or not self._takes(scope):
             await self.app(scope, receive, send)
             return
+        self.answered += 1
         rid = request_id(first_header(scope, b"x-request-id"))
         scope.setdefault("state", {})["request_id"] = rid
         started = time.perf_counter()
