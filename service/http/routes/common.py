@@ -45,15 +45,20 @@ def error_response(path: str, exc: ServiceError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
+JOIN_BYTES = 64 * 1024  # a body this small is joined: one copy costs less than a socket write
+
+
 class PartsResponse(Response):
     """A body sent as its parts (a JSON header, then tensor bytes viewed straight from the
-    batch output) under one Content-Length: nothing is joined or copied."""
+    batch output) under one Content-Length: nothing is joined or copied, unless the whole body
+    is under JOIN_BYTES (then one part: one write to the socket instead of one per part)."""
 
     def __init__(
         self, parts: list[bytes | memoryview], media_type: str, headers: dict[str, str]
     ) -> None:
-        self.parts = parts
-        length = str(sum(len(part) for part in parts))
+        size = sum(len(part) for part in parts)
+        self.parts = [b"".join(parts)] if len(parts) > 1 and size <= JOIN_BYTES else parts
+        length = str(size)
         super().__init__(None, media_type=media_type, headers={**headers, "content-length": length})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
