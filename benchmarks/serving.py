@@ -324,6 +324,25 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['case']} | {r['code']} | " + " | ".join(cells) + f" | {batches} |")
 
 
+def print_targets(rows: list[dict]) -> None:
+    """Issue 25's figures per code: overhead (T=16 binary), efficiency (T=128 binary, JSON),
+    batching gain (T=16 req/s, batching on / off)."""
+    by = {(r["code"], r["case"]): r for r in rows}
+    for code in dict.fromkeys(r["code"] for r in rows):
+        on = by.get((code, "T=16 binary, batching on"))
+        off = by.get((code, "T=16 binary, batching off"))
+        parts = []
+        if on:
+            parts.append(f"overhead T=16 binary {on['overhead_ms']:.3f} ms")
+        for case in ("T=128 binary, batching on", "T=128 JSON, batching on"):
+            if (code, case) in by:
+                parts.append(f"efficiency {case.split(',')[0]} {by[code, case]['efficiency']:.0%}")
+        if on and off:
+            parts.append(f"batching gain {on['req_s'] / off['req_s']:.2f}x")
+        if parts:
+            print(f"{code}: " + "; ".join(parts))
+
+
 def _code_name(root: tuple[Path, list[str]]) -> str:
     """A row's code: the tree's directory name, and the variant's server flags if any."""
     path, extra = root
@@ -379,6 +398,8 @@ def main() -> None:
         rows = (frontend if args.frontend else run_cases)(args, roots, Path(tmp))
     print(f"load avg after: {os.getloadavg()[0]:.2f}\n")
     print_table(rows)
+    print()
+    print_targets(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
