@@ -83,12 +83,13 @@ def _header(doc: Any, raw: bytes | bytearray) -> dict[str, Any] | None:
     inputs = doc.get("inputs")
     if not isinstance(inputs, simdjson.Array) or len(inputs) == 0:
         return None
-    header = {key: _plain(value) for key, value in doc.items() if key != "inputs"}
+    header = {key: _plain(doc[key]) for key in doc.keys() if key != "inputs"}  # noqa: SIM118
     tensors = []
     for tensor in inputs:
         if not isinstance(tensor, simdjson.Object):
             return None
-        fields = {key: _plain(value) for key, value in tensor.items() if key != "data"}
+        # keys(), then each value but data's: items() would build a proxy of the data too
+        fields = {key: _plain(tensor[key]) for key in tensor.keys() if key != "data"}  # noqa: SIM118
         data = tensor.get("data")
         if data is not None:
             if fields.get("datatype") not in FLOAT_DATATYPES or not isinstance(
