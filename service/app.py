@@ -17,9 +17,9 @@ from starlette.middleware.cors import CORSMiddleware
 from service import __version__
 from service.grpc.server import GrpcListener
 from service.http import docs
-from service.http.fastpath import FastPath
+from service.http.fastpath import FastPath, FastPathApp
 from service.http.flow import BodyRate, ResponseBackpressure, ResponseBudget
-from service.http.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
+from service.http.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext
 from service.http.openapi import add_body_schemas
 from service.http.routes import (
     config_stats,
@@ -33,7 +33,7 @@ from service.http.routes import (
     tei,
     tei_rank,
 )
-from service.http.routes.common import error_response
+from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError, error_body
 from service.runtime.loading import load_entries, warm_up_model
 from service.runtime.model_control import ModelControl
@@ -89,7 +89,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
             for entry in state.entries():  # as served now (explicit loads included)
                 await asyncio.to_thread(entry.batcher.stop, settings.drain_grace_s)
 
-    app = FastAPI(
+    app = FastPathApp(
         title="mha-serve",
         version=__version__,
         description="Multi-head attention and transformer blocks over the Open Inference Protocol.",
@@ -121,7 +121,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     # outermost: even a 401 gets an id and a log line
     app.add_middleware(RequestContext, sample_rate=settings.access_log_sample_rate)
     if settings.fast_path:  # ahead of all of it: the hot routes without the layers above
-        app.add_middleware(FastPath, settings=settings, budget=app.state.response_budget)
+        app.fast_path = FastPath(app.regular, settings, app.state.response_budget)
     # The hot routes first: the router tries routes in order, so each earlier one costs a match.
     app.include_router(infer.router)
     app.include_router(embeddings.router)
@@ -154,8 +154,6 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", log_safe(request.url.path))
-        body = error_body(request.url.path, 500, "internal server error", "inference_error")
-        return JSONResponse(body, status_code=500)
+        return internal_error_response(request.url.path)
 
     return app

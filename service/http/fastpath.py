@@ -1,5 +1,6 @@
 """The fast path: `POST /v2/models/{m}[/versions/{v}]/infer` and `/v1/embeddings` answered by a
-raw-ASGI handler ahead of the middleware stack and the router, calling the same endpoints.
+raw-ASGI handler ahead of FastAPI, its middleware stack and its router, calling the same
+endpoints.
 
 Per request it skips the router's matching, FastAPI's and Starlette's per-request wrappers and
 the middleware layers' closures, and does their work inline: the request id and its access-log
@@ -7,8 +8,9 @@ line (RequestContext), the header limit, the API key, the body-rate rule (BodyRa
 budgeting of large responses (ResponseBackpressure), ServiceError -> the protocol's error body.
 Anything it does not answer itself goes the regular way, unchanged: another route or method, a
 refused header block or API key (the regular path answers 401/403/431), a CORS request, an app
-still loading. Unexpected exceptions propagate to Starlette's ServerErrorMiddleware (500, logged)
-as they do from a route. `--no-fast-path` turns it off (the benchmarks compare both).
+still loading. An unexpected exception is logged and answered 500 with the app's own handler
+code, then re-raised, as Starlette's ServerErrorMiddleware does. `--no-fast-path` turns it off
+(the benchmarks compare both).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 
 from service.http.flow import (
     SLICE_BYTES,
@@ -27,7 +29,7 @@ from service.http.flow import (
 )
 from service.http.middleware import ApiKeyAuth, RequestContext, first_header, request_id
 from service.http.routes import embeddings, infer
-from service.http.routes.common import error_response
+from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError
 from service.runtime.settings import Settings
 
@@ -50,8 +52,27 @@ def infer_route(path: str) -> tuple[str, str | None] | None:
     return None
 
 
+class FastPathApp(FastAPI):
+    """The app with its fast path ahead of everything FastAPI and Starlette do per request
+    (scope set-up, the error and telemetry middlewares, the body limit): with `fast_path` set
+    every request goes to it first, and what it does not take to `regular`."""
+
+    fast_path: FastPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if self.fast_path is None:
+            await super().__call__(scope, receive, send)
+        else:
+            scope["app"] = self  # as Starlette sets it: routes find the state through it
+            await self.fast_path(scope, receive, send)
+
+    async def regular(self, scope: Scope, receive: Any, send: Any) -> None:
+        """The regular path: FastAPI's own handling, middleware stack and router."""
+        await super().__call__(scope, receive, send)
+
+
 class FastPath:
-    """The outermost middleware: answers the hot routes itself, passes the rest to `app`."""
+    """Answers the hot routes itself and passes the rest to `app` (the regular path)."""
 
     def __init__(self, app: ASGIApp, settings: Settings, budget: ResponseBudget) -> None:
         self.app = app
@@ -103,17 +124,24 @@ class FastPath:
                     response = await infer.infer(request, *route)
             except ServiceError as exc:
                 response = error_response(path, exc)
-            rid_header = (b"x-request-id", rid.encode())
-            if int(_length(response)) > SLICE_BYTES:
-                status = await self._send_large(response, scope, receive, send, rid_header)
-            else:
-                response.raw_headers.append(rid_header)
-                status = response.status_code
-                await response(scope, receive, send)
+            except Exception:  # as Starlette's ServerErrorMiddleware: log, answer 500, re-raise
+                await self._send(internal_error_response(path), scope, receive, send, rid)
+                raise
+            status = await self._send(response, scope, receive, send, rid)
         finally:
             if timed is not None:
                 timed.stop()
             self.context.done(scope, rid, status, started)
+
+    async def _send(self, response: Any, scope: Scope, receive: Any, send: Any, rid: str) -> int:
+        """Send `response` with the request id (as RequestContext adds it); returns the status
+        that went out."""
+        rid_header = (b"x-request-id", rid.encode())
+        if int(_length(response)) > SLICE_BYTES:
+            return await self._send_large(response, scope, receive, send, rid_header)
+        response.raw_headers.append(rid_header)
+        await response(scope, receive, send)
+        return response.status_code
 
     async def _send_large(
         self, response: Any, scope: Scope, receive: Any, send: Any, rid_header: tuple

@@ -4,6 +4,7 @@ awaiting queued work (deadline, disconnect), request metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -14,9 +15,12 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from service.http.connections import disconnect_signal
+from service.http.middleware import log_safe
 from service.pipeline.errors import ServiceError, error_body
 from service.pipeline.waiting import Gone
 from service.pipeline.waiting import await_queued as pipeline_await
+
+log = logging.getLogger("service")  # the app's logger: the same lines from every path
 
 if TYPE_CHECKING:
     from service.runtime.batcher import Batcher
@@ -46,6 +50,13 @@ def error_response(path: str, exc: ServiceError) -> JSONResponse:
 
 
 JOIN_BYTES = 64 * 1024  # a body this small is joined: one copy costs less than a socket write
+
+
+def internal_error_response(path: str) -> JSONResponse:
+    """An unexpected exception (being handled) logged with its traceback, answered 500."""
+    log.exception("unhandled error on %s", log_safe(path))
+    body = error_body(path, 500, "internal server error", "inference_error")
+    return JSONResponse(body, status_code=500)
 
 
 class PartsResponse(Response):
