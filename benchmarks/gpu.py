@@ -30,11 +30,13 @@ from torch import nn
 
 import mha_engine
 from mha_engine.checkpoint import model_from_state_dict
+from mha_engine.cuda_graphs import bucket
 from mha_engine.save import module_config, module_state
 
 UNIFORM = [(1, 16, 512, 8), (32, 16, 512, 8), (32, 128, 512, 8), (128, 64, 768, 12)]
 UNIFORM += [(8, 1024, 1024, 16)]
 MIXED = [(64, 16, 512, 1024, 16), (256, 8, 128, 384, 6)]  # (sequences, min T, max T, E, H)
+GRAPH_MAX_TOKENS = 16384  # the service's default --cuda-graph-max-tokens
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -72,23 +74,30 @@ def interleaved(timer: Timer, cases: dict[str, Callable[[], object]], rounds: in
     return {name: statistics.median(values) for name, values in runs.items()}
 
 
-def graphed(fn: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], object] | str:
-    """A CUDA-graph replay of `fn` (static inputs captured in its closure), or why not."""
+def graphed(model, lens: list[int], device: torch.device) -> Callable[[], object] | str:
+    """A copy of `model` with the engine's CUDA graphs for a batch of these lengths (captured
+    here, before timing): its forward_packed replays one graph (copy in, replay, copy out)."""
     if device.type != "cuda":
         return "n/a (CPU)"
+    if bucket(sum(lens)) > GRAPH_MAX_TOKENS:
+        return f"no graph: {sum(lens)} tokens > --cuda-graph-max-tokens {GRAPH_MAX_TOKENS}"
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay
-    except Exception as exc:  # a host sync inside the forward, a dynamic shape, ...
-        return f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        model.enable_cuda_graphs(
+            max_tokens=bucket(sum(lens)), max_sequences=len(lens), warm_max_len=max(lens)
+        )
+    except ValueError as exc:
+        return f"no graphs: {exc}"
+    return model
+
+
+def add_graphed(cases: dict, module: nn.Module, lens, device, dtype, call) -> str:
+    """Add a "graphed" case: a fresh engine copy of `module` with CUDA graphs, run by `call`."""
+    copy = model_from_state_dict(module_config(module), module_state(module), device, dtype)
+    replay = graphed(copy, lens, device)
+    if isinstance(replay, str):
+        return f"[{replay}]"
+    cases["graphed"] = lambda: call(replay)
+    return ""
 
 
 def row(label: str, times: dict, base: str, extra: str = "") -> None:
@@ -115,11 +124,17 @@ def uniform_rows(device, dtype, timer, rounds) -> None:
                 return module(padded, padded, padded, need_weights=False)[0]
 
         cases = {"torch": torch_mha, "engine": engine}
-        replay = graphed(engine, device)
-        if callable(replay):
-            cases["graphed"] = replay
+        copy = model_from_state_dict(module_config(module), module_state(module), device, dtype)
+        replay = graphed(copy, [T] * B, device)
+        if not isinstance(replay, str):
+            cases["graphed"] = lambda x=x, cu=cu, m=replay: m.forward_packed(x, cu)
         times = interleaved(timer, cases, rounds)
-        row(f"({B},{T},{E}) H={H}", times, "torch", "" if callable(replay) else f"[{replay}]")
+        row(
+            f"({B},{T},{E}) H={H}",
+            times,
+            "torch",
+            "" if not isinstance(replay, str) else f"[{replay}]",
+        )
 
 
 def packed_and_padded(lens: list[int], E: int, device, dtype):
@@ -154,8 +169,12 @@ def mixed_rows(device, dtype, timer, rounds) -> None:
         def engine(x=x, cu=cu, model=model):
             return model.forward_packed(x, cu)
 
-        times = interleaved(timer, {"torch": torch_padded, "engine": engine}, rounds)
-        row(f"{count} seqs {low}-{high} E={E}", times, "torch")
+        cases = {"torch": torch_padded, "engine": engine}
+        note = add_graphed(
+            cases, module, lens, device, dtype, lambda m, x=x, cu=cu: m.forward_packed(x, cu)
+        )
+        times = interleaved(timer, cases, rounds)
+        row(f"{count} seqs {low}-{high} E={E}", times, "torch", note)
 
 
 def encoder_row(device, dtype, timer, rounds) -> None:
@@ -173,15 +192,17 @@ def encoder_row(device, dtype, timer, rounds) -> None:
         with torch.inference_mode():
             return module(padded, src_key_padding_mask=mask)
 
-    times = interleaved(
-        timer, {"torch": torch_nested, "engine": lambda: model.forward_packed(x, cu)}, rounds
+    cases = {"torch": torch_nested, "engine": lambda: model.forward_packed(x, cu)}
+    note = add_graphed(
+        cases, module, lens, device, dtype, lambda m, x=x, cu=cu: m.forward_packed(x, cu)
     )
-    row(f"{count} seqs 16-256", times, "torch")
+    times = interleaved(timer, cases, rounds)
+    row(f"{count} seqs 16-256", times, "torch", note)
 
 
 def text_rows(device, dtype, timer, rounds) -> None:
     print("\n## MiniLM (all-MiniLM-L6-v2 weights): engine encode_packed vs transformers BertModel")
-    from service.text import minilm_path
+    from service.text.tokenizer import minilm_path
 
     path = minilm_path()
     if path is None:
@@ -215,7 +236,11 @@ def text_rows(device, dtype, timer, rounds) -> None:
         def engine(ids=ids, cu=cu):
             return model.encode_packed(ids, cu)
 
-        times = interleaved(timer, {"transformers": hf, "engine": engine}, rounds)
+        cases = {"transformers": hf, "engine": engine}
+        copy = mha_engine.load_model(path, device=device, dtype=name)
+        if not isinstance(replay := graphed(copy, lens, device), str):
+            cases["graphed"] = lambda ids=ids, cu=cu, m=replay: m.encode_packed(ids, cu)
+        times = interleaved(timer, cases, rounds)
         per_second = {k: batch / (v / 1e3) for k, v in times.items()}
         rates = ", ".join(f"{k} {v:,.0f} sentences/s" for k, v in per_second.items())
         row(f"batch {batch}", times, "transformers", f"({rates})")

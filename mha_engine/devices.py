@@ -86,3 +86,11 @@ def check_device(
     what this host cannot do. Cheap: reads no weights, allocates nothing."""
     resolved = resolve_device(device)
     return (resolved, *resolve_precision(dtype, resolved))
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA from pinned memory without blocking the host, so the
+    index tensors a forward builds from host lengths never stall it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -12,20 +12,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import POOLING_MODES, TextEncoderConfig
+from .devices import upload
 
 
 def packed_positions(lengths: list[int], device: torch.device) -> Tensor:
-    """0..T_i-1 for every sequence, concatenated: (N,) long."""
-    lens = torch.tensor(lengths, dtype=torch.long, device=device)  # (B,)
+    """0..T_i-1 for every sequence, concatenated: (N,) long, built on the host (no sync)."""
+    lens = torch.tensor(lengths, dtype=torch.long)  # (B,)
     starts = torch.cumsum(lens, 0) - lens  # (B,)
     total = int(lens.sum())
-    return torch.arange(total, device=device) - starts.repeat_interleave(lens, output_size=total)
+    positions = torch.arange(total) - starts.repeat_interleave(lens, output_size=total)  # (N,)
+    return upload(positions, device)
 
 
 def segment_ids(lengths: list[int], device: torch.device) -> Tensor:
-    """Sequence index of every packed token: (N,) long."""
-    lens = torch.tensor(lengths, dtype=torch.long, device=device)
-    return torch.arange(len(lengths), device=device).repeat_interleave(lens)
+    """Sequence index of every packed token: (N,) long, built on the host (no sync)."""
+    lens = torch.tensor(lengths, dtype=torch.long)  # (B,)
+    return upload(torch.arange(len(lengths)).repeat_interleave(lens), device)  # (N,)
 
 
 class TextEmbeddings(nn.Module):
@@ -97,16 +99,19 @@ def pool_packed(hidden: Tensor, lengths: list[int], mode: str) -> Tensor:
     cls: each sequence's first token; last_token: each sequence's last token.
     """
     if mode in ("cls", "last_token"):
-        lens = torch.tensor(lengths, dtype=torch.long, device=hidden.device)
+        lens = torch.tensor(lengths, dtype=torch.long)
         ends = torch.cumsum(lens, 0)  # (B,)
         rows = ends - lens if mode == "cls" else ends - 1
-        return hidden.index_select(0, rows).float()  # (B, D)
+        return hidden.index_select(0, upload(rows, hidden.device)).float()  # (B, D)
     if mode != "mean":
         raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
+    if hidden.is_cuda:  # index_add_ adds with atomics on CUDA: an order that varies per run
+        lens = upload(torch.tensor(lengths, dtype=torch.long), hidden.device)  # (B,)
+        return torch.segment_reduce(hidden.float(), "mean", lengths=lens, axis=0)  # (B, D)
     seg = segment_ids(lengths, hidden.device)  # (N,)
     sums = hidden.new_zeros(len(lengths), hidden.shape[-1], dtype=torch.float32)  # (B, D)
     sums.index_add_(0, seg, hidden.float())
-    counts = torch.tensor(lengths, dtype=torch.float32, device=hidden.device)  # (B,)
+    counts = torch.tensor(lengths, dtype=torch.float32)  # (B,)
     return sums / counts[:, None]  # (B, D)
 
 

@@ -16,10 +16,11 @@ import torch
 from torch import Tensor
 
 from .config import TextEncoderConfig
+from .devices import upload
 from .errors import CheckpointError
 from .models import TransformerEncoderModel
 from .text import TextEmbeddings, normalize, pool_packed, pool_padded
-from .varlen import cumulative, lengths, make_plan, pad_rows
+from .varlen import cumulative, lengths
 
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
@@ -135,7 +136,7 @@ class TextEncoderModel(TransformerEncoderModel):
             raise TypeError(f"{what} must be int64 or int32, got {ids.dtype}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"{what} holds ids outside [0, {self.vocab_size})")
-        return ids.to(device=self.device, dtype=torch.long)
+        return _to_model(ids, self.device)
 
     def _check_types(self, types: Tensor, ids: Tensor) -> Tensor:
         table = self.config.type_vocab_size
@@ -143,7 +144,7 @@ class TextEncoderModel(TransformerEncoderModel):
             raise ValueError(f"token_type_ids {tuple(types.shape)} != ids {tuple(ids.shape)}")
         if table and types.numel() and (int(types.min()) < 0 or int(types.max()) >= table):
             raise ValueError(f"token_type_ids hold types outside [0, {table})")
-        return types.to(device=self.device, dtype=torch.long)
+        return _to_model(types, self.device)
 
     @torch.inference_mode()
     def encode(
@@ -195,8 +196,7 @@ class TextEncoderModel(TransformerEncoderModel):
         ids = self._check_ids(input_ids, "input_ids")  # (N,)
         types = None if token_type_ids is None else self._check_types(token_type_ids, ids)
         x = self.embeddings.forward_packed(ids, lens, types).to(self.dtype)  # (N, D)
-        plan = make_plan(lens, lens, False, None, ids.device, bucket_padding)
-        return self.encoder(pad_rows(x), plan=plan)[0][: x.shape[0]]  # (N, D), see pad_rows
+        return self._encode(x, lens, None, False, bucket_padding)  # (N, D)
 
     @torch.inference_mode()
     def embed_packed(
@@ -238,3 +238,9 @@ def _cat_ids(input_ids: list[Tensor]) -> Tensor:
 
 def _normalize_if(x: Tensor, flag: bool) -> Tensor:
     return normalize(x) if flag else x
+
+
+def _to_model(ids: Tensor, device: torch.device) -> Tensor:
+    """Checked ids as int64 on the model's device; host ids go up without blocking."""
+    ids = ids.to(torch.long)
+    return upload(ids, device) if ids.device.type == "cpu" else ids.to(device)

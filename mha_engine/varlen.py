@@ -22,8 +22,8 @@ nested tensors and no host sync. Unverified on a GPU: tested on CPU with a refer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .cuda_varlen import varlen_attention
+from .devices import upload
 from .fused import MIN_ROWS as MIN_GEMM_ROWS  # noqa: F401 (re-exported)
 from .fused import linear, pad_rows  # noqa: F401 (pad_rows re-exported)
 from .masks import additive_mask
@@ -62,9 +63,18 @@ class Plan:
 
     q_lens: list[int]
     kv_lens: list[int]
-    groups: list[Group]
     cu_seqlens: Tensor  # (B+1,) int32 on the model's device (the varlen kernels' type)
-    plain: bool  # self-attention, no masks, no causal: one jagged call is possible
+    plain: bool  # self-attention, no masks, no causal: one varlen kernel call is possible
+    build_groups: Callable[[], list[Group]] = field(repr=False)
+    _groups: list[Group] | None = field(default=None, repr=False)
+
+    @property
+    def groups(self) -> list[Group]:
+        """The SDPA groups, built on first use: a forward that takes the CUDA varlen kernel
+        never builds them (each group's index tensors would be host-to-device copies)."""
+        if self._groups is None:
+            self._groups = self.build_groups()
+        return self._groups
 
     @property
     def num_sdpa_calls(self) -> int:
@@ -205,42 +215,47 @@ def make_plan(
     q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
     masked = _masked(key_padding_mask, kv_lens)
     args = (q_lens, kv_lens, q_off, kv_off, causal, masked, key_padding_mask, device)
-    exact: dict[tuple[int, int, bool, bool], list[int]] = {}
-    classes: dict[bool, list[int]] = {}
-    for i in range(n):
-        if bucket_padding > 0 and q_lens[i] > 0 and kv_lens[i] > 0:
-            classes.setdefault(causal[i], []).append(i)
-        else:
-            exact.setdefault((q_lens[i], kv_lens[i], causal[i], masked[i]), []).append(i)
-    groups = [_exact_group(members, *args) for members in exact.values()]
-    for seqs in classes.values():
-        for bucket in _buckets(seqs, q_lens, kv_lens, bucket_padding):
-            same = len({(q_lens[i], kv_lens[i], masked[i]) for i in bucket}) == 1
-            groups.append((_exact_group if same else _padded_group)(bucket, *args))
+
+    def build_groups() -> list[Group]:
+        exact: dict[tuple[int, int, bool, bool], list[int]] = {}
+        classes: dict[bool, list[int]] = {}
+        for i in range(n):
+            if bucket_padding > 0 and q_lens[i] > 0 and kv_lens[i] > 0:
+                classes.setdefault(causal[i], []).append(i)
+            else:
+                exact.setdefault((q_lens[i], kv_lens[i], causal[i], masked[i]), []).append(i)
+        groups = [_exact_group(members, *args) for members in exact.values()]
+        for seqs in classes.values():
+            for bucket in _buckets(seqs, q_lens, kv_lens, bucket_padding):
+                same = len({(q_lens[i], kv_lens[i], masked[i]) for i in bucket}) == 1
+                groups.append((_exact_group if same else _padded_group)(bucket, *args))
+        return groups
+
     cu = _upload([0, *(o + t for o, t in zip(q_off, q_lens, strict=True))], device)
     plain = q_lens == kv_lens and not any(causal) and not any(masked)
-    return Plan(q_lens, kv_lens, groups, cu, plain)
+    return Plan(q_lens, kv_lens, cu, plain, build_groups)
 
 
 def _upload(values: list[int], device: torch.device) -> Tensor:
-    """An int32 tensor of `values` on `device`; to CUDA from pinned memory without blocking the
-    host (unverified on a GPU)."""
-    host = torch.tensor(values, dtype=torch.int32)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """An int32 tensor of `values` on `device` (see devices.upload)."""
+    return upload(torch.tensor(values, dtype=torch.int32), device)
 
 
-def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
-    """The CUDA varlen kernel applies: plain plan, no extra keys or GQA, flash-sized heads."""
+def varlen_capable(attn: FusedAttention) -> bool:
+    """The block can run the CUDA varlen kernel: fused Q/K/V, no extra keys or GQA, flash-sized
+    heads."""
     return (
-        query.is_cuda
-        and plan.plain
+        attn.in_proj is not None
         and attn.extra_keys == 0
         and not attn.is_gqa
         and attn.head_dim % 8 == 0
         and attn.head_dim <= 256
     )
+
+
+def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
+    """The CUDA varlen kernel applies: on the GPU, plain plan, a capable block."""
+    return query.is_cuda and plan.plain and varlen_capable(attn)
 
 
 def packed_attention(

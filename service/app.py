@@ -27,15 +27,16 @@ from service.http.routes import (
     embeddings,
     health,
     infer,
+    logging_route,
     metrics_route,
     openai_models,
     repository,
-    tei,
-    tei_rank,
+    tei_mount,
 )
 from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError, error_body
 from service.runtime.loading import load_entries, warm_up_model
+from service.runtime.log_settings import LogControl
 from service.runtime.model_control import ModelControl
 from service.runtime.settings import Settings
 from service.runtime.state import ServiceState
@@ -71,6 +72,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics, versions = await load_entries(settings)
         state = ServiceState(settings, metrics, versions)
+        state.log_control = app.state.log_control
         state.loop = asyncio.get_running_loop()
         app.state.service = state
         for entry in state.entries():
@@ -98,6 +100,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
         redoc_url=None,  # ReDoc has no offline bundle here
     )
     app.state.settings = settings
+    app.state.log_control = log_control = LogControl(settings)
     add_body_schemas(app)
     if settings.api_key is not None:
         app.add_middleware(
@@ -119,20 +122,20 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.state.response_budget = ResponseBudget(settings.max_pending_response_bytes)
     app.add_middleware(ResponseBackpressure, budget=app.state.response_budget)
     # outermost: even a 401 gets an id and a log line
-    app.add_middleware(RequestContext, sample_rate=settings.access_log_sample_rate)
+    app.add_middleware(RequestContext, sampling=log_control)
     if settings.fast_path:  # ahead of all of it: the hot routes without the layers above
-        app.fast_path = FastPath(app.regular, settings, app.state.response_budget)
+        app.fast_path = FastPath(app.regular, settings, app.state.response_budget, log_control)
     # The hot routes first: the router tries routes in order, so each earlier one costs a match.
     app.include_router(infer.router)
     app.include_router(embeddings.router)
     app.include_router(config_stats.router)  # before health: /v2/models/stats is not a model
     app.include_router(health.router)
     app.include_router(repository.router)
+    app.include_router(logging_route.router)
     app.include_router(metrics_route.router)
     docs.install(app)
     app.include_router(openai_models.router)
-    app.include_router(tei.router)
-    app.include_router(tei_rank.router)
+    tei_mount.install(app)  # TEI and SageMaker routes, at the root and under /models/{name}
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 
     @app.exception_handler(ServiceError)

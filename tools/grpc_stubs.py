@@ -16,7 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = "service/grpc"
-PROTOS = ("model_config.proto", "grpc_service.proto")
+PROTOS = ("model_config.proto", "grpc_service.proto", "log_settings.proto")
+NO_SERVICE = ("model_config", "log_settings")  # messages only: their _pb2_grpc.py is empty
 
 
 def generate(out: Path) -> list[Path]:
@@ -36,7 +37,8 @@ def generate(out: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    (out / PROTO_DIR / "model_config_pb2_grpc.py").unlink()  # no service in it: empty module
+    for name in NO_SERVICE:
+        (out / PROTO_DIR / f"{name}_pb2_grpc.py").unlink()
     for name in PROTOS:
         _use_private_pool(out / PROTO_DIR / name.replace(".proto", "_pb2.py"))
     return sorted((out / PROTO_DIR).glob("*_pb2*.py*"))

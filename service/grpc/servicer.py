@@ -29,10 +29,11 @@ from service.http.middleware import bearer_credential, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
 from service.oip.inputs import OUTPUT_NAME
 from service.oip.model_config import extensions, model_config, model_metadata
-from service.pipeline.errors import BadInput, ServiceError, Unauthorized
+from service.pipeline.errors import ServiceError, Unauthorized
 from service.pipeline.models import admit
 from service.pipeline.tensors import TensorRequest, TensorResult, infer
-from service.runtime.model_control import UNLOAD_PARAMETERS
+from service.runtime.load_config import parse_load_config
+from service.runtime.model_control import LOAD_PARAMETERS, UNLOAD_PARAMETERS, check_parameters
 
 if TYPE_CHECKING:
     from service.runtime.model_control import ModelControl
@@ -230,21 +231,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryModelLoad(self, request, context):
         async with self._call("RepositoryModelLoad", context):
-            self._no_parameters(request)
-            await self.control.load(request.model_name)
+            check_parameters(request.parameters, LOAD_PARAMETERS)
+            config = None
+            if "config" in request.parameters:
+                value = request.parameters["config"]
+                text = value.string_param if value.HasField("string_param") else None
+                config = parse_load_config(text, request.model_name)
+            await self.control.load(request.model_name, config)
             return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
         async with self._call("RepositoryModelUnload", context):
-            self._no_parameters(request, UNLOAD_PARAMETERS)
+            check_parameters(request.parameters, UNLOAD_PARAMETERS)
             await self.control.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
-
-    @staticmethod
-    def _no_parameters(request, allowed: frozenset[str] = frozenset()) -> None:
-        names = sorted(set(request.parameters) - allowed)
-        if names:
-            raise BadInput(
-                f"load/unload parameters are not supported (got {names}); "
-                "the model's directory is its configuration"
-            )

@@ -74,14 +74,16 @@ class FastPathApp(FastAPI):
 class FastPath:
     """Answers the hot routes itself and passes the rest to `app` (the regular path)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, budget: ResponseBudget) -> None:
+    def __init__(
+        self, app: ASGIApp, settings: Settings, budget: ResponseBudget, sampling: Any
+    ) -> None:
         self.app = app
         self.header_limit = settings.max_header_bytes
         self.cors = bool(settings.cors_origins)
         key = settings.api_key
         self.auth = None if key is None else ApiKeyAuth(None, key.get_secret_value(), False)
         self.body_rate = BodyRate(None, settings.body_timeout_s, settings.body_min_rate)
-        self.context = RequestContext(None, settings.access_log_sample_rate)
+        self.context = RequestContext(None, sampling)  # the live access-log sample rate
         self.budget = budget
         self.answered = 0  # requests this path answered itself (the parity tests check it)
 

@@ -65,11 +65,12 @@ def request_id(given: str | None) -> str:
 class RequestContext:
     """Gives each request an id (the client's `X-Request-ID` when sane, else a new one), echoes
     it in the response, and logs method, path, status and duration under it: every failed
-    request (status >= 400), and successful ones at `sample_rate` (1.0: all)."""
+    request (status >= 400), and successful ones at `sampling.access_log_sample_rate` (1.0:
+    all; read per request, so the logging extension can change it)."""
 
-    def __init__(self, app: ASGIApp, sample_rate: float = 1.0) -> None:
+    def __init__(self, app: ASGIApp, sampling: Any) -> None:
         self.app = app
-        self.sample_rate = sample_rate
+        self.sampling = sampling
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -95,7 +96,8 @@ class RequestContext:
 
     def done(self, scope: Scope, request_id: str, status: int, started: float) -> None:
         """The request's access-log line: always for a failure, else at the sample rate."""
-        if status >= 400 or self.sample_rate >= 1.0 or random.random() < self.sample_rate:
+        rate = self.sampling.access_log_sample_rate
+        if status >= 400 or rate >= 1.0 or random.random() < rate:
             self._log(scope, request_id, status, started)
 
     @staticmethod
@@ -179,7 +181,8 @@ class ApiKeyAuth:
     the open health/metrics set when --open-health-metrics is on; constant-time compare. The
     debug token (--debug-token) is checked on top of it by the debug routes."""
 
-    OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
+    # /health (TEI) and /ping (SageMaker) are probes too: orchestrators call them without keys.
+    OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/ping", "/metrics"})
     # The debug page's static files (no data, no secrets): a browser loads them without headers;
     # every call the page makes for data goes through this guard like any script's.
     PAGE_PATHS = ("/debug/assets/",)

@@ -25,7 +25,9 @@ EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
 def extensions(settings: Settings) -> list[str]:
     """The extensions offered: model_repository (index, load, unload) in explicit mode only."""
     explicit = settings.model_control_mode == "explicit"
-    return [*EXTENSIONS, *(["model_repository"] if explicit else [])]
+    offered = [*EXTENSIONS, *(["model_repository"] if explicit else [])]
+    offered.append("logging")  # GET/POST /v2/logging, gRPC LogSettings
+    return offered
 
 
 def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None]], str, int]:

@@ -118,7 +118,8 @@ OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 
 
 TEI_ROUTES = frozenset({"/", "/embed", "/embed_all", "/tokenize", "/decode", "/info", "/rerank",
-                        "/predict", "/similarity"})  # fmt: skip
+                        "/predict", "/similarity", "/health", "/ping", "/invocations"})  # fmt: skip
+TEI_MODEL_PREFIX = "/models/"  # the TEI routes mounted per model: /models/{model_name}/...
 
 
 def _tei_type(status: int) -> str:
@@ -133,7 +134,7 @@ def error_body(
     """The one place an error becomes JSON: OpenAI's shape on /v1/*, text-embeddings-inference's
     `{"error", "error_type"}` on its routes, OIP's `{"error": message}` everywhere else.
     OpenAI clients read error.message / error.type / error.param / error.code."""
-    if path in TEI_ROUTES:
+    if path in TEI_ROUTES or path.startswith(TEI_MODEL_PREFIX):
         return {"error": message, "error_type": _tei_type(status)}
     if not path.startswith(OPENAI_PREFIX):
         return {"error": message}

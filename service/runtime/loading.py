@@ -4,6 +4,7 @@ its warm-up. Used at start-up and by explicit model control (service/runtime/mod
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,34 @@ from service.runtime.statistics import ModelStats, Observers
 from service.runtime.work import Work
 from service.text.tokenizer import CharLimits, load_tokenizer, matryoshka, read_prompts
 
+log = logging.getLogger(__name__)
+
 
 def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
     """The model in directory `path`, or the built-in demo model."""
     if path is None:
-        return mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
-    return mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
+        model = mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
+    else:
+        model = mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
+    if settings.cuda_graphs and model.device.type == "cuda":
+        _enable_cuda_graphs(model, settings)
+    return model
+
+
+def _enable_cuda_graphs(model: ServedModel, settings: Settings) -> None:
+    """Capture the model's CUDA graphs now (mha_engine.cuda_graphs); a model whose layers
+    cannot replay (masks built in, decoders, GQA) runs eagerly, said once in the log."""
+    tokens = min(settings.cuda_graph_max_tokens, settings.max_batch_tokens)
+    try:
+        graphs = model.enable_cuda_graphs(
+            max_tokens=1 << (tokens.bit_length() - 1),  # a power of two
+            max_sequences=settings.max_batch_size,
+            warm_max_len=min(settings.max_seq_len, getattr(model, "max_seq_len", 1 << 30)),
+        )
+    except (ValueError, NotImplementedError, AttributeError) as exc:
+        log.info("CUDA graphs off for this model: %s", exc)
+        return
+    log.info("CUDA graphs: %d captured, %.1f MiB", graphs.count, graphs.memory_bytes / 2**20)
 
 
 def model_info(model: ServedModel, name: str) -> dict[str, Any]:
@@ -100,6 +123,8 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     info = model_info(model, name)
     model_metrics = metrics.for_model(name, source.version)
     model_metrics.set_model_info(info)
+    if (graphs := getattr(model, "cuda_graphs", None)) is not None:
+        model_metrics.set_cuda_graphs(graphs)
     model_metrics.set_queue_capacity(settings.max_queue)
     stats = ModelStats(name, source.version)
     batcher = DynamicBatcher(

@@ -32,7 +32,7 @@ def rfc3339(created: float) -> str:
     return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
-PROBE_PATHS = ("/v2/health/", "/metrics")
+PROBE_PATHS = ("/v2/health/", "/metrics", "/health", "/ping")
 
 
 def _not_probe(record: logging.LogRecord) -> bool:
@@ -40,16 +40,33 @@ def _not_probe(record: logging.LogRecord) -> bool:
     return not str(getattr(record, "path", "")).startswith(PROBE_PATHS)
 
 
-def configure_logging(level: str, fmt: str, access_log_probes: bool = True) -> None:
-    """Root logging for the server process: `fmt` is "text" or "json"."""
+def set_access_log_probes(on: bool) -> None:
+    """Keep (True) or drop (False) the access-log lines of probes and scrapes."""
     access = logging.getLogger("service.access")
     for old in [f for f in access.filters if f is _not_probe]:
         access.removeFilter(old)
-    if not access_log_probes:
+    if not on:
         access.addFilter(_not_probe)
-    handler = logging.StreamHandler()
+
+
+def formatter(fmt: str) -> logging.Formatter:
+    """The formatter of log format `fmt`: "text" or "json"."""
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        return JsonFormatter()
+    return logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def set_log_format(fmt: str) -> None:
+    """Switch the root handlers configure_logging installed to format `fmt`."""
+    for handler in logging.getLogger().handlers:
+        if getattr(handler, "mha_serve", False):
+            handler.setFormatter(formatter(fmt))
+
+
+def configure_logging(level: str, fmt: str, access_log_probes: bool = True) -> None:
+    """Root logging for the server process: `fmt` is "text" or "json"."""
+    set_access_log_probes(access_log_probes)
+    handler = logging.StreamHandler()
+    handler.mha_serve = True  # type: ignore[attr-defined]  # ours: set_log_format may switch it
+    handler.setFormatter(formatter(fmt))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -250,7 +250,7 @@ class Metrics:
             _cuda_gauges_skipped()
             return
         device = torch.device(name)
-        if not self._cuda:
+        if "allocated" not in self._cuda:
             self._cuda["allocated"] = Gauge(
                 "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
                 ["model", "version", "device"], registry=self.registry,
@@ -266,6 +266,24 @@ class Metrics:
         reserved.labels(self.model, self.version, str(device)).set_function(
             lambda: torch.cuda.memory_reserved(device)
         )
+
+    def set_cuda_graphs(self, graphs: Any) -> None:
+        """mha_cuda_graphs and mha_cuda_graph_memory_bytes of this model version, read at scrape
+        time from its mha_engine CudaGraphs (`count`, `memory_bytes`)."""
+        if MULTIPROCESS:
+            return
+        if "graphs" not in self._cuda:
+            self._cuda["graphs"] = Gauge(
+                "mha_cuda_graphs", "CUDA graphs captured for the model (--cuda-graphs).",
+                ["model", "version"], registry=self.registry,
+            )  # fmt: skip
+            self._cuda["graph_memory"] = Gauge(
+                "mha_cuda_graph_memory_bytes", "GPU memory the model's CUDA graphs hold.",
+                ["model", "version"], registry=self.registry,
+            )  # fmt: skip
+        labels = (self.model, self.version)
+        self._cuda["graphs"].labels(*labels).set_function(lambda: graphs.count)
+        self._cuda["graph_memory"].labels(*labels).set_function(lambda: graphs.memory_bytes)
 
     # -- request side -----------------------------------------------------------------------
     def set_model_info(self, info: dict[str, Any]) -> None:

@@ -7,24 +7,39 @@ nothing else changes. A model's version policy picks which of its versions load,
 entry; load and unload act on all of them together. Unloading removes the model at once (new
 requests: 404 / NOT_FOUND), then its batchers finish the work they had accepted and stop.
 Loading a loaded model reloads it: the new copies replace the old ones when warm, and the old
-ones drain.
+ones drain. A load may carry a config (service/runtime/load_config.py): the model's settings
+for that load, over its mha-serve.json; the next load without one goes back to the file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from service.pipeline.errors import BadInput, ModelNotFound
 from service.runtime.loading import load_entry, warm_up_model
-from service.runtime.repository import ModelSource, RepositoryError, model_sources
+from service.runtime.repository import ModelSettings, ModelSource, RepositoryError, model_sources
 from service.runtime.state import ModelEntry, ServiceState
 
-# Parameters an unload request may carry (Triton's); anything else is refused with 400.
+# Parameters a load / unload request may carry (Triton's); anything else is refused with 400
+# (a load's model files, `file:<path>`, among them: a model's directory is on the server).
+LOAD_PARAMETERS = frozenset({"config"})
 UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
 
 log = logging.getLogger("service.runtime.model_control")
+
+
+def check_parameters(names: Iterable[str], allowed: frozenset[str]) -> None:
+    """400 naming the load/unload parameters (of `names`) this server cannot honour."""
+    refused = sorted(set(names) - allowed)
+    if refused:
+        raise BadInput(
+            f"load/unload parameters {refused} are not supported (this one takes "
+            f"{sorted(allowed) or 'none'}); model files cannot be uploaded: a model's directory "
+            "is on the server"
+        )
 
 
 class ModelControl:
@@ -35,12 +50,14 @@ class ModelControl:
         self.explicit = state.settings.model_control_mode == "explicit"
         self._lock = asyncio.Lock()
 
-    def _sources(self) -> dict[str, list[ModelSource]]:
+    def _sources(
+        self, configs: dict[str, ModelSettings] | None = None
+    ) -> dict[str, list[ModelSource]]:
         """Every model the server could serve now, with the versions its policy picks:
         --model-dir, and the repository as it is on disk at this moment (models and versions
-        added since start-up appear)."""
+        added since start-up appear); `configs`: a load's config for a model."""
         try:
-            sources = model_sources(self.state.settings)
+            sources = model_sources(self.state.settings, configs)
         except RepositoryError as exc:
             raise BadInput(str(exc)) from None
         by_name: dict[str, list[ModelSource]] = {}
@@ -85,13 +102,13 @@ class ModelControl:
                 "at start-up); start the server with --model-control-mode explicit"
             )
 
-    async def load(self, name: str) -> None:
-        """Load (or reload) `name` at the versions its policy picks, each warmed up before
-        the set replaces what was served; 400 naming the problem if one fails (nothing
-        changes then)."""
+    async def load(self, name: str, config: ModelSettings | None = None) -> None:
+        """Load (or reload) `name` at the versions its policy (or `config`'s) picks, with
+        `config` over its settings file, each warmed up before the set replaces what was served;
+        400 naming the problem if one fails (nothing changes then)."""
         self._check_explicit("load")
         async with self._lock:
-            sources = self._sources().get(name)
+            sources = self._sources({name: config} if config is not None else None).get(name)
             if sources is None:
                 raise ModelNotFound(f"no model '{name}' in the model repository or --model-dir")
             state = self.state

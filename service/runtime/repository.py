@@ -10,6 +10,7 @@ Default: the highest version only (latest 1).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,42 +37,66 @@ class RepositoryError(ValueError):
 @dataclass(frozen=True)
 class ModelSource:
     """One model version to load: its name in URLs, directory (None: the demo model), version,
-    its settings file's overrides and the model's version policy (Triton's JSON form)."""
+    its settings file's overrides (with a load's config over them), the model's version policy
+    (Triton's JSON form) and where the overrides came from (for error messages)."""
 
     name: str
     path: Path | None
     version: str = "1"
     overrides: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     policy: dict[str, Any] = field(default_factory=lambda: LATEST_ONE, compare=False, hash=False)
+    origin: str = field(default=SETTINGS_FILE, compare=False, hash=False)
 
 
-def _read_settings_file(model: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DIR/<model>/mha-serve.json as (settings overrides, version policy); RepositoryError
-    naming what is wrong."""
+@dataclass(frozen=True)
+class ModelSettings:
+    """A model's own settings, as a settings file or a load's `config` gives them: overrides
+    of the server's flags (MODEL_SETTINGS) and a version policy (None: not given)."""
+
+    overrides: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, Any] | None = None
+
+    def over(self, base: ModelSettings) -> ModelSettings:
+        """These settings applied on top of `base` (a load's config over the settings file)."""
+        policy = self.policy if self.policy is not None else base.policy
+        return ModelSettings({**base.overrides, **self.overrides}, policy)
+
+
+def parse_model_settings(values: Any, where: str) -> ModelSettings:
+    """A settings file's JSON value (or a load config in that form) as ModelSettings;
+    RepositoryError naming `where` and any unknown setting. Values are checked when applied
+    (model_settings, select_versions), the same for both."""
+    if not isinstance(values, dict):
+        raise RepositoryError(f"{where} must hold a JSON object")
+    values = dict(values)
+    policy = values.pop("version_policy", None)
+    unknown = sorted(set(values) - MODEL_SETTINGS)
+    if unknown:
+        raise RepositoryError(
+            f"{where}: unknown setting(s) {unknown}; allowed: {sorted(MODEL_SETTINGS)} "
+            "and version_policy"
+        )
+    return ModelSettings(values, policy)
+
+
+def _read_settings_file(model: Path) -> ModelSettings:
+    """DIR/<model>/mha-serve.json (empty settings if absent); RepositoryError naming what is
+    wrong."""
     path = model / SETTINGS_FILE
     if not path.is_file():
-        return {}, LATEST_ONE
+        return ModelSettings()
     try:
         values = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise RepositoryError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(values, dict):
-        raise RepositoryError(f"{path} must hold a JSON object")
-    policy = values.pop("version_policy", LATEST_ONE)
-    unknown = sorted(set(values) - MODEL_SETTINGS)
-    if unknown:
-        raise RepositoryError(
-            f"{path}: unknown setting(s) {unknown}; allowed: {sorted(MODEL_SETTINGS)} "
-            "and version_policy"
-        )
-    return values, policy
+    return parse_model_settings(values, str(path))
 
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def select_versions(policy: Any, versions: list[int], where: Path) -> list[int]:
+def select_versions(policy: Any, versions: list[int], where: Path | str) -> list[int]:
     """The versions (ascending) that Triton's `policy` serves out of those on disk;
     RepositoryError naming the policy's problem (`where`: the settings file)."""
     bad = RepositoryError(
@@ -120,11 +145,30 @@ def model_settings(settings: Settings, source: ModelSource) -> Settings:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
         )
-        raise RepositoryError(f"model '{source.name}' {SETTINGS_FILE}: {problems}") from None
+        raise RepositoryError(f"model '{source.name}' {source.origin}: {problems}") from None
 
 
-def repository_models(root: Path) -> list[ModelSource]:
-    """Every served version of every model of a repository, by name then version."""
+def _versions(
+    name: str, dirs: dict[int, Path], own: ModelSettings, config: ModelSettings | None, where: str
+) -> list[ModelSource]:
+    """The versions of model `name` (version -> directory) its policy serves, with its own
+    settings and a load's `config` over them."""
+    origin = SETTINGS_FILE
+    if config is not None:
+        own, origin = config.over(own), "load config"
+        where = f"model '{name}' load config"
+    policy = own.policy if own.policy is not None else LATEST_ONE
+    return [
+        ModelSource(name, dirs[version], str(version), own.overrides, policy, origin)
+        for version in select_versions(policy, list(dirs), where)
+    ]  # version "7" may live in 007/, as Triton allows
+
+
+def repository_models(
+    root: Path, config_for: Callable[[str], ModelSettings | None] = lambda name: None
+) -> list[ModelSource]:
+    """Every served version of every model of a repository, by name then version
+    (`config_for(name)`: a load's config for the model, over its settings file)."""
     if not root.is_dir():
         raise RepositoryError(f"--model-repository {root} is not a directory")
     sources = []
@@ -135,18 +179,33 @@ def repository_models(root: Path) -> list[ModelSource]:
                 f"model '{model.name}' in {root} has no version directory "
                 f"(expected {model}/<version>/ with config.json, e.g. {model}/1/)"
             )
-        overrides, policy = _read_settings_file(model)
-        for version in select_versions(policy, list(dirs), model / SETTINGS_FILE):
-            source = ModelSource(model.name, dirs[version], str(version), overrides, policy)
-            sources.append(source)  # version "7" may live in 007/, as Triton allows
+        own = _read_settings_file(model)
+        config = config_for(model.name)
+        sources += _versions(model.name, dirs, own, config, str(model / SETTINGS_FILE))
     return sources
 
 
-def model_sources(settings: Settings) -> list[ModelSource]:
-    """The models to serve, in order (the first is the default for single-model routes)."""
-    sources = [ModelSource(Path(path).resolve().name, Path(path)) for path in settings.model_dir]
+def model_sources(
+    settings: Settings, configs: Mapping[str, ModelSettings] | None = None
+) -> list[ModelSource]:
+    """The models to serve, in order (the first is the default for single-model routes).
+    `configs` (model name -> settings): a load's `config`, over the model's settings file,
+    validated the same way."""
+    configs = configs or {}
+
+    def config_for(name: str) -> ModelSettings | None:  # by the name it is served under
+        return configs.get(settings.model_name or name)
+
+    sources = []
+    for path in map(Path, settings.model_dir):
+        name = path.resolve().name
+        config = config_for(name)
+        if config is None:
+            sources.append(ModelSource(name, path))
+        else:  # one version, "1": a policy may only pick it
+            sources += _versions(name, {1: path}, ModelSettings(), config, "")
     if settings.model_repository is not None:
-        sources += repository_models(settings.model_repository)
+        sources += repository_models(settings.model_repository, config_for)
     for source in sources:
         model_settings(settings, source)  # a bad settings file stops the server at start
     if settings.model_name:

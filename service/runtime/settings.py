@@ -65,6 +65,17 @@ class Settings(BaseSettings):
         "(CPU only; inputs and outputs stay FP32).",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, replay plain packed self-attention batches (no masks, not "
+        "causal) from CUDA graphs captured at load, one per (tokens, longest sequence) bucket.",
+    )
+    cuda_graph_max_tokens: int = Field(
+        16384,
+        ge=16,
+        description="Largest token bucket captured as a CUDA graph (a power of two; bigger "
+        "batches run eagerly, where the GPU, not the launches, bounds them).",
+    )
     max_batch_tokens: int = Field(
         16384, ge=1, description="Most tokens (sum of sequence lengths) in one forward."
     )
@@ -153,14 +164,14 @@ class Settings(BaseSettings):
         "(CORS; '*' for any). Unset: no CORS headers, preflights get 405.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level."
+        "info", description="Log level (changeable at run time: POST /v2/logging)."
     )
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text, or as JSON objects (one per line) for collectors."
     )
     access_log_probes: bool = Field(
         True,
-        description="Write access-log lines for /v2/health/* and /metrics "
+        description="Write access-log lines for /v2/health/*, /health, /ping and /metrics "
         "(--no-access-log-probes drops them; other requests are always logged).",
     )
     access_log_sample_rate: float = Field(
@@ -169,7 +180,7 @@ class Settings(BaseSettings):
         le=1,
         description="Share of successful requests that get an access-log line (failed ones, "
         "status >= 400, always do). Each line costs ~15 us of CPU on the event loop; 0.01 "
-        "keeps one in a hundred.",
+        "keeps one in a hundred. Changeable at run time: POST /v2/logging.",
     )
     fast_path: bool = Field(
         True,
@@ -203,13 +214,15 @@ class Settings(BaseSettings):
     )
     api_key: SecretStr | None = Field(
         None,
-        description="When set, every route but /v2/health/live, /v2/health/ready and /metrics "
+        description="When set, every route but /v2/health/live, /v2/health/ready, /health, "
+        "/ping and /metrics "
         "(/docs and the debug routes included) needs 'Authorization: Bearer <key>' (401 "
         "without, 403 wrong).",
     )
     open_health_metrics: bool = Field(
         True,
-        description="Leave /v2/health/* and /metrics open when --api-key is set "
+        description="Leave /v2/health/live, /v2/health/ready, /health, /ping and /metrics open "
+        "when --api-key is set "
         "(--no-open-health-metrics puts them behind the key too).",
     )
 

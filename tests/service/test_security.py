@@ -47,8 +47,9 @@ def test_api_key_guards_inference(keyed_server) -> None:
 
 
 def test_health_and_metrics_stay_open_by_default(keyed_server) -> None:
-    assert httpx.get(f"{keyed_server.url}/v2/health/ready").status_code == 200
-    assert httpx.get(f"{keyed_server.url}/metrics").status_code == 200
+    for probe in ("/v2/health/ready", "/health", "/ping", "/metrics"):  # TEI's, SageMaker's
+        assert httpx.get(f"{keyed_server.url}{probe}").status_code == 200, probe
+    assert httpx.get(f"{keyed_server.url}/v2/logging").status_code == 401
 
 
 def test_tritonclient_with_the_key(keyed_server) -> None:
@@ -77,8 +78,8 @@ def test_closing_health_and_metrics(tmp_path: Path) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        assert httpx.get(f"{server.url}/v2/health/live").status_code == 401
-        assert httpx.get(f"{server.url}/metrics").status_code == 401
+        for probe in ("/v2/health/live", "/health", "/ping", "/metrics"):
+            assert httpx.get(f"{server.url}{probe}").status_code == 401, probe
         assert httpx.get(f"{server.url}/metrics", headers=headers).status_code == 200
 
 

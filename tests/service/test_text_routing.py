@@ -71,7 +71,10 @@ def test_each_route_reaches_the_model_that_offers_it(models):
         before = (await client.get("/metrics")).text  # warm-up batches count sequences too
         warm = {m: scrape.value(before, processed, model=m) for m in ("emb", "clf", "rr")}
         listed = (await client.get("/v1/models")).json()["data"]
-        assert [m["id"] for m in listed] == ["emb", "clf", "rr"]
+        assert [m["id"] for m in listed] == ["emb"]  # what /v1/embeddings accepts
+        classifier = await client.get("/v1/models/clf")
+        assert classifier.status_code == 404
+        assert "embedding models are 'emb'" in classifier.json()["error"]["message"]
 
         v1 = await client.post("/v1/embeddings", json={"model": "emb", "input": PASSAGES})
         assert v1.status_code == 200, v1.text

@@ -246,6 +246,20 @@ def test_api_key_guards_every_front_end_but_health_and_metrics(workers: Workers)
     assert all("missing 'Authorization: Bearer" in r.json()["error"] for r in responses)
 
 
+def test_log_settings_read_on_each_front_end_and_refuse_updates(workers: Workers) -> None:
+    """Each front-end has its own logging: a change through one would not reach the other."""
+    url = f"{workers.url}/v2/logging"
+    refused = each_frontend(lambda: httpx.post(url, json={"log_info": False}, headers=AUTH))
+    assert {r.status_code for r in refused} == {400}
+    assert all("--workers > 1" in r.json()["error"] for r in refused)
+    assert httpx.get(url, headers=AUTH).json()["log_info"] is True
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{workers.grpc_port}")
+    settings = client.get_log_settings(headers={"authorization": f"Bearer {KEY}"}, as_json=True)
+    settings = settings["settings"]
+    assert settings["log_info"] == {"bool_param": True}
+    assert httpx.get(f"{workers.url}/health").status_code == 200  # open, as /v2/health/*
+
+
 def test_request_ids_echoed_and_generated_unique_across_frontends(workers: Workers) -> None:
     responses = each_frontend(lambda: httpx.get(f"{workers.url}/v2/models/mha", headers=AUTH))
     ids = [r.headers["x-request-id"] for r in responses]

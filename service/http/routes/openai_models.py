@@ -1,4 +1,6 @@
-"""GET /v1/models and /v1/models/{id}: OpenAI's model list and model object for what is served."""
+"""GET /v1/models and /v1/models/{id}: OpenAI's model list and model object for the served models
+that /v1/embeddings accepts (text models with an embedding head); tensor-only models and
+classifiers are left out, as an OpenAI client could not use them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pydantic import BaseModel
 from service.http.deps import State
 from service.http.openapi import OPENAI_ERROR_RESPONSES
 from service.pipeline.errors import ModelNotFound
+from service.text.tokenizer import model_kind
 
 router = APIRouter(tags=["embeddings"], responses=OPENAI_ERROR_RESPONSES)
 
@@ -31,7 +34,12 @@ class ModelList(BaseModel):
 
 
 def _served(state: State) -> list[ModelObject]:
-    return [ModelObject(id=name, created=int(state.started_at)) for name in state.models]
+    """The models /v1/embeddings accepts (its embedding_entry's test), in serving order."""
+    return [
+        ModelObject(id=name, created=int(state.started_at))
+        for name, entry in state.models.items()
+        if entry.tokenizer is not None and model_kind(entry.model) == "embedding"
+    ]
 
 
 @router.get("/v1/models", summary="Models served (OpenAI-compatible)")
@@ -44,7 +52,8 @@ async def get_model(model_id: str, state: State) -> ModelObject:
     for served in _served(state):
         if served.id == model_id:
             return served
-    names = ", ".join(f"'{name}'" for name in state.models)
+    names = ", ".join(f"'{m.id}'" for m in _served(state)) or "none"
     raise ModelNotFound(
-        f"The model '{model_id}' does not exist; this server serves {names}", param="model"
+        f"The model '{model_id}' does not exist; this server's embedding models are {names}",
+        param="model",
     )

@@ -12,7 +12,13 @@ from service.http.body import read_json
 from service.http.deps import get_state
 from service.http.openapi import ERROR_RESPONSES
 from service.pipeline.errors import BadInput
-from service.runtime.model_control import UNLOAD_PARAMETERS, ModelControl
+from service.runtime.load_config import parse_load_config
+from service.runtime.model_control import (
+    LOAD_PARAMETERS,
+    UNLOAD_PARAMETERS,
+    ModelControl,
+    check_parameters,
+)
 
 router = APIRouter(tags=["model repository"])
 # tritonclient sends unload_dependents; with no ensembles there are no dependents to unload.
@@ -66,27 +72,26 @@ async def index(request: Request) -> JSONResponse:
     return JSONResponse(control(request).index(ready_only=ready))
 
 
-async def _no_parameters(request: Request, allowed: frozenset[str] = frozenset()) -> None:
-    """Refuse parameters this server cannot honour (a config override, model files)."""
+async def _parameters(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
+    """The body's `parameters`; 400 for any this server cannot honour (model files)."""
     parameters = (await _body(request)).get("parameters") or {}
     if not isinstance(parameters, dict):
         raise BadInput("'parameters' must be a JSON object")
-    parameters = {k: v for k, v in parameters.items() if k not in allowed}
-    if parameters:
-        raise BadInput(
-            f"load/unload parameters are not supported (got {sorted(parameters)}); the model's "
-            "directory is its configuration"
-        )
+    check_parameters(parameters, allowed)
+    return parameters
 
 
 @router.post(
     "/v2/repository/models/{model_name}/load",
-    summary="Load or reload a model (--model-control-mode explicit)",
+    summary="Load or reload a model (--model-control-mode explicit); parameters.config: its "
+    "settings for this load, as a JSON string",
     responses=CONTROL_RESPONSES,
 )
 async def load(request: Request, model_name: str) -> dict[str, Any]:
-    await _no_parameters(request)
-    await control(request).load(model_name)
+    parameters = await _parameters(request, LOAD_PARAMETERS)
+    config = parameters.get("config")
+    settings = None if config is None else parse_load_config(config, model_name)
+    await control(request).load(model_name, settings)
     return {}
 
 
@@ -96,6 +101,6 @@ async def load(request: Request, model_name: str) -> dict[str, Any]:
     responses=CONTROL_RESPONSES,
 )
 async def unload(request: Request, model_name: str) -> dict[str, Any]:
-    await _no_parameters(request, UNLOAD_PARAMETERS)
+    await _parameters(request, UNLOAD_PARAMETERS)
     await control(request).unload(model_name)
     return {}

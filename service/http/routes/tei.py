@@ -1,7 +1,8 @@
 """text-embeddings-inference's routes for embedding models and the model-neutral ones:
 /embed, /embed_all, /similarity, /tokenize, /decode, /info, and TEI's POST / (which
 huggingface_hub's InferenceClient calls: /embed for an embedding model, /predict otherwise).
-/rerank and /predict are in tei_rank.py.
+/rerank and /predict are in tei_rank.py; /health, /ping, /invocations and the mounts (at the
+root and per model) in tei_mount.py.
 
 Same shapes as TEI (`inputs` a string or a list of strings; `/embed` answers a list of vectors);
 errors are TEI's `{"error": ..., "error_type": ...}`, 424 for a route the model's head does
@@ -28,6 +29,7 @@ from service.http.routes.tei_common import (
     check_batch,
     encode_texts,
     parse_body,
+    routed_model,
     text_entry,
     text_route,
 )
@@ -158,7 +160,7 @@ class SimilarityRequest(BaseModel):
 )
 async def similarity(request: Request) -> list[float]:
     state = get_state(request)
-    with text_route(state, "similarity", "/similarity", "embedding") as entry:
+    with text_route(request, state, "similarity", "/similarity", "embedding") as entry:
         body = await parse_body(request, state, SimilarityRequest)
         ensure_serving(state)
         if not body.inputs.sentences:
@@ -169,9 +171,9 @@ async def similarity(request: Request) -> list[float]:
         return [float(np.dot(source, v)) for v in others]
 
 
-async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
+async def embed_body(body: EmbedRequest, request: Request) -> list[list[float]]:
     state = get_state(request)
-    with text_route(state, "embed", "/embed", "embedding") as entry:
+    with text_route(request, state, "embed", "/embed", "embedding") as entry:
         ensure_serving(state)
         texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
         vectors = await _run(
@@ -185,7 +187,7 @@ async def _embed(body: EmbedRequest, request: Request) -> list[list[float]]:
 @router.post("/embed", summary="Sentence embeddings (TEI)", openapi_extra=json_body(EmbedRequest))
 async def embed(request: Request) -> list[list[float]]:
     body = await parse_body(request, get_state(request), EmbedRequest)
-    return await _embed(body, request)
+    return await embed_body(body, request)
 
 
 ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest)
@@ -216,7 +218,7 @@ EMBED_ALL_RESPONSES = {
 )
 async def embed_all(request: Request) -> Response:
     state = get_state(request)
-    with text_route(state, "embed_all", "/embed_all", "embedding") as entry:
+    with text_route(request, state, "embed_all", "/embed_all", "embedding") as entry:
         body = await parse_body(request, state, EmbedAllRequest)
         ensure_serving(state)
         texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
@@ -235,18 +237,18 @@ async def embed_all(request: Request) -> Response:
 )
 async def root(request: Request):
     state = get_state(request)
-    entry = text_entry(state, "/")  # the default text model's kind picks the shape
+    entry = text_entry(state, "/", model=routed_model(request))  # its kind picks the shape
     embedding = model_kind(entry.model) == "embedding"
     parsed = await parse_body(request, state, EmbedRequest if embedding else HubPredictRequest)
     if isinstance(parsed, EmbedRequest):
-        return await _embed(parsed, request)
+        return await embed_body(parsed, request)
     return await hub_predict(parsed, request)
 
 
 @router.post("/tokenize", summary="Tokens of texts (TEI)", openapi_extra=json_body(TokenizeRequest))
 async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
     state = get_state(request)
-    with text_route(state, "tokenize", "/tokenize") as entry:
+    with text_route(request, state, "tokenize", "/tokenize") as entry:
         body = await parse_body(request, state, TokenizeRequest)
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
@@ -268,7 +270,7 @@ async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
 @router.post("/decode", summary="Texts of token ids (TEI)", openapi_extra=json_body(DecodeRequest))
 async def decode(request: Request) -> list[str]:
     state = get_state(request)
-    with text_route(state, "decode", "/decode") as entry:
+    with text_route(request, state, "decode", "/decode") as entry:
         body = await parse_body(request, state, DecodeRequest)
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
@@ -286,7 +288,7 @@ async def decode(request: Request) -> list[str]:
 @router.get("/info", summary="Model facts (TEI)")
 async def info(request: Request) -> Info:
     state = get_state(request)
-    entry = text_entry(state, "/info")
+    entry = text_entry(state, "/info", model=routed_model(request))
     tokenizer = entry.tokenizer
     assert tokenizer is not None  # text_entry chose a text model
     from service import __version__
@@ -296,10 +298,10 @@ async def info(request: Request) -> Info:
         model_dtype=str(entry.model.dtype).removeprefix("torch."),
         model_type=tei_model_type(entry.model),
         max_input_length=tokenizer.max_length,
-        max_batch_tokens=state.settings.max_batch_tokens,
-        max_batch_requests=state.settings.max_batch_size,
+        max_batch_tokens=entry.limits.max_tokens,  # the model's own (mha-serve.json, a load's
+        max_batch_requests=entry.batcher.max_batch_size,  # config), not the server's flags
         max_client_batch_size=MAX_CLIENT_BATCH,
-        max_concurrent_requests=state.settings.max_queue,
+        max_concurrent_requests=entry.batcher.max_queue,
         prompts=entry.prompts,
         version=__version__,
     )

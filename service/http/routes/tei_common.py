@@ -40,11 +40,37 @@ def _a(kind: str) -> str:
     return f"a{'n' if kind[0] in 'aeiou' else ''} {kind}"
 
 
-def text_entry(state: ServiceState, route: str, *kinds: str) -> ModelEntry:
-    """The served model a TEI route uses (TEI's requests name none): the first served text
-    model whose kind is one of `kinds`, or with no kinds the default model (the first text
-    model when the default has no tokenizer). 400 when no text model is served; 424 (TEI's
-    status) naming each served model's kind and the routes it offers when none fits."""
+def routed_model(request: Request) -> str | None:
+    """The model a per-model mount names (/models/{model_name}/...), or None on the root
+    routes."""
+    return request.path_params.get("model_name")
+
+
+def _offers(entry: ModelEntry) -> str:
+    kind = model_kind(entry.model)
+    return f"'{entry.name}' is {_a(kind)} model, which offers {ROUTES_OF[kind]}"
+
+
+def text_entry(
+    state: ServiceState, route: str, *kinds: str, model: str | None = None
+) -> ModelEntry:
+    """The served model a TEI route uses: `model` when the path names one (404 if not served),
+    else (TEI's requests name none) the first served text model whose kind is one of `kinds`, or
+    with no kinds the default model (the first text model when the default has no tokenizer).
+    400 when the model (or every model) has no tokenizer; 424 (TEI's status) naming each
+    candidate's kind and the routes it offers when none fits."""
+    if model is not None:
+        entry = state.find(model)
+        if entry.tokenizer is None:
+            raise BadInput(
+                f"model '{model}' has no tokenizer.json: the text routes need a text model "
+                "directory; use /v2 for tensors"
+            )
+        if kinds and model_kind(entry.model) not in kinds:
+            raise WrongModelKind(
+                f"{route} needs {' or '.join(_a(k) for k in kinds)} model; {_offers(entry)}"
+            )
+        return entry
     texts = [entry for entry in state.models.values() if entry.tokenizer is not None]
     if not texts:
         raise BadInput(
@@ -56,20 +82,19 @@ def text_entry(state: ServiceState, route: str, *kinds: str) -> ModelEntry:
     for entry in texts:
         if model_kind(entry.model) in kinds:
             return entry
-    served = "; ".join(
-        f"'{e.name}' is {_a(model_kind(e.model))} model, which offers "
-        f"{ROUTES_OF[model_kind(e.model)]}"
-        for e in texts
-    )
+    served = "; ".join(_offers(e) for e in texts)
     raise WrongModelKind(f"{route} needs {' or '.join(_a(k) for k in kinds)} model; {served}")
 
 
 @contextmanager
-def text_route(state: ServiceState, endpoint: str, route: str, *kinds: str) -> Iterator[ModelEntry]:
-    """text_entry() inside the request metrics: counted under the chosen model's labels (a
-    request no model can serve is counted under the default model's)."""
+def text_route(
+    request: Request, state: ServiceState, endpoint: str, route: str, *kinds: str
+) -> Iterator[ModelEntry]:
+    """text_entry() (for the model the path names, if any) inside the request metrics: counted
+    under the chosen model's labels (a request no model can serve is counted under the default
+    model's)."""
     try:
-        entry = text_entry(state, route, *kinds)
+        entry = text_entry(state, route, *kinds, model=routed_model(request))
     except ServiceError:
         with observed(state, endpoint):
             raise

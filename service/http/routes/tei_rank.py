@@ -145,7 +145,7 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Tex
 )
 async def rerank(request: Request) -> list[Rank]:
     state = get_state(request)
-    with text_route(state, "rerank", "/rerank", "reranker") as entry:
+    with text_route(request, state, "rerank", "/rerank", "reranker") as entry:
         body = await parse_body(request, state, RerankRequest)
         ensure_serving(state)
         if not body.query:
@@ -170,7 +170,7 @@ async def rerank(request: Request) -> list[Rank]:
 )
 async def predict(request: Request) -> list[Prediction] | list[list[Prediction]]:
     state = get_state(request)
-    with text_route(state, "predict", "/predict", "classifier", "reranker") as entry:
+    with text_route(request, state, "predict", "/predict", "classifier", "reranker") as entry:
         body = await parse_body(request, state, PredictRequest)
         ensure_serving(state)
         texts, batch = _predict_inputs(body.inputs)
@@ -185,7 +185,7 @@ async def predict(request: Request) -> list[Prediction] | list[list[Prediction]]
 async def hub_predict(body: HubPredictRequest, request: Request) -> list[list[Prediction]]:
     """POST / for a classifier: one list of label scores per input (top_k best, if given)."""
     state = get_state(request)
-    with text_route(state, "predict", "/", "classifier", "reranker") as entry:
+    with text_route(request, state, "predict", "/", "classifier", "reranker") as entry:
         ensure_serving(state)
         texts: list[Text] = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
         check_batch(len(texts))

@@ -1,0 +1,193 @@
+"""CUDA-graph replay of a packed self-attention forward, one graph per bucketed shape.
+
+At small and medium batches the GPU finishes a layer faster than Python can launch its kernels;
+a CUDA graph launches the whole forward at once. A graph has fixed shapes and addresses, so each
+one owns static buffers for a bucket: `tokens` rows (a power of two, >= 16) and sequences no
+longer than `max_len` (a power of two, <= tokens). A batch of N tokens is copied into the first
+N rows; the padding rows N..tokens form extra sequences of at most `max_len` tokens (never
+attended by a real one), and unused sequence slots are empty (cu_seqlens repeats its end), so a
+real row's numbers are those of the same bucket's eager forward. All graphs share one memory
+pool; their number is bounded and what they hold is reported (`count`, `memory_bytes`).
+
+Only plain packed self-attention replays (no masks, no causal, the varlen kernel applies); other
+calls, and batches past the largest bucket, run eagerly. Verified on an H100 by tests/gpu.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .varlen import Plan
+
+MIN_BUCKET = 16
+
+# run(x (tokens, E) on the device, plan) -> (tokens, E): the model's packed forward without
+# input checks or casts (what the graph captures)
+PackedRun = Callable[[Tensor, Plan], Tensor]
+
+
+def _no_groups() -> list:
+    raise RuntimeError("a CUDA-graph plan has no SDPA groups: it runs the varlen kernel only")
+
+
+def bucket(n: int) -> int:
+    """The power of two >= max(n, MIN_BUCKET)."""
+    return max(MIN_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    x: Tensor  # (tokens, E) static input
+    cu: Tensor  # (slots + 1,) int32 static cu_seqlens
+    out: Tensor  # (tokens, E) static output
+    cu_host: Tensor  # (slots + 1,) int32 pinned: the next cu_seqlens, uploaded without blocking
+    uploaded: torch.cuda.Event  # the last upload from cu_host has been read
+
+
+class CudaGraphs:
+    """Graphs of `run` keyed by (tokens, max_len) buckets, captured on first use or by `warm`.
+
+    max_tokens bounds the largest bucket (bigger batches are GPU-bound: eager is as fast);
+    max_sequences the sequences of one batch that can replay; max_graphs the graphs held.
+    """
+
+    def __init__(
+        self,
+        run: PackedRun,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_tokens: int = 4096,
+        max_sequences: int = 256,
+        max_graphs: int = 64,
+    ) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        if max_tokens < MIN_BUCKET or max_tokens & (max_tokens - 1):
+            raise ValueError(f"max_tokens must be a power of two >= {MIN_BUCKET}, got {max_tokens}")
+        self.run, self.width, self.dtype, self.device = run, width, dtype, device
+        self.max_tokens, self.max_sequences, self.max_graphs = (
+            max_tokens,
+            max_sequences,
+            max_graphs,
+        )
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.memory_bytes = 0
+        self.replays = 0
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def count(self) -> int:
+        return len(self.graphs)
+
+    def key(self, lens: list[int]) -> tuple[int, int] | None:
+        """The bucket of a batch with these sequence lengths, or None when it cannot replay."""
+        return bucket_key(lens, self.max_tokens, self.max_sequences)
+
+    def _capture(self, key: tuple[int, int]) -> _Graph | None:
+        if key in self.graphs:
+            return self.graphs[key]
+        if len(self.graphs) >= self.max_graphs:
+            return None
+        tokens, max_len = key
+        slots = bucket_slots(tokens, max_len, self.max_sequences)
+        x = torch.zeros(tokens, self.width, dtype=self.dtype, device=self.device)  # (tokens, E)
+        # warm-up layout: the padding rows as chunks of max_len, the rest empty slots
+        cu = torch.tensor(_cu_seqlens([], tokens, max_len, slots), dtype=torch.int32)
+        cu = cu.to(self.device)  # (slots + 1,)
+        plan = Plan([max_len], [max_len], cu, True, _no_groups)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):  # kernels pick their algorithms outside the capture
+                self.run(x, plan)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            out = self.run(x, plan)  # (tokens, E)
+        cu_host = torch.empty(cu.shape, dtype=torch.int32).pin_memory()
+        self.graphs[key] = _Graph(graph, x, cu, out, cu_host, torch.cuda.Event())
+        self.memory_bytes = self._pool_bytes() + sum(
+            g.x.nbytes + g.cu.nbytes for g in self.graphs.values()
+        )
+        return self.graphs[key]
+
+    def _pool_bytes(self) -> int:
+        """GPU memory in the graphs' private pool (the allocator's segments of that pool)."""
+        pool = tuple(self._pool)
+        return sum(
+            seg["total_size"]
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg.get("segment_pool_id", ())) == pool
+        )
+
+    def warm(self, max_len: int | None = None) -> int:
+        """Capture every bucket up to max_tokens (and sequences up to max_len); returns the
+        number of graphs held. Done at load so no request pays for a capture."""
+        tokens = MIN_BUCKET
+        while tokens <= self.max_tokens:
+            length = MIN_BUCKET
+            while length <= tokens and (max_len is None or length < 2 * max_len):
+                if self._capture((tokens, length)) is None:
+                    return self.count
+                length *= 2
+            tokens *= 2
+        return self.count
+
+    def __call__(self, x: Tensor, lens: list[int]) -> Tensor | None:
+        """The forward of packed x (N, E) split into `lens` by graph replay; None when no graph
+        applies (the caller runs eagerly)."""
+        key = self.key(lens)
+        graph = None if key is None else self._capture(key)
+        if graph is None:
+            return None
+        tokens, max_len = key
+        n = x.shape[0]
+        cu = _cu_seqlens(lens, tokens, max_len, graph.cu.shape[0] - 1)
+        graph.uploaded.synchronize()  # the previous replay's cu_seqlens left cu_host
+        graph.cu_host.numpy()[:] = cu
+        graph.cu.copy_(graph.cu_host, non_blocking=True)
+        graph.uploaded.record()
+        graph.x[:n].copy_(x)
+        graph.x[n:].zero_()
+        graph.graph.replay()
+        self.replays += 1
+        return graph.out[:n].clone()  # (N, E): the static output is overwritten next replay
+
+
+def bucket_slots(tokens: int, max_len: int, max_sequences: int) -> int:
+    """Sequence slots of a bucket: the real sequences plus the padding's chunks."""
+    return min(tokens, max_sequences + math.ceil(tokens / max_len))
+
+
+def bucket_key(lens: list[int], max_tokens: int, max_sequences: int) -> tuple[int, int] | None:
+    """(tokens, max_len) bucket of a batch with these lengths; None past the largest bucket,
+    past max_sequences, or with more (empty) sequences than the bucket has slots."""
+    n = sum(lens)
+    if not lens or n > max_tokens or len(lens) > max_sequences:
+        return None
+    tokens = bucket(n)
+    max_len = min(tokens, bucket(max(lens)))
+    pad_chunks = math.ceil((tokens - n) / max_len)
+    if len(lens) + pad_chunks > bucket_slots(tokens, max_len, max_sequences):
+        return None
+    return tokens, max_len
+
+
+def _cu_seqlens(lens: list[int], tokens: int, max_len: int, slots: int) -> list[int]:
+    """cu_seqlens (slots + 1,) of `lens` followed by the padding rows up to `tokens` in chunks
+    of at most max_len, then empty slots."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    while cu[-1] < tokens:
+        cu.append(min(tokens, cu[-1] + max_len))
+    if len(cu) > slots + 1:
+        raise ValueError(f"{len(cu) - 1} sequences do not fit the bucket's {slots} slots")
+    return cu + [tokens] * (slots + 1 - len(cu))
