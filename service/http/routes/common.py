@@ -184,29 +184,35 @@ class Observation:
         self.metrics = metrics
 
 
-@contextmanager
-def observed(
-    state: ServiceState,
-    endpoint: str,
-    in_flight: bool = True,
-    model: str | None = None,
-    version: str | None = None,
-) -> Iterator[Observation]:
+class observed:  # named as the function it replaces: `with observed(...) as seen`
     """Request metrics around a handler: count by status, failure reason, duration, in-flight;
     labelled with `model` and `version` when they name a served model version (no version: its
-    highest; else the default model)."""
-    started = time.perf_counter()
-    status, reason = 200, None
-    seen = Observation(state.metrics_for(model, version), in_flight)
-    try:
-        yield seen
-    except ServiceError as exc:
-        status, reason = exc.status, exc.reason
-        raise
-    except Exception:
-        status, reason = 500, "inference_error"
-        raise
-    finally:
+    highest; else the default model). A class, not a generator: it runs on every request."""
+
+    __slots__ = ("endpoint", "seen", "started")
+
+    def __init__(
+        self,
+        state: ServiceState,
+        endpoint: str,
+        in_flight: bool = True,
+        model: str | None = None,
+        version: str | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.started = time.perf_counter()
+        self.seen = Observation(state.metrics_for(model, version), in_flight)
+
+    def __enter__(self) -> Observation:
+        return self.seen
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        status, reason = 200, None
+        if isinstance(exc, ServiceError):
+            status, reason = exc.status, exc.reason
+        elif isinstance(exc, Exception):
+            status, reason = 500, "inference_error"
+        seen = self.seen
         if seen.gauge is not None:
             seen.gauge.dec()
-        seen.metrics.request_done(endpoint, status, time.perf_counter() - started, reason)
+        seen.metrics.request_done(self.endpoint, status, time.perf_counter() - self.started, reason)
