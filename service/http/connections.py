@@ -80,61 +80,6 @@ class Disconnect:
             callback()
 
 
-COALESCE_BYTES = 64 * 1024
-
-
-class CoalescingTransport:
-    """The connection's transport with a response's small writes sent together: uvicorn writes
-    the status line and headers, then each body part, as separate writes, each its own send()
-    (on loopback, its own delivery to the client). Writes of up to COALESCE_BYTES in all wait
-    for the end of the event loop's turn, or for the next write past that size, and go out in
-    one writelines; a large write goes out at once, so flow control still sees it."""
-
-    __slots__ = ("_loop", "_pending", "_scheduled", "_size", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes | memoryview] = []
-        self._size = 0
-        self._scheduled = False
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._pending.append(data)
-        self._size += len(data)
-        if self._size > COALESCE_BYTES:
-            self.flush()
-        elif not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._flush_soon)
-
-    def _flush_soon(self) -> None:
-        self._scheduled = False
-        self.flush()
-
-    def flush(self) -> None:
-        """Send what waits now (dropped if the connection is already closing)."""
-        if not self._pending:
-            return
-        pending, self._pending, self._size = self._pending, [], 0
-        if not self._transport.is_closing():
-            self._transport.writelines(pending)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._pending, self._size = [], 0
-        self._transport.abort()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + self._size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
 def disconnect_signal(scope: MutableMapping[str, Any]) -> Disconnect | None:
     """The request's Disconnect, or None when the server is not ours (e.g. in-process tests)."""
     extensions = scope.get("extensions")
@@ -175,7 +120,6 @@ def protocol_class(
                 transport.close()
                 return
             super().connection_made(transport)
-            self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
             self.idle_since = self.loop.time()
             self._arm_header_timer()
 
