@@ -9,6 +9,8 @@ import gzip
 import json
 import logging
 import re
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ import mha_engine
 from service.http.fastpath import FastPath, infer_route
 from tests import text_models as tm
 from tests.inprocess import asgi_client
+from tests.support import Server, run_server
 
 E = 32
 KEY = "k3y"
@@ -270,3 +273,33 @@ def test_fast_path_answers_as_the_regular_path(model_dirs, access_lines) -> None
 )
 def test_infer_route_matches_what_the_router_matches(path: str, route: object) -> None:
     assert infer_route(path) == route
+
+
+def _leave_mid_body(server: Server, times: int) -> dict[str, object]:
+    """Send a request's head and part of its body, then close: what the server made of it."""
+    path = "/v2/models/mha/infer"
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n".encode()
+    for _ in range(times):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(head + bytes(1000))
+            time.sleep(0.1)  # the server waits for the rest of the body; leave
+    deadline = time.monotonic() + 30
+    while server.metric("mha_requests_total", status="499") < times:
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.05)
+    log = server.log()
+    return {
+        "499s": server.metric("mha_requests_total", status="499"),
+        "failures": server.metric("mha_request_failures_total", reason="client_disconnected"),
+        "log lines": log.count(f"INFO service.access: POST {path} 499"),
+        "errors": "Traceback" in log or "ERROR" in log,
+    }
+
+
+def test_client_leaving_mid_body_is_the_same_499_on_both_paths(tmp_path: Path) -> None:
+    """A real server (the connection's disconnect signal): both paths count and log it alike."""
+    answers = []
+    for flags in ((), ("--no-fast-path",)):
+        with run_server(tmp_path, *flags) as server:
+            answers.append(_leave_mid_body(server, 2))
+    assert answers[0] == answers[1] == {"499s": 2, "failures": 2, "log lines": 2, "errors": False}
