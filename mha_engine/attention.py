@@ -87,6 +87,7 @@ class FusedAttention(nn.Module):
             self.bias_v = nn.Parameter(torch.empty(1, 1, KV), requires_grad=False)
         else:
             self.bias_k = self.bias_v = None
+        self.cuda_grouped_calls = 0  # CUDA calls that took grouped SDPA, not the varlen kernel
         self.register_load_state_dict_pre_hook(_from_pytorch_names)
         self.register_state_dict_post_hook(_to_pytorch_names)
 

@@ -48,6 +48,7 @@ class _Graph:
     out: Tensor  # (tokens, E) static output
     cu_host: Tensor  # (slots + 1,) int32 pinned: the next cu_seqlens, uploaded without blocking
     uploaded: torch.cuda.Event  # the last upload from cu_host has been read
+    last_cu: list[int] | None = None  # what `cu` holds now: an unchanged layout skips the upload
 
 
 class CudaGraphs:
@@ -150,10 +151,12 @@ class CudaGraphs:
         tokens, max_len = key
         n = x.shape[0]
         cu = _cu_seqlens(lens, tokens, max_len, graph.cu.shape[0] - 1)
-        graph.uploaded.synchronize()  # the previous replay's cu_seqlens left cu_host
-        graph.cu_host.numpy()[:] = cu
-        graph.cu.copy_(graph.cu_host, non_blocking=True)
-        graph.uploaded.record()
+        if cu != graph.last_cu:  # uniform traffic repeats its layout: no upload then
+            graph.uploaded.synchronize()  # the previous upload has left cu_host
+            graph.cu_host.numpy()[:] = cu
+            graph.cu.copy_(graph.cu_host, non_blocking=True)
+            graph.uploaded.record()
+            graph.last_cu = cu
         graph.x[:n].copy_(x)
         graph.x[n:].zero_()
         graph.graph.replay()

@@ -1,11 +1,12 @@
-"""Packed self-attention on CUDA in one varlen kernel call, with no nested tensors and no host
-sync: q, k, v stay (N, heads, head_dim) views of the fused projection, cu_seqlens go to the
-device as int32 with the batch, and the longest length comes from the host plan.
+"""Packed attention on CUDA in one varlen kernel call, with no nested tensors and no host sync:
+q, k, v stay (tokens, heads, head_dim) views of the projections, cu_seqlens (and cu_seqlens_k
+for cross-attention) go to the device as int32 with the batch, and the longest lengths come from
+the host plan. Causal (every sequence, equal query and key lengths) and GQA (flash only) too.
 
 The kernels are PyTorch's own: flash-attention for float16/bfloat16 and the memory-efficient one
-for float32 (flash has no fp32). Unverified on a GPU: the machines this was written on have none,
-so the CPU tests run `varlen_attention` with a reference kernel of the same signature standing in
-for the CUDA one (tests/mha_engine/test_cuda_varlen.py); tests/gpu checks the real kernels.
+for float32 (flash has no fp32). The CPU tests run `varlen_attention` with a reference kernel of
+the same signature (tests/mha_engine/test_cuda_varlen.py); tests/gpu checks the real kernels on a
+GPU (passed on an H100).
 """
 
 from __future__ import annotations
@@ -15,26 +16,44 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-# (q (N, H, hd), k (N, Hkv, hd), v (N, Hkv, hd), cu_seqlens (B+1,) int32, max_len, is_causal)
-#   -> out (N, H, hd)
-VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, bool], Tensor]
+# (q (N, H, hd), k (M, Hkv, hd), v (M, Hkv, hd), cu_q (B+1,) int32, cu_k (B+1,) int32,
+#  max_q, max_k, is_causal) -> out (N, H, hd)
+VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool], Tensor]
 
 
-def flash_kernel(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, causal: bool) -> Tensor:
-    """flash-attention's varlen forward (fp16/bf16): every sequence against its own keys."""
+def flash_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+) -> Tensor:
+    """flash-attention's varlen forward (fp16/bf16): every sequence against its own keys; K/V
+    may have fewer heads than Q (GQA)."""
     out = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, max_len, max_len, 0.0, causal, False
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False
     )
     return out[0]  # (N, H, hd)
 
 
 def efficient_kernel(
-    q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
 ) -> Tensor:
-    """The memory-efficient varlen forward (fp32 too); it wants a batch dimension of 1."""
+    """The memory-efficient varlen forward (fp32 too); it wants a batch dimension of 1 and as
+    many K/V heads as Q heads."""
     mask_type = 1 if causal else 0  # 1: causal from the top-left, as SDPA's is_causal
     out = torch.ops.aten._efficient_attention_forward(
-        q[None], k[None], v[None], None, cu, cu, max_len, max_len, 0.0, mask_type, False
+        q[None], k[None], v[None], None, cu_q, cu_k, max_q, max_k, 0.0, mask_type, False
     )
     return out[0][0]  # (N, H, hd)
 
@@ -54,19 +73,25 @@ def varlen_attention(
     head_dim: int,
     is_causal: bool = False,
     kernel: VarlenKernel | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    max_len_k: int | None = None,
 ) -> Tensor:
-    """Merged heads (N, H*hd) of packed self-attention: q (N, H*hd), k and v (N, Hkv*hd) split at
-    cu_seqlens (B+1,) on the device; `max_len` the longest sequence (known on the host)."""
-    N = q.shape[0]
+    """Merged heads (N, H*hd) of packed attention: q (N, H*hd) split at cu_seqlens (B+1,), k and
+    v (M, Hkv*hd) split at cu_seqlens_k (default: cu_seqlens, self-attention), both on the
+    device; the longest lengths come from the host."""
+    N, M = q.shape[0], k.shape[0]
     heads_kv = k.shape[1] // head_dim
     kernel = kernel or kernel_for(q.dtype)
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k
     out = kernel(
-        q.view(N, num_heads, head_dim),  # (N, H, hd): a view of the fused projection
-        k.view(N, heads_kv, head_dim),
-        v.view(N, heads_kv, head_dim),
+        q.view(N, num_heads, head_dim),  # (N, H, hd): a view of the projection
+        k.view(M, heads_kv, head_dim),  # (M, Hkv, hd)
+        v.view(M, heads_kv, head_dim),
         cu,
+        cu_k,
         max_len,
+        max_len if max_len_k is None else max_len_k,
         is_causal,
     )
     return out.reshape(N, num_heads * head_dim)  # (N, E)

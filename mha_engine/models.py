@@ -110,6 +110,11 @@ class EngineModel(nn.Module):
 
     cuda_graphs: CudaGraphs | None = None  # set by enable_cuda_graphs
 
+    @property
+    def cuda_grouped_calls(self) -> int:
+        """CUDA forwards in which an attention layer took grouped SDPA, not the varlen kernel."""
+        return max((a.cuda_grouped_calls for a in self.attention_layers()), default=0)
+
     def packed_run(self, x: Tensor, plan: Plan) -> Tensor:
         """The packed self-attention forward on checked, cast rows x (N, E): what graphs capture."""
         raise NotImplementedError

@@ -15,9 +15,10 @@ padding are at most `bucket_padding` times the useful ones (projections and FFN 
 padding). Masked padding is not bit-exact against the unpadded call on CPU SDPA (differences
 ~3e-7 in fp32), so bucketing gives up bit-exact batch invariance; it stays off by default.
 
-On CUDA, a plain self-attention plan (no masks, no causal, no extra keys, no GQA) goes through
-one varlen kernel call (cuda_varlen.py: flash for fp16/bf16, memory-efficient for fp32) with no
-nested tensors and no host sync. Unverified on a GPU: tested on CPU with a reference kernel.
+On CUDA, a plan without masks and with one causal flag for all sequences (self- or
+cross-attention, GQA in fp16/bf16) goes through one varlen kernel call (cuda_varlen.py: flash for
+fp16/bf16, memory-efficient for fp32) with no nested tensors and no host sync; other plans take
+the groups and are counted (FusedAttention.cuda_grouped_calls). Checked on an H100 (tests/gpu).
 """
 
 from __future__ import annotations
@@ -64,9 +65,16 @@ class Plan:
     q_lens: list[int]
     kv_lens: list[int]
     cu_seqlens: Tensor  # (B+1,) int32 on the model's device (the varlen kernels' type)
-    plain: bool  # self-attention, no masks, no causal: one varlen kernel call is possible
+    plain: bool  # equal query/key lengths, no masks, no causal (what CUDA graphs replay)
     build_groups: Callable[[], list[Group]] = field(repr=False)
+    cu_seqlens_k: Tensor | None = None  # (B+1,) int32 of the keys where their lengths differ
+    causal: bool = False  # every sequence causal (only with varlen_ok)
+    varlen_ok: bool | None = None  # one varlen kernel call can do it (None: as `plain`)
     _groups: list[Group] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.varlen_ok is None:
+            self.varlen_ok = self.plain
 
     @property
     def groups(self) -> list[Group]:
@@ -231,9 +239,14 @@ def make_plan(
                 groups.append((_exact_group if same else _padded_group)(bucket, *args))
         return groups
 
-    cu = _upload([0, *(o + t for o, t in zip(q_off, q_lens, strict=True))], device)
-    plain = q_lens == kv_lens and not any(causal) and not any(masked)
-    return Plan(q_lens, kv_lens, cu, plain, build_groups)
+    cu = _upload(cumulative(q_lens), device)
+    cu_k = None if kv_lens == q_lens else _upload(cumulative(kv_lens), device)
+    unmasked, all_causal = not any(masked), all(causal)
+    # one kernel call: no masks, one causal flag for all (causal only on square sequences,
+    # where flash's and SDPA's alignments of the causal mask agree)
+    varlen_ok = unmasked and (not any(causal) or (all_causal and q_lens == kv_lens))
+    plain = q_lens == kv_lens and not any(causal) and unmasked
+    return Plan(q_lens, kv_lens, cu, plain, build_groups, cu_k, all_causal and bool(n), varlen_ok)
 
 
 def _upload(values: list[int], device: torch.device) -> Tensor:
@@ -254,8 +267,16 @@ def varlen_capable(attn: FusedAttention) -> bool:
 
 
 def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
-    """The CUDA varlen kernel applies: on the GPU, plain plan, a capable block."""
-    return query.is_cuda and plan.plain and varlen_capable(attn)
+    """The CUDA varlen kernel applies: on the GPU, a plan one call can do, no extra keys,
+    flash-sized heads; GQA only through flash (half precisions)."""
+    return (
+        query.is_cuda
+        and bool(plan.varlen_ok)
+        and attn.extra_keys == 0
+        and attn.head_dim % 8 == 0
+        and attn.head_dim <= 256
+        and (not attn.is_gqa or query.dtype in (torch.float16, torch.bfloat16))
+    )
 
 
 def packed_attention(
@@ -266,21 +287,26 @@ def packed_attention(
     plan: Plan,
     residual: Tensor | None = None,
 ) -> Tensor:
-    """Attention block on packed tokens: one in_proj, one SDPA per group, one out_proj
-    (plus `residual`, fused into out_proj)."""
+    """Attention block on packed tokens: one in_proj, one varlen kernel call on CUDA (else one
+    SDPA per group), one out_proj (plus `residual`, fused into out_proj)."""
     fused = key is query and value is query and attn.in_proj is not None
     if fused:
         qkv = linear(attn.in_proj, query)  # (N, E + 2KV): one GEMM for Q, K, V
         q, k, v = attn.split_qkv(qkv)
     else:
         q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
-    if fused and use_varlen(attn, query, plan):
-        longest = max(plan.q_lens)
-        merged = varlen_attention(q, k, v, plan.cu_seqlens, longest, attn.num_heads, attn.head_dim)
-    elif fused:
-        merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
+    if use_varlen(attn, query, plan):
+        merged = varlen_attention(
+            q, k, v, plan.cu_seqlens, max(plan.q_lens), attn.num_heads, attn.head_dim,
+            is_causal=plan.causal, cu_seqlens_k=plan.cu_seqlens_k, max_len_k=max(plan.kv_lens),
+        )  # fmt: skip
     else:
-        merged = grouped_attention(attn, plan, q=q, k=k, v=v)  # (N, E)
+        if query.is_cuda:
+            attn.cuda_grouped_calls += 1  # masks, mixed causal flags, fp32 GQA, extra keys
+        if fused:
+            merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
+        else:
+            merged = grouped_attention(attn, plan, q=q, k=k, v=v)  # (N, E)
     return linear(attn.out_proj, merged, residual=residual)  # (N, E)
 
 

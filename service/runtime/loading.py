@@ -123,8 +123,8 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     info = model_info(model, name)
     model_metrics = metrics.for_model(name, source.version)
     model_metrics.set_model_info(info)
-    if (graphs := getattr(model, "cuda_graphs", None)) is not None:
-        model_metrics.set_cuda_graphs(graphs)
+    if model.device.type == "cuda":
+        model_metrics.set_cuda_engine(model)
     model_metrics.set_queue_capacity(settings.max_queue)
     stats = ModelStats(name, source.version)
     batcher = DynamicBatcher(

@@ -267,12 +267,18 @@ class Metrics:
             lambda: torch.cuda.memory_reserved(device)
         )
 
-    def set_cuda_graphs(self, graphs: Any) -> None:
-        """mha_cuda_graphs and mha_cuda_graph_memory_bytes of this model version, read at scrape
-        time from its mha_engine CudaGraphs (`count`, `memory_bytes`)."""
+    def set_cuda_engine(self, model: Any) -> None:
+        """Per model version on CUDA, read at scrape time from the mha_engine model:
+        mha_cuda_grouped_calls (forwards where an attention layer could not take the varlen
+        kernel) and, with --cuda-graphs, mha_cuda_graphs and mha_cuda_graph_memory_bytes."""
         if MULTIPROCESS:
             return
-        if "graphs" not in self._cuda:
+        if "grouped" not in self._cuda:
+            self._cuda["grouped"] = Gauge(
+                "mha_cuda_grouped_calls", "CUDA forwards in which an attention layer took "
+                "grouped SDPA (masks, mixed causal flags, fp32 GQA), not the varlen kernel.",
+                ["model", "version"], registry=self.registry,
+            )  # fmt: skip
             self._cuda["graphs"] = Gauge(
                 "mha_cuda_graphs", "CUDA graphs captured for the model (--cuda-graphs).",
                 ["model", "version"], registry=self.registry,
@@ -282,8 +288,12 @@ class Metrics:
                 ["model", "version"], registry=self.registry,
             )  # fmt: skip
         labels = (self.model, self.version)
-        self._cuda["graphs"].labels(*labels).set_function(lambda: graphs.count)
-        self._cuda["graph_memory"].labels(*labels).set_function(lambda: graphs.memory_bytes)
+        self._cuda["grouped"].labels(*labels).set_function(lambda: model.cuda_grouped_calls)
+        graphs = getattr(model, "cuda_graphs", None)
+        count = (lambda: graphs.count) if graphs is not None else (lambda: 0)
+        memory = (lambda: graphs.memory_bytes) if graphs is not None else (lambda: 0)
+        self._cuda["graphs"].labels(*labels).set_function(count)
+        self._cuda["graph_memory"].labels(*labels).set_function(memory)
 
     # -- request side -----------------------------------------------------------------------
     def set_model_info(self, info: dict[str, Any]) -> None:

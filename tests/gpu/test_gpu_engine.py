@@ -115,3 +115,53 @@ def test_text_model_replays_its_encoder():
     for i, n in enumerate(lens):  # a sentence's vector does not depend on its batch-mates
         alone = eager.embed_packed(ids[cu[i] : cu[i + 1]], [0, n])
         assert torch.equal(alone[0], vectors[i]), f"sentence {i} depends on its batch"
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_causal_cross_and_gqa_take_the_varlen_kernel(dtype):
+    """Causal self-attention and cross-attention (keys of other lengths) run one varlen call and
+    match nn.MultiheadAttention per sequence; GQA in fp16/bf16 matches the grouped path; a masked
+    batch takes the groups and is counted."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(256, 8, batch_first=True).eval()
+    model = model_from_state_dict(module_config(module), module_state(module), "cuda", dtype)
+    module = module.to(device="cuda", dtype=dtype)
+    atol, rtol = TOLERANCES[dtype]
+    kv_lens = [12, 40, 3, 64, 64, 9, 100]
+    cu, cu_k = [0], [0]
+    for n, m in zip(LENGTHS, kv_lens, strict=True):
+        cu.append(cu[-1] + n)
+        cu_k.append(cu_k[-1] + m)
+    x = torch.randn(cu[-1], 256, device="cuda", dtype=dtype)
+    mem = torch.randn(cu_k[-1], 256, device="cuda", dtype=dtype)
+    grouped = model.cuda_grouped_calls
+    causal = model.forward_packed(x, cu, is_causal=True)
+    cross = model.forward_packed(x, cu, mem, mem, cu_k)
+    assert model.cuda_grouped_calls == grouped  # both through the kernel
+    for i, n in enumerate(LENGTHS):
+        seq, keys = x[cu[i] : cu[i + 1]][None], mem[cu_k[i] : cu_k[i + 1]][None]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, "cuda", dtype)
+        with torch.inference_mode():
+            want = module(seq, seq, seq, attn_mask=mask, need_weights=False, is_causal=True)[0]
+            want_x = module(seq, keys, keys, need_weights=False)[0]
+        torch.testing.assert_close(causal[cu[i] : cu[i + 1]], want[0], atol=atol, rtol=rtol)
+        torch.testing.assert_close(cross[cu[i] : cu[i + 1]], want_x[0], atol=atol, rtol=rtol)
+        alone = model.forward_packed(x[cu[i] : cu[i + 1]], [0, n], is_causal=True)
+        _same(alone, causal[cu[i] : cu[i + 1]], dtype, f"causal sequence {i} depends on its batch")
+    kpm = torch.zeros(cu[-1], dtype=torch.bool, device="cuda")
+    kpm[0] = True
+    model.forward_packed(x, cu, key_padding_mask=kpm)
+    assert model.cuda_grouped_calls == grouped + 1  # counted for /metrics
+    if dtype == torch.float32:
+        return
+    config = {**module_config(module), "num_kv_heads": 2}
+    state = {k: v.clone() for k, v in module_state(module).items()}
+    state["in_proj_weight"] = state["in_proj_weight"][: 256 + 2 * 64]
+    state["in_proj_bias"] = state["in_proj_bias"][: 256 + 2 * 64]
+    gqa = model_from_state_dict(config, state, "cuda", dtype)
+    got = gqa.forward_packed(x, cu)
+    assert gqa.cuda_grouped_calls == 0
+    cpu = model_from_state_dict(config, state, "cpu", "float32")  # grouped SDPA on CPU
+    want = cpu.forward_packed(x.float().cpu(), cu)
+    torch.testing.assert_close(got.float().cpu(), want, atol=atol * 4, rtol=rtol * 4)

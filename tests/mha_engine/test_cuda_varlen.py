@@ -19,14 +19,20 @@ LENGTHS = [5, 1, 9, 9, 3]
 FP32 = {"atol": 1e-5, "rtol": 1.3e-6}
 
 
-def reference_kernel(q, k, v, cu, max_len, causal):
-    """What flash/efficient varlen compute, one sequence at a time: (N, H, hd) in and out."""
-    bounds = cu.tolist()
-    assert cu.dtype == torch.int32 and max_len == max(b - a for a, b in pairwise(bounds))
+def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+    """What flash/efficient varlen compute, one sequence at a time: q (N, H, hd), k/v
+    (M, Hkv, hd) in, (N, H, hd) out."""
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    assert cu_q.dtype == cu_k.dtype == torch.int32
+    assert max_q == max(b - a for a, b in pairwise(bounds_q))
+    assert max_k == max(b - a for a, b in pairwise(bounds_k))
     out = torch.empty_like(q)
-    for a, b in pairwise(bounds):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (H, T, hd)
-        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1)
+    gqa = k.shape[1] != q.shape[1]
+    for (a, b), (c, d) in zip(pairwise(bounds_q), pairwise(bounds_k), strict=True):
+        qs = q[a:b].transpose(0, 1)  # (H, T, hd)
+        ks, vs = (t[c:d].transpose(0, 1) for t in (k, v))  # (Hkv, S, hd)
+        y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
+        out[a:b] = y.transpose(0, 1)
     return out
 
 
@@ -47,18 +53,61 @@ def test_varlen_attention_equals_grouped_attention(causal):
     torch.testing.assert_close(attn.out_proj(merged), want, **FP32)
 
 
-def test_route_is_chosen_for_plain_cuda_plans_only():
-    """Plain self-attention on a CUDA tensor takes the varlen kernel; CPU tensors, causal or
-    masked plans take the grouped path. A stand-in with is_cuda set plays the CUDA tensor."""
+def test_cross_attention_and_gqa_through_the_kernel_equal_grouped_attention():
+    """Keys of other lengths (cu_seqlens_k) and fewer K/V heads: the kernel's plumbing against
+    the engine's grouped path."""
+    torch.manual_seed(0)
+    kv_lens = [7, 2, 4, 9, 1]
+    for gqa in (False, True):
+        module = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        model = engine_from(module)
+        if gqa:  # the same block with 2 K/V heads
+            from mha_engine.checkpoint import model_from_state_dict
+            from mha_engine.save import module_config, module_state
+
+            config = {**module_config(module), "num_kv_heads": 2}
+            state = {k: v.clone() for k, v in module_state(module).items()}
+            state["in_proj_weight"] = state["in_proj_weight"][: 16 + 2 * 8]
+            state["in_proj_bias"] = state["in_proj_bias"][: 16 + 2 * 8]
+            model = model_from_state_dict(config, state, "cpu", "float32")
+        attn = model.attn
+        x, mem = torch.randn(sum(LENGTHS), 16), torch.randn(sum(kv_lens), 16)
+        plan = make_plan(LENGTHS, kv_lens)
+        assert (
+            plan.varlen_ok and not plan.plain and plan.cu_seqlens_k.tolist() == cumulative(kv_lens)
+        )
+        q, k, v = attn.project(x, mem, mem)
+        merged = cuda_varlen.varlen_attention(
+            q, k, v, plan.cu_seqlens, max(LENGTHS), attn.num_heads, attn.head_dim,
+            kernel=reference_kernel, cu_seqlens_k=plan.cu_seqlens_k, max_len_k=max(kv_lens),
+        )  # fmt: skip
+        want = model.forward_packed(x, cumulative(LENGTHS), mem, mem, cumulative(kv_lens))
+        torch.testing.assert_close(attn.out_proj(merged), want, **FP32)
+
+
+def test_route_is_chosen_for_plans_one_call_can_do():
+    """On a CUDA tensor the varlen kernel takes unmasked plans with one causal flag (causal on
+    square sequences only); CPU tensors, masks, mixed flags and fp32 GQA take the groups. A
+    stand-in with is_cuda and dtype plays the CUDA tensor."""
     attn = engine_from(make_mha(16, 2)).attn
 
     class OnCuda:
         is_cuda = True
+        dtype = torch.float32
 
     plain = make_plan(LENGTHS)
     assert use_varlen(attn, OnCuda(), plain)
     assert not use_varlen(attn, torch.randn(2, 16), plain)
-    assert not use_varlen(attn, OnCuda(), make_plan(LENGTHS, is_causal=True))
+    causal = make_plan(LENGTHS, is_causal=True)
+    assert use_varlen(attn, OnCuda(), causal) and causal.causal and not causal.plain
+    mixed = make_plan(LENGTHS, is_causal=[True, False, True, True, True])
+    assert not use_varlen(attn, OnCuda(), mixed)
+    assert use_varlen(attn, OnCuda(), make_plan(LENGTHS, [2, 2, 2, 2, 2]))  # cross-attention
+    assert not use_varlen(attn, OnCuda(), make_plan(LENGTHS, [2, 2, 2, 2, 2], is_causal=True))
+    mask = torch.zeros(sum(LENGTHS), dtype=torch.bool)
+    assert use_varlen(attn, OnCuda(), make_plan(LENGTHS, key_padding_mask=mask))  # hides nothing
+    mask[2] = True
+    assert not use_varlen(attn, OnCuda(), make_plan(LENGTHS, key_padding_mask=mask))
 
 
 def test_kernel_by_dtype():

@@ -136,8 +136,8 @@ def test_model_info_on_cuda_without_a_visible_gpu_adds_no_gauges(monkeypatch):
     assert "mha_cuda_memory" not in _exposition(metrics)
 
 
-def test_cuda_graph_gauges_read_the_models_graphs_at_scrape_time(fake_gpu):
-    """set_cuda_graphs: the graph count and the memory they hold, per model version."""
+def test_cuda_engine_gauges_read_the_model_at_scrape_time(fake_gpu):
+    """set_cuda_engine: graphs, their memory and grouped-SDPA forwards, per model version."""
 
     class Graphs:  # what the gauges read from mha_engine's CudaGraphs
         count, memory_bytes = 3, 4096
@@ -146,12 +146,19 @@ def test_cuda_graph_gauges_read_the_models_graphs_at_scrape_time(fake_gpu):
     metrics = Metrics("mha", "1")
     model = mha_engine.build_demo_model(device="cpu")
     metrics.set_model_info({**model_info(model, "mha"), "device": "cuda:0"})
-    metrics.set_cuda_graphs(graphs)
+    model.cuda_graphs = graphs
+    metrics.set_cuda_engine(model)
     text = _exposition(metrics)
     assert 'mha_cuda_graphs{model="mha",version="1"} 3.0' in text
     assert 'mha_cuda_graph_memory_bytes{model="mha",version="1"} 4096.0' in text
+    assert 'mha_cuda_grouped_calls{model="mha",version="1"} 0.0' in text
     graphs.count = 5
-    assert 'mha_cuda_graphs{model="mha",version="1"} 5.0' in _exposition(metrics)
+    model.attention_layers()[0].cuda_grouped_calls = 2
+    text = _exposition(metrics)
+    assert 'mha_cuda_graphs{model="mha",version="1"} 5.0' in text
+    assert 'mha_cuda_grouped_calls{model="mha",version="1"} 2.0' in text
+    metrics.remove_state_series()  # an unload drops them with the other state gauges
+    assert "mha_cuda_graphs{" not in _exposition(metrics)
 
 
 def test_loading_on_cuda_captures_graphs_or_says_why_not(monkeypatch, caplog):
