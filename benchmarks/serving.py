@@ -194,9 +194,10 @@ async def _many(port: int, path: str, bodies: list[bytes], headers, clients: int
     return total
 
 
-def http_case(args, root: Path, server_args: list[str], path: str, bodies: list[bytes], headers):
+def http_case(args, root, server_args: list[str], path: str, bodies: list[bytes], headers):
     """One fresh server: (LoadResult, server CPU per request, batch-size histogram diff)."""
-    with running(*server_args, root=root, env=dict(args.env)) as server:
+    root, extra = root
+    with running(*server_args, *extra, root=root, env=dict(args.env)) as server:
         asyncio.run(_many(server.port, path, bodies, headers, args.clients, args.warmup))
         before_text = scrape.scrape(server.url)
         cpu_before, loop_before = server.cpu_seconds(), server.main_thread_cpu_seconds()
@@ -233,7 +234,7 @@ def _row(name, result: LoadResult, cpu_req: float, eng_cpu: float, eng_rate: flo
     }
 
 
-def run_cases(args, roots: list[Path], workdir: Path) -> list[dict]:
+def run_cases(args, roots: list[tuple[Path, list[str]]], workdir: Path) -> list[dict]:
     """Every case, once per source tree in turn (so before/after ratios come from one run)."""
     rows = []
     mha_dir = save_mha(workdir)
@@ -254,13 +255,13 @@ def run_cases(args, roots: list[Path], workdir: Path) -> list[dict]:
                 eng_cpu, eng_rate = raw_engine("mha", mha_dir, case.seq_len, sizes, threads)
                 row = _row(case.name, result, cpu_req, eng_cpu, eng_rate, buckets)
             if row:
-                row["code"] = root.name
+                row["code"] = _code_name(root)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
 
 
-def embeddings_case(args, root: Path) -> dict | None:
+def embeddings_case(args, root: tuple[Path, list[str]]) -> dict | None:
     from benchmarks.embeddings import NAME, SENTENCES
     from service.text.tokenizer import minilm_path
 
@@ -279,7 +280,7 @@ def embeddings_case(args, root: Path) -> dict | None:
     return row
 
 
-def frontend(args, roots: list[Path], workdir: Path) -> list[dict]:
+def frontend(args, roots: list[tuple[Path, list[str]]], workdir: Path) -> list[dict]:
     """One event loop's ceiling: a tiny model (MHA(16, 2)) so the engine costs ~nothing."""
     tiny = save_mha(workdir, 16, 2)
     rows = []
@@ -288,7 +289,7 @@ def frontend(args, roots: list[Path], workdir: Path) -> list[dict]:
         server_args = ["--model-dir", str(tiny), *args.server_args]
         result, cpu_req, buckets = http_case(args, root, server_args, MHA_PATH, [body], headers)
         rows.append({
-            "code": root.name,
+            "code": _code_name(root),
             "case": f"tiny MHA(16, 2), T={seq_len}, binary",
             "req_s": result.rps,
             "p50_ms": result.percentile(50) * 1e3,
@@ -323,6 +324,31 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['case']} | {r['code']} | " + " | ".join(cells) + f" | {batches} |")
 
 
+def print_targets(rows: list[dict]) -> None:
+    """Issue 25's figures per code: overhead (T=16 binary), efficiency (T=128 binary, JSON),
+    batching gain (T=16 req/s, batching on / off)."""
+    by = {(r["code"], r["case"]): r for r in rows}
+    for code in dict.fromkeys(r["code"] for r in rows):
+        on = by.get((code, "T=16 binary, batching on"))
+        off = by.get((code, "T=16 binary, batching off"))
+        parts = []
+        if on:
+            parts.append(f"overhead T=16 binary {on['overhead_ms']:.3f} ms")
+        for case in ("T=128 binary, batching on", "T=128 JSON, batching on"):
+            if (code, case) in by:
+                parts.append(f"efficiency {case.split(',')[0]} {by[code, case]['efficiency']:.0%}")
+        if on and off:
+            parts.append(f"batching gain {on['req_s'] / off['req_s']:.2f}x")
+        if parts:
+            print(f"{code}: " + "; ".join(parts))
+
+
+def _code_name(root: tuple[Path, list[str]]) -> str:
+    """A row's code: the tree's directory name, and the variant's server flags if any."""
+    path, extra = root
+    return " ".join([path.name, *extra])
+
+
 def _threads(server_args: list[str]) -> int | None:
     """The server's --threads, for the raw engine to use as many."""
     if "--threads" in server_args:
@@ -342,6 +368,11 @@ def main() -> None:
         "--root", type=Path, action="append",
         help="source tree to serve from (repeat to compare trees case by case; default: this)",
     )  # fmt: skip
+    parser.add_argument(
+        "--variant", action="append",
+        help="extra server flags of one variant (repeat to compare variants case by case in "
+        "one run, e.g. --variant=--no-fast-path --variant=''); with --root: each tree, each",
+    )  # fmt: skip
     parser.add_argument("--only", action="append", help="run cases whose name contains this")
     parser.add_argument("--frontend", action="store_true", help="tiny-model front-end ceiling")
     parser.add_argument("--server-args", default="", help="extra server flags, e.g. '--threads 1'")
@@ -352,11 +383,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     args.server_args = args.server_args.split()
-    roots = [r.resolve() for r in args.root or [ROOT]]
+    trees = [r.resolve() for r in args.root or [ROOT]]
+    roots = [(t, v.split()) for t in trees for v in (args.variant or [""])]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(
         f"date: {when}; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"load avg {os.getloadavg()[0]:.2f}; servers from {', '.join(map(str, roots))}; "
+        f"load avg {os.getloadavg()[0]:.2f}; servers from {', '.join(map(str, trees))}; "
+        f"variants {args.variant or '-'}; "
         f"{args.clients} clients, "
         f"{args.seconds:g} s per case; server env {dict(args.env) or '-'}; "
         f"server args {' '.join(args.server_args) or '-'}"
@@ -365,6 +398,8 @@ def main() -> None:
         rows = (frontend if args.frontend else run_cases)(args, roots, Path(tmp))
     print(f"load avg after: {os.getloadavg()[0]:.2f}\n")
     print_table(rows)
+    print()
+    print_targets(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

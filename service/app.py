@@ -17,8 +17,9 @@ from starlette.middleware.cors import CORSMiddleware
 from service import __version__
 from service.grpc.server import GrpcListener
 from service.http import docs
+from service.http.fastpath import FastPath, FastPathApp
 from service.http.flow import BodyRate, ResponseBackpressure, ResponseBudget
-from service.http.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext, log_safe
+from service.http.middleware import ApiKeyAuth, HeadAsGet, HeaderLimit, RequestContext
 from service.http.openapi import add_body_schemas
 from service.http.routes import (
     config_stats,
@@ -33,6 +34,7 @@ from service.http.routes import (
     shared_memory,
     tei_mount,
 )
+from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError, error_body
 from service.runtime.loading import load_entries, warm_up_model
 from service.runtime.log_settings import LogControl
@@ -90,7 +92,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
             for entry in state.entries():  # as served now (explicit loads included)
                 await asyncio.to_thread(entry.batcher.stop, settings.drain_grace_s)
 
-    app = FastAPI(
+    app = FastPathApp(
         title="mha-serve",
         version=__version__,
         description="Multi-head attention and transformer blocks over the Open Inference Protocol.",
@@ -122,6 +124,8 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.add_middleware(ResponseBackpressure, budget=app.state.response_budget)
     # outermost: even a 401 gets an id and a log line
     app.add_middleware(RequestContext, sampling=log_control)
+    if settings.fast_path:  # ahead of all of it: the hot routes without the layers above
+        app.fast_path = FastPath(app.regular, settings, app.state.response_budget, log_control)
     # The hot routes first: the router tries routes in order, so each earlier one costs a match.
     app.include_router(infer.router)
     app.include_router(embeddings.router)
@@ -138,8 +142,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        body = error_body(request.url.path, exc.status, exc.message, exc.reason, exc.param)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -156,8 +159,6 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", log_safe(request.url.path))
-        body = error_body(request.url.path, 500, "internal server error", "inference_error")
-        return JSONResponse(body, status_code=500)
+        return internal_error_response(request.url.path)
 
     return app

@@ -37,65 +37,94 @@ class BodyRate:
         self.grace_s = grace_s
         self.min_rate = min_rate
 
+    def applies(self, scope: Scope) -> bool:
+        """Whether the rule watches this request (an HTTP request with a body, a rate set)."""
+        return scope["type"] == "http" and self.min_rate > 0 and _has_body(scope)
+
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self.min_rate <= 0 or not _has_body(scope):
+        if not self.applies(scope):
             await self.app(scope, receive, send)
             return
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        received = 0
-        complete = expired = False
-        waiter: asyncio.Task | None = None
-
-        def due() -> float:
-            return started + self.grace_s + received / self.min_rate
-
-        def check() -> None:
-            nonlocal timer, expired
-            if complete:
-                return
-            if loop.time() < due():
-                timer = loop.call_at(due(), check)
-                return
-            expired = True
-            if waiter is not None:
-                waiter.cancel()
-
-        def too_slow() -> BodyTimeout:
-            return BodyTimeout(
-                f"request body arrived slower than {self.min_rate} bytes/s after "
-                f"{self.grace_s:g} s ({received} bytes in {loop.time() - started:.1f} s; "
-                "--body-min-rate, --body-timeout-s)"
-            )
-
-        async def timed_receive() -> dict:
-            nonlocal received, complete, waiter
-            if complete:
-                return await receive()  # body done: e.g. waiting for a disconnect, untimed
-            if expired:
-                raise too_slow()
-            waiter = asyncio.current_task()
-            try:
-                message = await receive()
-            except asyncio.CancelledError:
-                if not expired or waiter is None:
-                    raise
-                waiter.uncancel()
-                raise too_slow() from None
-            finally:
-                waiter = None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                complete = not message.get("more_body", False)
-            else:
-                complete = True
-            return message
-
-        timer = loop.call_at(due(), check)
+        timed = TimedReceive(receive, self.grace_s, self.min_rate)
         try:
-            await self.app(scope, timed_receive, send)
+            await self.app(scope, timed, send)
         finally:
-            timer.cancel()
+            timed.stop()
+
+
+class TimedReceive:
+    """`receive` under BodyRate's rule: one timer checks it when it falls due and cancels a
+    wait in `receive` then (the waiter gets BodyTimeout). Call stop() when the handler ends.
+    Shared by the BodyRate middleware and the fast path (service.http.fastpath)."""
+
+    __slots__ = (
+        "_complete",
+        "_expired",
+        "_grace_s",
+        "_loop",
+        "_min_rate",
+        "_receive",
+        "_received",
+        "_started",
+        "_timer",
+        "_waiter",
+    )  # fmt: skip
+
+    def __init__(self, receive: Any, grace_s: float, min_rate: int) -> None:
+        self._receive = receive
+        self._grace_s = grace_s
+        self._min_rate = min_rate
+        self._loop = loop = asyncio.get_running_loop()
+        self._started = loop.time()
+        self._received = 0
+        self._complete = self._expired = False
+        self._waiter: asyncio.Task | None = None
+        self._timer = loop.call_at(self._due(), self._check)
+
+    def _due(self) -> float:
+        return self._started + self._grace_s + self._received / self._min_rate
+
+    def _check(self) -> None:
+        if self._complete:
+            return
+        if self._loop.time() < self._due():
+            self._timer = self._loop.call_at(self._due(), self._check)
+            return
+        self._expired = True
+        if self._waiter is not None:
+            self._waiter.cancel()
+
+    def _too_slow(self) -> BodyTimeout:
+        return BodyTimeout(
+            f"request body arrived slower than {self._min_rate} bytes/s after "
+            f"{self._grace_s:g} s ({self._received} bytes in "
+            f"{self._loop.time() - self._started:.1f} s; --body-min-rate, --body-timeout-s)"
+        )
+
+    async def __call__(self) -> dict:
+        if self._complete:
+            return await self._receive()  # body done: e.g. waiting for a disconnect, untimed
+        if self._expired:
+            raise self._too_slow()
+        self._waiter = asyncio.current_task()
+        try:
+            message = await self._receive()
+        except asyncio.CancelledError:
+            if not self._expired or self._waiter is None:
+                raise
+            self._waiter.uncancel()
+            raise self._too_slow() from None
+        finally:
+            self._waiter = None
+        if message["type"] == "http.request":
+            self._received += len(message.get("body", b""))
+            self._complete = not message.get("more_body", False)
+        else:
+            self._complete = True
+        return message
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 def _has_body(scope: Scope) -> bool:

@@ -34,7 +34,8 @@ def log_safe(text: str) -> str:
     return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def first_header(scope: Scope, name: bytes) -> str | None:
+    """The first value of request header `name` (lower-case bytes), or None."""
     for key, value in scope.get("headers", ()):
         if key == name:
             return value.decode("latin-1")
@@ -75,7 +76,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id(_header(scope, b"x-request-id"))
+        rid = request_id(first_header(scope, b"x-request-id"))
         scope.setdefault("state", {})["request_id"] = rid
         started = time.perf_counter()
         status = 500
@@ -91,9 +92,13 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            rate = self.sampling.access_log_sample_rate
-            if status >= 400 or rate >= 1.0 or random.random() < rate:
-                self._log(scope, rid, status, started)
+            self.done(scope, rid, status, started)
+
+    def done(self, scope: Scope, request_id: str, status: int, started: float) -> None:
+        """The request's access-log line: always for a failure, else at the sample rate."""
+        rate = self.sampling.access_log_sample_rate
+        if status >= 400 or rate >= 1.0 or random.random() < rate:
+            self._log(scope, request_id, status, started)
 
     @staticmethod
     def _log(scope: Scope, request_id: str, status: int, started: float) -> None:
@@ -114,6 +119,11 @@ class RequestContext:
             )
 
 
+def header_bytes(scope: Scope) -> int:
+    """The size of the request's header block as HeaderLimit counts it."""
+    return sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+
+
 class HeaderLimit:
     """431 for a request whose header block is over `limit` bytes. uvicorn's httptools parser
     has no limit of its own, so this bounds what reaches the app (a proxy in front, e.g. nginx's
@@ -125,7 +135,7 @@ class HeaderLimit:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+            size = header_bytes(scope)
             if size > self.limit:
                 message = f"request headers are {size} bytes, over the limit of {self.limit}"
                 await _reject(send, 431, message + " (--max-header-bytes)", scope["path"])
@@ -185,24 +195,26 @@ class ApiKeyAuth:
         self.expected = api_key.encode()
         self.open_paths = self.OPEN_PATHS if open_health_metrics else frozenset()
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self._is_open(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        given = _header(scope, b"authorization")
+    def refusal(self, scope: Scope) -> tuple[int, str] | None:
+        """Why the request may not pass (status, message), or None when it may."""
+        if self._is_open(scope["path"]):
+            return None
+        given = first_header(scope, b"authorization")
         credential = bearer_credential(given)
         if given is None:
-            await _reject(
-                send, 401, "missing 'Authorization: Bearer <api key>' header", scope["path"]
-            )
-        elif credential is None:
-            await _reject(
-                send, 401, "the Authorization header must be 'Bearer <api key>'", scope["path"]
-            )
-        elif not secrets.compare_digest(credential.encode(), self.expected):
-            await _reject(send, 403, "wrong API key", scope["path"])
-        else:
+            return 401, "missing 'Authorization: Bearer <api key>' header"
+        if credential is None:
+            return 401, "the Authorization header must be 'Bearer <api key>'"
+        if not secrets.compare_digest(credential.encode(), self.expected):
+            return 403, "wrong API key"
+        return None
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        refused = self.refusal(scope) if scope["type"] == "http" else None
+        if refused is None:
             await self.app(scope, receive, send)
+        else:
+            await _reject(send, *refused, scope["path"])
 
 
 async def _reject(send: Any, status: int, message: str, path: str) -> None:

@@ -21,6 +21,7 @@ from service.oip.datatypes import (
     bf16_from_floats,
     bf16_to_float32,
 )
+from service.oip.json_tensors import Numbers, parse_header
 from service.pipeline.errors import BadInput
 from service.shm import REGION
 
@@ -94,7 +95,11 @@ def _float_data(data: list, datatype: str, name: str, suspect: bool) -> np.ndarr
         raise BadInput(
             f"input '{name}': {datatype} data must be JSON numbers (not strings, booleans or null)"
         )
-    flat = raw.reshape(-1)
+    return _as_datatype(raw.reshape(-1), datatype)
+
+
+def _as_datatype(flat: np.ndarray, datatype: str) -> np.ndarray:
+    """Numbers as the float `datatype`'s wire array (BF16: its bits)."""
     if datatype == "BF16":
         return bf16_from_floats(flat)
     with np.errstate(over="ignore"):  # out-of-range values become Inf: refused as non-finite
@@ -105,8 +110,21 @@ def _json_array(
     data: Any, datatype: str, shape: tuple[int, ...], count: int, name: str, suspect: bool
 ) -> np.ndarray:
     """Turn an OIP JSON `data` field (flat or nested, row-major) into an array of `shape`."""
-    if not isinstance(data, list):
+    if isinstance(data, Numbers):  # parsed straight into an array (json_tensors): floats
+        array = _as_datatype(data.array, datatype)
+    elif not isinstance(data, list):
         raise BadInput(f"input '{name}': 'data' must be a list")
+    else:
+        array = _list_array(data, datatype, name, suspect)
+    if array.size != count:
+        raise BadInput(
+            f"input '{name}': shape {list(shape)} needs {count} values, 'data' has {array.size}"
+        )
+    return array.reshape(shape)
+
+
+def _list_array(data: list, datatype: str, name: str, suspect: bool) -> np.ndarray:
+    """A parsed JSON list (flat or nested) as a flat array of `datatype`."""
     try:
         if datatype == "BOOL":
             flat = np.array(data, dtype=object).reshape(-1)
@@ -124,11 +142,7 @@ def _json_array(
             f"input '{name}': 'data' must be a flat or regularly nested list of numbers "
             f"for datatype {datatype}"
         ) from None
-    if array.size != count:
-        raise BadInput(
-            f"input '{name}': shape {list(shape)} needs {count} values, 'data' has {array.size}"
-        )
-    return array.reshape(shape)
+    return array
 
 
 def _without_data(value: Any) -> Any:
@@ -178,10 +192,12 @@ def decode_request(
     """Parse an OIP inference request; raises BadInput naming what is wrong. Tensors in
     system shared memory are read (inputs) or checked (outputs) through `shm`."""
     json_end = json_length(header_length, len(body))
-    try:
-        header = orjson.loads(memoryview(body)[:json_end])
-    except orjson.JSONDecodeError as exc:
-        raise BadInput(f"malformed JSON: {exc}") from None
+    header = parse_header(body) if header_length is None else None  # None: orjson's path
+    if header is None:
+        try:
+            header = orjson.loads(memoryview(body)[:json_end])
+        except orjson.JSONDecodeError as exc:
+            raise BadInput(f"malformed JSON: {exc}") from None
     if not isinstance(header, dict):
         raise BadInput("request body must be a JSON object")
 

@@ -169,11 +169,22 @@ class DynamicBatcher:
                         f"{budget:.2f} s deadline; retry later",
                         headers={"Retry-After": str(max(1, math.ceil(wait - budget)))},
                     )
+            first = not self._queue
             self._queue.append(work)
             self._queued_sequences += size
             self._queued_tokens += work.tokens
             self._report_depth()
-            self._cond.notify()
+            # Wake the engine thread only when it has something new to decide: work after an
+            # empty queue, or a batch now full (it waits out the delay otherwise). No wake-up
+            # (and recount of the queue) per request while a batch fills.
+            if first or self._full() or isinstance(work, Exclusive):
+                self._cond.notify()
+
+    def _full(self) -> bool:
+        return (
+            self._queued_sequences >= self.max_batch_size
+            or self._queued_tokens >= self.max_batch_tokens
+        )
 
     def run_exclusive(
         self, fn: Callable[..., Any], args: tuple = (), *, sequences: int, deadline: float
@@ -336,12 +347,12 @@ class DynamicBatcher:
         compute_s = time.perf_counter() - started
         self._report_batch(works, compute_s, ok=True)
         self._update_drain_rate(works)
+        outcomes = []
         for work, result in zip(works, results, strict=True):
             work.infer_s = compute_s
-            if isinstance(result, ServiceError):
-                work.resolve(error=result)
-            else:
-                work.resolve(result)
+            error = result if isinstance(result, ServiceError) else None
+            outcomes.append((work, None if error is not None else result, error))
+        _resolve_all(outcomes)
 
     def _update_drain_rate(self, works: list[Work]) -> None:
         """Tokens/s the queue drains at, over the wall time since the previous batch ended (or
@@ -356,3 +367,20 @@ class DynamicBatcher:
     def _report_batch(self, works: list[Work], compute_s: float, ok: bool) -> None:
         if self.observer is not None:
             self.observer.batch_done(works, compute_s, ok)
+
+
+def _resolve_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> None:
+    """Hand a batch's outcomes to the event loop in one call (one wake-up of the loop, not one
+    per request) when they are plain items of one loop; else each its own way."""
+    loops = {work.loop for work, _, _ in outcomes}
+    plain = all(type(work).resolve is QueueItem.resolve for work, _, _ in outcomes)
+    if len(loops) == 1 and plain and None not in loops:
+        loops.pop().call_soon_threadsafe(_deliver_all, outcomes)
+        return
+    for work, result, error in outcomes:
+        work.resolve(result, error)
+
+
+def _deliver_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> None:
+    for work, result, error in outcomes:
+        work.deliver(result, error)

@@ -201,6 +201,13 @@ class Settings(BaseSettings):
         "status >= 400, always do). Each line costs ~15 us of CPU on the event loop; 0.01 "
         "keeps one in a hundred. Changeable at run time: POST /v2/logging.",
     )
+    fast_path: bool = Field(
+        True,
+        description="Answer POST /v2/models/*/infer and /v1/embeddings with a raw-ASGI "
+        "handler ahead of the router and middleware, doing their work inline (same statuses, "
+        "headers, error bodies, metrics and log lines); --no-fast-path sends them the regular "
+        "way, to compare.",
+    )
     threads: int | None = Field(
         None,
         ge=1,

@@ -182,13 +182,14 @@ async def test_probe_access_lines_can_be_dropped(restore_logging) -> None:
 
 
 # -- body rate ---------------------------------------------------------------------------------
-async def test_slow_body_gets_408_and_close() -> None:
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_slow_body_gets_408_and_close(fast_path: bool) -> None:
     async def trickle():
         yield b'{"inputs": ['
         await asyncio.sleep(5)  # far past grace + 12 bytes / 100 B/s
         yield b"]}"
 
-    app = create_app(Settings(body_timeout_s=0.2, body_min_rate=100))
+    app = create_app(Settings(body_timeout_s=0.2, body_min_rate=100, fast_path=fast_path))
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),

@@ -4,19 +4,23 @@ awaiting queued work (deadline, disconnect), request metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from service.http.connections import disconnect_signal
-from service.pipeline.errors import ServiceError
+from service.http.middleware import log_safe
+from service.pipeline.errors import ServiceError, error_body
 from service.pipeline.waiting import Gone
 from service.pipeline.waiting import await_queued as pipeline_await
+
+log = logging.getLogger("service")  # the app's logger: the same lines from every path
 
 if TYPE_CHECKING:
     from service.runtime.batcher import Batcher
@@ -39,15 +43,33 @@ class LeanRoute(APIRoute):
         return handler
 
 
+def error_response(path: str, exc: ServiceError) -> JSONResponse:
+    """A ServiceError as the answer of route `path`, in its protocol's error shape."""
+    body = error_body(path, exc.status, exc.message, exc.reason, exc.param)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+JOIN_BYTES = 64 * 1024  # a body this small is joined: one copy costs less than a socket write
+
+
+def internal_error_response(path: str) -> JSONResponse:
+    """An unexpected exception (being handled) logged with its traceback, answered 500."""
+    log.exception("unhandled error on %s", log_safe(path))
+    body = error_body(path, 500, "internal server error", "inference_error")
+    return JSONResponse(body, status_code=500)
+
+
 class PartsResponse(Response):
     """A body sent as its parts (a JSON header, then tensor bytes viewed straight from the
-    batch output) under one Content-Length: nothing is joined or copied."""
+    batch output) under one Content-Length: nothing is joined or copied, unless the whole body
+    is under JOIN_BYTES (then one part: one write to the socket instead of one per part)."""
 
     def __init__(
         self, parts: list[bytes | memoryview], media_type: str, headers: dict[str, str]
     ) -> None:
-        self.parts = parts
-        length = str(sum(len(part) for part in parts))
+        size = sum(len(part) for part in parts)
+        self.parts = [b"".join(parts)] if len(parts) > 1 and size <= JOIN_BYTES else parts
+        length = str(size)
         super().__init__(None, media_type=media_type, headers={**headers, "content-length": length})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -162,29 +184,35 @@ class Observation:
         self.metrics = metrics
 
 
-@contextmanager
-def observed(
-    state: ServiceState,
-    endpoint: str,
-    in_flight: bool = True,
-    model: str | None = None,
-    version: str | None = None,
-) -> Iterator[Observation]:
+class observed:  # named as the function it replaces: `with observed(...) as seen`
     """Request metrics around a handler: count by status, failure reason, duration, in-flight;
     labelled with `model` and `version` when they name a served model version (no version: its
-    highest; else the default model)."""
-    started = time.perf_counter()
-    status, reason = 200, None
-    seen = Observation(state.metrics_for(model, version), in_flight)
-    try:
-        yield seen
-    except ServiceError as exc:
-        status, reason = exc.status, exc.reason
-        raise
-    except Exception:
-        status, reason = 500, "inference_error"
-        raise
-    finally:
+    highest; else the default model). A class, not a generator: it runs on every request."""
+
+    __slots__ = ("endpoint", "seen", "started")
+
+    def __init__(
+        self,
+        state: ServiceState,
+        endpoint: str,
+        in_flight: bool = True,
+        model: str | None = None,
+        version: str | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.started = time.perf_counter()
+        self.seen = Observation(state.metrics_for(model, version), in_flight)
+
+    def __enter__(self) -> Observation:
+        return self.seen
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        status, reason = 200, None
+        if isinstance(exc, ServiceError):
+            status, reason = exc.status, exc.reason
+        elif isinstance(exc, Exception):
+            status, reason = 500, "inference_error"
+        seen = self.seen
         if seen.gauge is not None:
             seen.gauge.dec()
-        seen.metrics.request_done(endpoint, status, time.perf_counter() - started, reason)
+        seen.metrics.request_done(self.endpoint, status, time.perf_counter() - self.started, reason)
