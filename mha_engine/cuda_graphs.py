@@ -16,13 +16,14 @@ calls, and batches past the largest bucket, run eagerly. Verified on an H100 by 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .varlen import Plan
+from .quantize import is_int8
+from .varlen import Plan, varlen_capable
 
 MIN_BUCKET = 16
 
@@ -194,3 +195,44 @@ def _cu_seqlens(lens: list[int], tokens: int, max_len: int, slots: int) -> list[
     if len(cu) > slots + 1:
         raise ValueError(f"{len(cu) - 1} sequences do not fit the bucket's {slots} slots")
     return cu + [tokens] * (slots + 1 - len(cu))
+
+
+def capture(
+    model,
+    captures: bool,
+    max_tokens: int,
+    max_sequences: int,
+    max_graphs: int,
+    warm_max_len: int | None,
+) -> CudaGraphs:
+    """CudaGraphs of an engine model's `packed_run`, warmed now; ValueError saying why where
+    the model cannot replay (`captures`: it has a packed self-attention forward at all)."""
+    if model.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {model.device}")
+    if not captures:
+        raise ValueError(f"{model.architecture} has no packed self-attention forward to capture")
+    if is_int8(model) or not all(varlen_capable(a) for a in model.attention_layers()):
+        raise ValueError(
+            "CUDA graphs need every attention layer to run the varlen kernel (fused Q/K/V, "
+            "no bias_k/add_zero_attn, no GQA, head_dim a multiple of 8 up to 256)"
+        )
+    graphs = CudaGraphs(
+        model.packed_run,
+        model.embed_dim,
+        model.dtype,
+        model.device,
+        max_tokens,
+        max_sequences,
+        max_graphs,
+    )
+    graphs.warm(warm_max_len)
+    return graphs
+
+
+def plain_call(key_padding_mask: Tensor | None, is_causal: bool | Sequence[bool] | Tensor) -> bool:
+    """No mask and no causal sequence: a call CUDA graphs can replay."""
+    if key_padding_mask is not None:
+        return False
+    if isinstance(is_causal, Tensor):
+        return not bool(is_causal.any())
+    return not (is_causal if isinstance(is_causal, bool) else any(is_causal))

@@ -18,9 +18,9 @@ from . import introspect
 from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
-from .cuda_graphs import CudaGraphs
+from .cuda_graphs import CudaGraphs, capture, plain_call
 from .quantize import is_int8
-from .varlen import Plan, cumulative, lengths, make_plan, pack_varlen, pad_rows, varlen_capable
+from .varlen import Plan, cumulative, lengths, make_plan, pack_varlen, pad_rows
 
 
 class EngineModel(nn.Module):
@@ -128,25 +128,11 @@ class EngineModel(nn.Module):
     ) -> CudaGraphs:
         """Replay plain packed self-attention forwards from CUDA graphs (mha_engine.cuda_graphs),
         capturing the buckets up to max_tokens now (sequences up to warm_max_len)."""
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {self.device}")
-        if is_int8(self) or not all(varlen_capable(a) for a in self.attention_layers()):
-            raise ValueError(
-                "CUDA graphs need every attention layer to run the varlen kernel (fused Q/K/V, "
-                "no bias_k/add_zero_attn, no GQA, head_dim a multiple of 8 up to 256)"
-            )
-        graphs = CudaGraphs(
-            self.packed_run,
-            self.embed_dim,
-            self.dtype,
-            self.device,
-            max_tokens,
-            max_sequences,
-            max_graphs,
+        captures = type(self).packed_run is not EngineModel.packed_run
+        self.cuda_graphs = capture(
+            self, captures, max_tokens, max_sequences, max_graphs, warm_max_len
         )
-        graphs.warm(warm_max_len)
-        self.cuda_graphs = graphs
-        return graphs
+        return self.cuda_graphs
 
     def _replay(self, x: Tensor, lens: list[int], plain: bool) -> Tensor | None:
         """x's forward by graph replay when graphs are on and the call is plain, else None."""
@@ -308,7 +294,7 @@ class MultiheadAttentionModel(EngineModel):
                 raise ValueError(f"key has {k.shape[0]} rows, value {v.shape[0]}")
             kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
             kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
-        plain = k is q and _plain(key_padding_mask, is_causal)
+        plain = k is q and plain_call(key_padding_mask, is_causal)
         if (out := self._replay(q, q_lens, plain)) is not None:
             return out  # (N, E) from a CUDA graph
         plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, self.device, bucket_padding)
@@ -407,7 +393,7 @@ class TransformerEncoderModel(EngineModel):
 
     def _encode(self, x, lens, key_padding_mask, is_causal, bucket_padding) -> Tensor:
         """Packed rows x (N, E) through the stack: a graph replay when one applies."""
-        if (out := self._replay(x, lens, _plain(key_padding_mask, is_causal))) is not None:
+        if (out := self._replay(x, lens, plain_call(key_padding_mask, is_causal))) is not None:
             return out  # (N, E) from a CUDA graph
         plan = make_plan(lens, lens, is_causal, key_padding_mask, self.device, bucket_padding)
         return self.packed_run(pad_rows(x), plan)[: x.shape[0]]  # (N, E), see pad_rows
@@ -417,12 +403,3 @@ def check_packed(x: Tensor, width: int, name: str) -> None:
     """Raise ValueError naming `name` unless x is (tokens, width)."""
     if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"{name} must be packed (tokens, {width}), got {tuple(x.shape)}")
-
-
-def _plain(key_padding_mask: Tensor | None, is_causal: bool | Sequence[bool] | Tensor) -> bool:
-    """No mask and no causal sequence: a call CUDA graphs can replay."""
-    if key_padding_mask is not None:
-        return False
-    if isinstance(is_causal, Tensor):
-        return not bool(is_causal.any())
-    return not (is_causal if isinstance(is_causal, bool) else any(is_causal))

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from mha_engine.checkpoint import model_from_state_dict
-from mha_engine.cuda_graphs import CudaGraphs, _cu_seqlens, bucket, bucket_key, bucket_slots
-from mha_engine.models import _plain
+from mha_engine.cuda_graphs import (
+    CudaGraphs,
+    _cu_seqlens,
+    bucket,
+    bucket_key,
+    bucket_slots,
+    plain_call,
+)
 from mha_engine.save import module_config, module_state
 
 
@@ -47,10 +53,10 @@ def test_more_sequences_than_slots_is_refused():
 
 
 def test_plain_calls_are_the_unmasked_non_causal_ones():
-    assert _plain(None, False) and _plain(None, [False, False])
-    assert not _plain(None, [False, True]) and not _plain(None, True)
-    assert not _plain(torch.zeros(3, dtype=torch.bool), False)
-    assert _plain(None, torch.tensor([False])) and not _plain(None, torch.tensor([True]))
+    assert plain_call(None, False) and plain_call(None, [False, False])
+    assert not plain_call(None, [False, True]) and not plain_call(None, True)
+    assert not plain_call(torch.zeros(3, dtype=torch.bool), False)
+    assert plain_call(None, torch.tensor([False])) and not plain_call(None, torch.tensor([True]))
 
 
 def _model(**kwargs) -> torch.nn.Module:
@@ -77,3 +83,11 @@ def test_an_eager_model_does_not_replay():
     x = torch.randn(5, 32)
     assert model._replay(x, [5], True) is None
     assert model.cuda_graphs is None
+
+
+def test_models_without_a_packed_self_attention_forward_are_refused(monkeypatch):
+    layer = torch.nn.TransformerDecoderLayer(32, 4, 64, batch_first=True).eval()
+    model = model_from_state_dict(module_config(layer), module_state(layer), "cpu", "float32")
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    with pytest.raises(ValueError, match="no packed self-attention forward"):
+        model.enable_cuda_graphs()
