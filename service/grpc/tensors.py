@@ -168,7 +168,8 @@ def encode_infer_response(
     raw: bool,
 ) -> pb.ModelInferResponse:
     """The response; tensors in raw_output_contents, or typed contents when `raw` is False and
-    the datatype has a typed field (FP16/BF16 always go raw)."""
+    the datatype has a typed field (FP16/BF16 always go raw). An output in shared memory has an
+    empty raw entry (Triton's C++ client reads raw_output_contents[i] for output i)."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=model_version)
     response.id = request_id
     typed = not raw and all(t.datatype in CONTENT_FIELDS for t in outputs)
@@ -178,6 +179,8 @@ def encode_infer_response(
         if tensor.parameters is not None:  # written into shared memory: no contents
             for key, value in tensor.parameters.items():
                 setattr(entry.parameters[key], _PARAMETER_FIELDS[type(value)], value)
+            if not typed:  # an empty entry, as Triton sends: raw contents pair with outputs by
+                response.raw_output_contents.append(b"")  # index (its C++ client needs one each)
         elif typed:
             getattr(entry.contents, CONTENT_FIELDS[tensor.datatype]).extend(
                 tensor.array.reshape(-1).tolist()

@@ -297,7 +297,8 @@ class OutputTensor:
     name: str
     datatype: str
     array: np.ndarray
-    parameters: dict[str, Any] | None = None  # set: the data went elsewhere (shared memory)
+    parameters: dict[str, Any] | None = None  # set: the data went elsewhere (shared memory;
+    # gRPC answers with these parameters, HTTP with none, as Triton does)
 
 
 def _json_data(tensor: OutputTensor) -> np.ndarray:
@@ -323,7 +324,8 @@ def encode_parts(
             "shape": list(tensor.array.shape),
         }
         if tensor.parameters is not None:
-            entry["parameters"] = tensor.parameters
+            pass  # in the client's shared memory: no data and, as Triton answers, no parameters
+            # (Triton's C++ client reads an output's parameters as binary_data_size)
         elif binary.get(tensor.name, False):
             raw = memoryview(np.ascontiguousarray(tensor.array).reshape(-1)).cast("B")
             entry["parameters"] = {"binary_data_size": raw.nbytes}

@@ -77,14 +77,12 @@ def prepare_decoder(request: InferRequest, limits: ModelLimits) -> Payload:
         check_length,
         float_tensor,
     )
+    from service.oip.model_inputs import check_input_names
 
     arch = limits.architecture
     floats, masks = input_names(arch)
     memory_name = MEMORY_INPUT[arch]
-    allowed = {*floats, *masks}
-    unknown = sorted(set(request.inputs) - allowed)
-    if unknown:
-        raise BadInput(f"unknown input(s) {unknown}; this {arch} model takes {sorted(allowed)}")
+    check_input_names(request.inputs, limits, f"{arch} model")
     for name in floats:
         if name not in request.inputs:
             raise BadInput(f"missing input '{name}'; this {arch} model needs {list(floats)}")

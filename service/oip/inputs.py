@@ -11,6 +11,7 @@ import numpy as np
 from service.oip.codecs import InferRequest
 from service.oip.datatypes import FLOAT_TYPES
 from service.oip.decoder_inputs import DECODER_ARCHITECTURES, prepare_decoder
+from service.oip.model_inputs import check_input_names
 from service.pipeline.errors import BadInput
 
 if TYPE_CHECKING:
@@ -31,10 +32,17 @@ class ModelLimits:
     max_sequences: int
     max_tokens: int
     architecture: str = ""  # decoders take their own inputs (service.oip.decoder_inputs)
+    optional_inputs: bool = True  # false: only the required inputs (service.oip.model_inputs)
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, *, max_seq_len: int, max_sequences: int, max_tokens: int
+        cls,
+        config: EngineConfig,
+        *,
+        max_seq_len: int,
+        max_sequences: int,
+        max_tokens: int,
+        optional_inputs: bool = True,
     ) -> ModelLimits:
         """Dimensions from the model's typed config; the rest from the service's settings."""
         attention = config.attention
@@ -47,6 +55,7 @@ class ModelLimits:
             max_sequences=max_sequences,
             max_tokens=max_tokens,
             architecture=config.architecture,
+            optional_inputs=optional_inputs,
         )
 
     @property
@@ -157,12 +166,7 @@ def prepare(request: InferRequest, limits: ModelLimits) -> Payload:
     """Validate `request` for the model; raises BadInput naming the first problem found."""
     if limits.architecture in DECODER_ARCHITECTURES:
         return prepare_decoder(request, limits)
-    allowed = {"input", "key_padding_mask"} | (
-        {"key", "value"} if limits.cross_attention else set()
-    )
-    unknown = sorted(set(request.inputs) - allowed)
-    if unknown:
-        raise BadInput(f"unknown input(s) {unknown}; this model takes {sorted(allowed)}")
+    check_input_names(request.inputs, limits)
     if "input" not in request.inputs:
         raise BadInput("missing input 'input'")
     for name in request.outputs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from service.oip.datatypes import of_torch
-from service.oip.decoder_inputs import DECODER_ARCHITECTURES, input_names
+from service.oip.model_inputs import declared_inputs
 from service.shm.regions import unavailable
 from service.text.tokenizer import text_properties
 
@@ -15,9 +15,6 @@ if TYPE_CHECKING:
     from service.runtime.state import ModelEntry
 
 PLATFORM = "mha_engine"
-# The inputs every request carries: an attention model's `input`, a decoder's tgt and memory /
-# a transformer's src and tgt (PyTorch's names).
-REQUIRED_INPUTS = frozenset({"input", "tgt", "memory", "src"})
 # Triton extension names, offered over HTTP and gRPC alike (binary_tensor_data is HTTP's
 # framing; gRPC carries raw_input_contents/raw_output_contents in the core protocol).
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
@@ -35,24 +32,16 @@ def extensions(settings: Settings) -> list[str]:
     ]
 
 
-def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None]], str, int]:
-    """(name, datatype, last dim or None for the mask) of each input; the output's datatype and
-    width. int8 models take and give FP32 (their dtype is float32)."""
-    model = entry.model
-    datatype = of_torch(model.dtype)
-    if model.architecture in DECODER_ARCHITECTURES:  # PyTorch's names: tgt, memory / src, tgt
-        floats, masks = input_names(model.architecture)
-        return (
-            [(name, datatype, model.embed_dim) for name in floats]
-            + [(name, "BOOL", None) for name in masks],
-            datatype,
-            model.embed_dim,
-        )
-    inputs: list[tuple[str, str, int | None]] = [("input", datatype, model.embed_dim)]
-    if model.is_cross_attention_capable:
-        inputs += [("key", datatype, model.kdim), ("value", datatype, model.vdim)]
-    inputs.append(("key_padding_mask", "BOOL", None))
-    return inputs, datatype, model.embed_dim
+def _tensors(entry: ModelEntry) -> tuple[list[tuple[str, str, int | None, bool]], str, int]:
+    """(name, datatype, last dim or None for a mask, required) of each input the model is served
+    with (service.oip.model_inputs); the output's datatype and width. int8 models take and give
+    FP32 (their dtype is float32)."""
+    datatype = of_torch(entry.model.dtype)
+    inputs = [
+        (i.name, "BOOL" if i.width is None else datatype, i.width, i.required)
+        for i in declared_inputs(entry.limits)
+    ]
+    return inputs, datatype, entry.model.embed_dim
 
 
 def model_metadata(entry: ModelEntry, versions: list[str]) -> dict[str, Any]:
@@ -68,7 +57,8 @@ def model_metadata(entry: ModelEntry, versions: list[str]) -> dict[str, Any]:
         "versions": versions,
         "platform": PLATFORM,
         "inputs": [
-            tensor(name, dt, [-1, -1] if dim is None else [-1, -1, dim]) for name, dt, dim in inputs
+            tensor(name, dt, [-1, -1] if dim is None else [-1, -1, dim])
+            for name, dt, dim, _ in inputs
         ],
         "outputs": [tensor("output", datatype, [-1, -1, width])],
         "properties": {
@@ -80,8 +70,8 @@ def model_metadata(entry: ModelEntry, versions: list[str]) -> dict[str, Any]:
 
 def model_config(entry: ModelEntry) -> dict[str, Any]:
     """Triton's model configuration (model_config.proto as JSON): dims leave out the batch
-    dimension (max_batch_size > 0); only the float inputs (`input`, or a decoder's `tgt` and
-    `memory` / `src`) are required, [T, E] or [B, T, E] both work."""
+    dimension (max_batch_size > 0); `optional` marks what a request may leave out (masks; key and
+    value where the query can serve as both); [T, E] or [B, T, E] both work."""
     inputs, datatype, width = _tensors(entry)
     gpu = str(entry.model.device).startswith("cuda")
     return {
@@ -96,9 +86,9 @@ def model_config(entry: ModelEntry) -> dict[str, Any]:
                 "data_type": f"TYPE_{dt}",
                 "format": "FORMAT_NONE",
                 "dims": [-1] if dim is None else [-1, dim],
-                "optional": name not in REQUIRED_INPUTS,
+                "optional": not required,
             }
-            for name, dt, dim in inputs
+            for name, dt, dim, required in inputs
         ],
         "output": [{"name": "output", "data_type": f"TYPE_{datatype}", "dims": [-1, width]}],
         "instance_group": [

@@ -141,6 +141,7 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
         max_seq_len=settings.max_seq_len,
         max_sequences=settings.max_batch_size,
         max_tokens=settings.max_batch_tokens,
+        optional_inputs=settings.optional_inputs,
     )
     entry = ModelEntry(name, model, batcher, limits, info, stats)
     entry.metrics = model_metrics

@@ -2,8 +2,9 @@
 
 A repository holds DIR/<model>/<version>/, each version directory a model directory as
 --model-dir takes it (config.json + weights, or a Hugging Face BERT-family directory). An
-optional DIR/<model>/mha-serve.json sets that model's own batching limits, dtype and device, and
-its `version_policy` (Triton's): which numeric versions are served, each its own loaded model.
+optional DIR/<model>/mha-serve.json sets that model's own batching limits, dtype and device,
+whether it declares its optional inputs (optional_inputs), and its `version_policy` (Triton's):
+which numeric versions are served, each its own loaded model.
 Default: the highest version only (latest 1).
 """
 
@@ -24,7 +25,7 @@ SETTINGS_FILE = "mha-serve.json"
 # What a model's settings file may set (the server's flags of the same names otherwise).
 MODEL_SETTINGS = frozenset(
     {"max_batch_size", "max_batch_tokens", "max_batch_delay_ms", "max_queue", "max_seq_len",
-     "dtype", "device"}
+     "dtype", "device", "optional_inputs"}
 )  # fmt: skip
 LATEST_ONE = {"latest": {"num_versions": 1}}
 POLICY_FORMS = '{"latest": {"num_versions": N}}, {"all": {}} or {"specific": {"versions": [1, 3]}}'

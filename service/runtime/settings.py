@@ -108,6 +108,14 @@ class Settings(BaseSettings):
         30.0, gt=0, description="Deadline per request; a request still queued then gets 504."
     )
     max_seq_len: int = Field(2048, ge=1, description="Longest sequence (T and S) accepted.")
+    optional_inputs: bool = Field(
+        True,
+        description="Declare and accept the optional inputs (key_padding_mask; key and value of "
+        "a cross-attention model; a decoder's masks). Off: the model configuration and metadata "
+        "list only the required inputs and a request sending another gets 400, for Triton tools "
+        "that refuse optional inputs (perf_analyzer --shared-memory system). Per model: "
+        "mha-serve.json or a load's config.",
+    )
     max_body_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."
     )

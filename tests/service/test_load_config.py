@@ -1,8 +1,8 @@
 """Load with a configuration (--model-control-mode explicit) on a real server, with the
 unmodified tritonclient over HTTP and gRPC: the config overrides the model's mha-serve.json for
-that load (batching limits, delay, queue, dtype, version policy), the next plain load goes back
-to the file, and a bad config is refused naming the field (400 / INVALID_ARGUMENT) with nothing
-changed."""
+that load (batching limits, delay, queue, dtype, optional inputs, version policy), the next plain
+load goes back to the file, and a bad config is refused naming the field (400 /
+INVALID_ARGUMENT) with nothing changed."""
 
 from __future__ import annotations
 
@@ -73,6 +73,28 @@ def test_config_overrides_the_file_for_that_load_only(clients):
     assert _batching(h) == (8, 2000)
 
 
+def test_config_can_leave_out_the_optional_inputs(clients):
+    """optional_inputs false for one load: config and metadata list `input` only and a mask is
+    refused naming it; the next plain load declares them again."""
+    h, g = clients
+    g.load_model("attn", config=json.dumps({"optional_inputs": False}))
+    assert [i["name"] for i in h.get_model_config("attn")["input"]] == ["input"]
+    assert [i.name for i in g.get_model_metadata("attn").inputs] == ["input"]
+    x, mask = np.ones((1, 3, EMBED_DIM), np.float32), np.zeros((1, 3), bool)
+    items = [thttp.InferInput("input", list(x.shape), "FP32"),
+             thttp.InferInput("key_padding_mask", list(mask.shape), "BOOL")]  # fmt: skip
+    items[0].set_data_from_numpy(x)
+    items[1].set_data_from_numpy(mask)
+    with pytest.raises(InferenceServerException) as info:
+        h.infer("attn", items)
+    assert info.value.status() == "400" and "['key_padding_mask'] not accepted" in str(info.value)
+    assert _infer(h).shape == (1, 3, EMBED_DIM)
+    h.load_model("attn")
+    names = [i["name"] for i in h.get_model_metadata("attn")["inputs"]]
+    assert names == ["input", "key_padding_mask"]
+    assert h.infer("attn", items).as_numpy("output").shape == (1, 3, EMBED_DIM)
+
+
 def test_config_version_policy_and_dtype(clients):
     h, g = clients
     assert h.get_model_metadata("attn")["versions"] == ["2"]
@@ -101,6 +123,7 @@ BAD = [
      "sets ['max_queue'] twice"),
     ({"version_policy": {"specific": {"versions": [9]}}}, "names version(s) [9] that have no"),
     ({"version_policy": {"newest": {}}}, "version_policy {\"newest\": {}} is not valid"),
+    ({"optional_inputs": "maybe"}, "optional_inputs: Input should be a valid boolean"),
 ]  # fmt: skip
 
 

@@ -82,6 +82,7 @@ def test_model_dir_repeats_and_names_must_be_unique(tmp_path: Path) -> None:
         ({"version_policy": {"specific": {"versions": []}}}, "must be a non-empty list"),
         ({"version_policy": {"specific": {"versions": [1, 2]}}}, "version(s) [2] that have no"),
         ({"max_seq_len": 99999}, "max_batch_tokens"),  # the server's own cross-field check
+        ({"optional_inputs": "maybe"}, "optional_inputs: Input should be a valid boolean"),
         ([1, 2], "JSON object"),
     ],
 )
