@@ -252,9 +252,8 @@ def test_stream_deadline_ends_the_stream_and_its_queued_request(held) -> None:
 
 def test_perf_analyzer_streams(perf_analyzer, server, input_data) -> None:
     """Triton's perf_analyzer (the tritonclient wheel's) over ModelStreamInfer, for a few
-    seconds, bounded. (Its --shared-memory mode refuses models with optional inputs, which
-    every model here has: key_padding_mask; tests/service/test_shared_memory.py covers shared
-    memory with tritonclient instead.)"""
+    seconds, bounded. (Its --shared-memory mode refuses models with optional inputs: see
+    tests/service/test_required_inputs.py for it against a model served without them.)"""
     options = ("-i", "grpc", "--streaming", "--input-data", str(input_data))
     measure(perf_analyzer, server.grpc_address, *options)
     assert "Traceback" not in server.http.log()

@@ -91,7 +91,7 @@ def test_config_can_leave_out_the_optional_inputs(clients):
     assert _infer(h).shape == (1, 3, EMBED_DIM)
     h.load_model("attn")
     names = [i["name"] for i in h.get_model_metadata("attn")["inputs"]]
-    assert names == ["input", "key_padding_mask"]
+    assert names == ["input", "key", "value", "key_padding_mask"]
     assert h.infer("attn", items).as_numpy("output").shape == (1, 3, EMBED_DIM)
 
 
