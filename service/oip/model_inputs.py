@@ -53,7 +53,7 @@ def check_input_names(names: Iterable[str], limits: ModelLimits, model: str = "m
     if hidden:
         raise BadInput(
             f"input(s) {hidden} not accepted: this {model} is served with optional_inputs "
-            f"false (mha-serve.json or its load config) and takes only {declared}"
+            f"false and takes only {declared}"
         )
     unknown = sorted(sent - set(declared))
     if unknown:

@@ -19,6 +19,7 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
+from service.__main__ import parse_settings
 from tests.inprocess import asgi_client
 from tests.service.test_triton_statistics import EMBED_DIM, NAME, measure
 from tests.service.test_triton_statistics import input_data as input_data  # a fixture
@@ -97,6 +98,7 @@ def test_a_hidden_input_is_refused_naming_it_and_the_rest_computes(server, modul
 def test_the_server_flag_hides_a_decoders_masks(tmp_path) -> None:
     """--no-optional-inputs (Settings.optional_inputs) for every model: a decoder declares tgt
     and memory only and refuses its masks by name."""
+    assert parse_settings(["--no-optional-inputs"]).optional_inputs is False
     torch.manual_seed(3)
     layer = nn.TransformerDecoderLayer(16, 4, 32, batch_first=True)
     mha_engine.save_model(nn.TransformerDecoder(layer, 1), tmp_path / "dec")
