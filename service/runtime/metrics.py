@@ -24,7 +24,6 @@ with the same series in one process would overwrite each other's values.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import os
 import time
@@ -43,6 +42,8 @@ from prometheus_client import (
     platform_collector,
     process_collector,
 )
+
+from service.runtime.cuda_gauges import CudaGauges
 
 # Buckets are chosen for this workload. Latency: a T=16 forward takes ~0.2 ms on CPU, a full
 # batch of long sequences seconds; requests add queue wait (default batch delay 2 ms) and HTTP.
@@ -203,7 +204,7 @@ class Metrics:
         self.batches = Counter(
             "mha_batches", "Forwards run, by outcome.", ["model", "version", "outcome"], registry=r
         )
-        self._cuda: dict[str, Gauge] = {}  # shared by every model's view (one registry)
+        self._cuda = CudaGauges(r, MULTIPROCESS)  # shared by every model's view (one registry)
         # label children looked up once (keys carry the model: shared by every view is fine)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._zero_series()
@@ -238,62 +239,9 @@ class Metrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def _add_cuda_gauges(self, name: str) -> None:
-        """Memory gauges of CUDA device `name`, read at scrape time; none where CUDA is not
-        available. torch is imported here: the --workers supervisor has none (unverified on a
-        GPU; test_cuda_branches runs this on CPU with torch.cuda patched)."""
-        import torch
-
-        if not torch.cuda.is_available():
-            return
-        if MULTIPROCESS:
-            _cuda_gauges_skipped()
-            return
-        device = torch.device(name)
-        if "allocated" not in self._cuda:
-            self._cuda["allocated"] = Gauge(
-                "mha_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated() of the device.",
-                ["model", "version", "device"], registry=self.registry,
-            )  # fmt: skip
-            self._cuda["reserved"] = Gauge(
-                "mha_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved() of the device.",
-                ["model", "version", "device"], registry=self.registry,
-            )  # fmt: skip
-        allocated, reserved = self._cuda["allocated"], self._cuda["reserved"]
-        allocated.labels(self.model, self.version, str(device)).set_function(
-            lambda: torch.cuda.memory_allocated(device)
-        )
-        reserved.labels(self.model, self.version, str(device)).set_function(
-            lambda: torch.cuda.memory_reserved(device)
-        )
-
     def set_cuda_engine(self, model: Any) -> None:
-        """Per model version on CUDA, read at scrape time from the mha_engine model:
-        mha_cuda_grouped_calls (forwards where an attention layer could not take the varlen
-        kernel) and, with --cuda-graphs, mha_cuda_graphs and mha_cuda_graph_memory_bytes."""
-        if MULTIPROCESS:
-            return
-        if "grouped" not in self._cuda:
-            self._cuda["grouped"] = Gauge(
-                "mha_cuda_grouped_calls", "CUDA forwards in which an attention layer took "
-                "grouped SDPA (masks, mixed causal flags, fp32 GQA), not the varlen kernel.",
-                ["model", "version"], registry=self.registry,
-            )  # fmt: skip
-            self._cuda["graphs"] = Gauge(
-                "mha_cuda_graphs", "CUDA graphs captured for the model (--cuda-graphs).",
-                ["model", "version"], registry=self.registry,
-            )  # fmt: skip
-            self._cuda["graph_memory"] = Gauge(
-                "mha_cuda_graph_memory_bytes", "GPU memory the model's CUDA graphs hold.",
-                ["model", "version"], registry=self.registry,
-            )  # fmt: skip
-        labels = (self.model, self.version)
-        self._cuda["grouped"].labels(*labels).set_function(lambda: model.cuda_grouped_calls)
-        graphs = getattr(model, "cuda_graphs", None)
-        count = (lambda: graphs.count) if graphs is not None else (lambda: 0)
-        memory = (lambda: graphs.memory_bytes) if graphs is not None else (lambda: 0)
-        self._cuda["graphs"].labels(*labels).set_function(count)
-        self._cuda["graph_memory"].labels(*labels).set_function(memory)
+        """The engine gauges of this model version on CUDA (cuda_gauges.CudaGauges.add_engine)."""
+        self._cuda.add_engine(self.model, self.version, model)
 
     # -- request side -----------------------------------------------------------------------
     def set_model_info(self, info: dict[str, Any]) -> None:
@@ -312,7 +260,7 @@ class Metrics:
             self.info.labels(self.model, self.version, *values).set(1)
         device = str(info.get("device", ""))
         if device.startswith("cuda"):
-            self._add_cuda_gauges(device)
+            self._cuda.add_memory(self.model, self.version, device)
 
     def set_ready(self, ready: bool) -> None:
         self.child(self.ready, self.model, self.version).set(1 if ready else 0)
@@ -328,7 +276,7 @@ class Metrics:
             return
         key = (self.model, self.version)
         state = [self.ready, self.info, self.queue_depth_gauge, self.queue_capacity]
-        for metric in [*state, self.in_flight, self.engine_busy, *self._cuda.values()]:
+        for metric in [*state, self.in_flight, self.engine_busy, *self._cuda.families()]:
             # prometheus_client lists a family's children only in its private _metrics; each
             # starts with the (model, version) labels.
             for labels in [labels for labels in list(metric._metrics) if labels[:2] == key]:
@@ -418,12 +366,3 @@ def mark_process_dead(pid: int, directory: str | os.PathLike[str] | None = None)
     directory = directory or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if directory:
         multiprocess.mark_process_dead(pid, os.fspath(directory))
-
-
-@functools.cache
-def _cuda_gauges_skipped() -> None:
-    """Say once per process why the CUDA memory gauges are missing."""
-    log.warning(
-        "multiprocess metrics: mha_cuda_memory_* gauges are not exposed (they are read at "
-        "scrape time, in a process the scrape does not reach)"
-    )
