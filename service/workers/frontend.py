@@ -29,6 +29,7 @@ from service.runtime.state import ModelEntry, ServiceState
 from service.workers.remote import EngineLink, RemoteBatcher, RemoteStats
 from service.workers.wire import EntryInfo
 
+FIRST_HELLO_WAIT_S = 5.0  # how long a starting front-end waits for the engine before accepting
 log = logging.getLogger("service.workers")
 
 PARENT_CHECK_S = 1.0
@@ -93,11 +94,18 @@ def frontend_lifespan(
                 entry.warm = True
             state.set_ready(not state.draining)
             log.info("front-end %d ready", link.index)
+            hello.set()
 
+        hello = asyncio.Event()
         link.on_change = on_change
         app.state.grpc = None
         connecting = asyncio.create_task(link.run())
         watching = asyncio.create_task(_exit_with_parent())
+        # a restarted front-end shares the listening socket with live ones: it starts accepting
+        # once the engine has said hello, so it answers no 503s beside a ready one; bounded, so
+        # during a slow first start the front-ends still answer liveness probes
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hello.wait(), FIRST_HELLO_WAIT_S)
         try:
             yield
         finally:
