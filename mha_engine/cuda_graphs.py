@@ -80,8 +80,8 @@ class CudaGraphs:
             max_graphs,
         )
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.memory_bytes = 0
         self.replays = 0
+        self._memory: tuple[int, int] = (0, 0)  # (graph count, bytes) when last measured
         self._pool = torch.cuda.graph_pool_handle()
 
     @property
@@ -103,7 +103,7 @@ class CudaGraphs:
         # warm-up layout: the padding rows as chunks of max_len, the rest empty slots
         cu = torch.tensor(_cu_seqlens([], tokens, max_len, slots), dtype=torch.int32)
         cu = cu.to(self.device)  # (slots + 1,)
-        plan = Plan([max_len], [max_len], cu, True, _no_groups)
+        plan = Plan([max_len], [max_len], cu, True, _no_groups, varlen_ok=True)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(side):
@@ -115,19 +115,22 @@ class CudaGraphs:
             out = self.run(x, plan)  # (tokens, E)
         cu_host = torch.empty(cu.shape, dtype=torch.int32).pin_memory()
         self.graphs[key] = _Graph(graph, x, cu, out, cu_host, torch.cuda.Event())
-        self.memory_bytes = self._pool_bytes() + sum(
-            g.x.nbytes + g.cu.nbytes for g in self.graphs.values()
-        )
         return self.graphs[key]
 
-    def _pool_bytes(self) -> int:
-        """GPU memory in the graphs' private pool (the allocator's segments of that pool)."""
-        pool = tuple(self._pool)
-        return sum(
-            seg["total_size"]
-            for seg in torch.cuda.memory_snapshot()
-            if tuple(seg.get("segment_pool_id", ())) == pool
-        )
+    @property
+    def memory_bytes(self) -> int:
+        """GPU memory the graphs hold: their private pool's segments and static inputs.
+        Measured (an allocator snapshot) only when the graph count changed since last time."""
+        if self._memory[0] != self.count:
+            pool = tuple(self._pool)
+            held = sum(
+                seg["total_size"]
+                for seg in torch.cuda.memory_snapshot()
+                if tuple(seg.get("segment_pool_id", ())) == pool
+            )
+            held += sum(g.x.nbytes + g.cu.nbytes for g in self.graphs.values())
+            self._memory = (self.count, held)
+        return self._memory[1]
 
     def warm(self, max_len: int | None = None) -> int:
         """Capture every bucket up to max_tokens (and sequences up to max_len); returns the

@@ -19,7 +19,8 @@ from . import introspect
 from .attention import FusedAttention
 from .config import TransformerConfig, TransformerDecoderConfig
 from .decoder_blocks import DecoderMasks, DecoderPlans, DecoderStack, TransformerCore
-from .models import EngineModel, check_packed
+from .models import EngineModel
+from .packing import check_packed
 from .varlen import cumulative, lengths, make_plan, pad_rows
 
 Causal = bool | Sequence[bool] | Tensor

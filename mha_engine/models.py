@@ -19,8 +19,9 @@ from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import EngineConfig, MultiheadAttentionConfig, TransformerEncoderConfig
 from .cuda_graphs import CudaGraphs, capture, plain_call
+from .packing import check_packed, pack_varlen
 from .quantize import is_int8
-from .varlen import Plan, cumulative, lengths, make_plan, pack_varlen, pad_rows
+from .varlen import Plan, cumulative, lengths, make_plan, pad_rows
 
 
 class EngineModel(nn.Module):
@@ -397,9 +398,3 @@ class TransformerEncoderModel(EngineModel):
             return out  # (N, E) from a CUDA graph
         plan = make_plan(lens, lens, is_causal, key_padding_mask, self.device, bucket_padding)
         return self.packed_run(pad_rows(x), plan)[: x.shape[0]]  # (N, E), see pad_rows
-
-
-def check_packed(x: Tensor, width: int, name: str) -> None:
-    """Raise ValueError naming `name` unless x is (tokens, width)."""
-    if x.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"{name} must be packed (tokens, {width}), got {tuple(x.shape)}")
