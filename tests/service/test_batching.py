@@ -27,18 +27,27 @@ def post(server: Server, x: np.ndarray, **parameters: object) -> httpx.Response:
 def test_concurrent_requests_are_batched_with_same_numbers(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((1, int(t), 512)).astype(np.float32) for t in rng.integers(4, 40, 24)]
-    with run_server(tmp_path, "--max-batch-delay-ms", "20") as server:
+    with run_server(tmp_path, *BLOCKING_ARGS) as server:
         client = triton.InferenceServerClient(server.address, concurrency=24)
         before = server.metric("mha_batches_total", outcome="ok")
+        # Hold the engine so the 24 requests are all waiting when it frees: how many forwards
+        # they take is then the batcher's doing, not the arrival timing of a loaded machine.
+        pool = _block_engine(server)
         pending = []
         for x in xs:
             item = triton.InferInput("input", list(x.shape), "FP32")
             item.set_data_from_numpy(x)
             pending.append(client.async_infer("mha", [item]))
+        deadline = time.monotonic() + 30
+        while server.metric("mha_queue_depth_sequences") < len(xs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.metric("mha_engine_busy") == 1, "the blocking forward ended too soon"
+        assert server.metric("mha_queue_depth_sequences") == len(xs)
         batched = [p.get_result().as_numpy("output") for p in pending]
+        pool.shutdown(wait=True)
         batches = server.metric("mha_batches_total", outcome="ok") - before
-        # 24 requests arriving together over 20 ms windows run in far fewer than 24 forwards.
-        assert batches < len(xs) / 2, f"{batches} forwards for {len(xs)} requests"
+        # The blocking forward, then the 24 waiting sequences (max batch 32) in one forward.
+        assert batches == 2, f"{batches} forwards for 1 blocking and {len(xs)} waiting requests"
         single = [output_of(post(server, x)) for x in xs]
     for one, many in zip(single, batched, strict=True):
         # Batch invariance: grouping by length keeps each sequence's arithmetic the same.
