@@ -271,14 +271,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="3 short repeats instead of 5")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--no-malloc-tuning",
+        action="store_true",
+        help="leave glibc's malloc defaults (the service keeps freed buffers in the heap)",
+    )
     args = parser.parse_args(argv)
+    if not args.no_malloc_tuning:
+        mha_engine.tune_cpu_allocator()
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats, min_time = (3, 0.05) if args.quick else (5, 0.15)
     started = time.perf_counter()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}, "
-        f"capability {torch.backends.cpu.get_cpu_capability()}, median of {repeats}\n"
+        f"capability {torch.backends.cpu.get_cpu_capability()}, median of {repeats}, "
+        f"malloc {'kept' if mha_engine.cpu_allocator_tuned() else 'glibc defaults'}\n"
     )
     results = {shape: bench_shape(*shape, repeats, min_time) for shape in SHAPES}
     print("| (B, T, D, H) | implementation | ms | GFLOP/s |")

@@ -178,7 +178,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per case")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (both)")
+    parser.add_argument(
+        "--no-malloc-tuning",
+        action="store_true",
+        help="leave glibc's malloc defaults (the service keeps freed buffers in the heap)",
+    )
     args = parser.parse_args()
+    if not args.no_malloc_tuning:
+        mha_engine.tune_cpu_allocator()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -208,7 +215,8 @@ def main() -> None:
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
         f"CPU capability {fused.cpu_capability()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, {threads} threads, "
-        f"load avg {os.getloadavg()[0]:.2f}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
+        f"load avg {os.getloadavg()[0]:.2f}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+        f"malloc {'kept' if mha_engine.cpu_allocator_tuned() else 'glibc defaults'}"
     )
     print(
         f"32 sentences, {min(lens)}-{max(lens)} tokens ({sum(lens)} packed, "

@@ -21,6 +21,7 @@ from .config import (
     TransformerEncoderConfig,
     config_from_dict,
 )
+from .cpu_memory import cpu_allocator_tuned, tune_cpu_allocator
 from .decoder_blocks import DecoderLayer, DecoderStack
 from .decoder_models import TransformerDecoderModel, TransformerModel
 from .demo import build_demo_model, demo_module
@@ -65,8 +66,10 @@ __all__ = [
     "build_demo_model",
     "check_device",
     "config_from_dict",
+    "cpu_allocator_tuned",
     "demo_module",
     "load_model",
     "quantize_int8",
     "save_model",
+    "tune_cpu_allocator",
 ]
