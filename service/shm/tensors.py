@@ -1,10 +1,12 @@
-"""A request's tensors in system shared memory: inputs read from, outputs written into, regions
-named by the `shared_memory_region`, `shared_memory_offset` and `shared_memory_byte_size`
+"""A request's tensors in shared memory, system or CUDA: inputs read from, outputs written into,
+regions named by the `shared_memory_region`, `shared_memory_offset` and `shared_memory_byte_size`
 parameters (Triton's names, over HTTP and gRPC alike).
 
-Every range is checked against the region's registered size before anything is read; inputs are
-copied out (the client may reuse its memory as soon as the answer arrives, and the batch never
-sees memory a client can change under it). The request's leases end with `close()`.
+Every range is checked here, for both kinds, against the region's registered size before
+anything is read or written; inputs are copied out (the client may reuse its memory as soon as
+the answer arrives, and the batch never sees memory a client can change under it). Only where
+the bytes live differs (Region.read/write: a mapping, or a CUDA buffer). The request's leases
+end with `close()`.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from service.pipeline.errors import BadInput
 from service.shm import BYTE_SIZE, OFFSET, REGION
 
 if TYPE_CHECKING:
-    from service.shm.regions import Region, SystemRegions
+    from service.shm.regions import Leased, Regions
 
 
 @dataclass
 class Target:
     """Where an output goes: its region, offset and the bytes the client set aside."""
 
-    region: Region
+    region: Leased
     offset: int
     byte_size: int
 
@@ -47,10 +49,10 @@ class SharedMemoryIO:
     """One request's use of the registered regions (as a context manager: its leases end on
     exit, whatever happened)."""
 
-    def __init__(self, regions: SystemRegions) -> None:
+    def __init__(self, regions: Regions) -> None:
         self.regions = regions
         self.outputs: dict[str, Target] = {}
-        self._leases: list[Region] = []
+        self._leases: list[Leased] = []
 
     def __enter__(self) -> SharedMemoryIO:
         return self
@@ -63,14 +65,14 @@ class SharedMemoryIO:
         for region in leases:
             self.regions.release(region)
 
-    def _range(self, parameters: dict[str, Any], what: str) -> tuple[Region, int, int]:
+    def _range(self, parameters: dict[str, Any], what: str) -> tuple[Leased, int, int]:
         """The region, offset and byte size named by `parameters`, inside the region."""
         name = parameters.get(REGION)
         if not isinstance(name, str) or not name:
             raise BadInput(f"{what}: '{REGION}' must be a region's name")
         offset = _int(parameters, OFFSET, what, default=0)
         byte_size = _int(parameters, BYTE_SIZE, what)
-        if self.regions.disabled:
+        if self.regions.disabled and self.regions.cuda_disabled:  # neither kind is offered
             raise BadInput(f"{what}: {self.regions.disabled}")
         limit = self.regions.max_tensor_bytes
         if limit is not None and byte_size > limit:  # before anything is copied
@@ -101,8 +103,8 @@ class SharedMemoryIO:
                 f"{what}: shared_memory_byte_size is {byte_size} but shape {list(shape)} of "
                 f"{datatype} needs {needed} bytes"
             )
-        # a copy: the views over the mapping end here (their references go with this frame)
-        return np.frombuffer(region.view(offset, byte_size), dtype=dtype).reshape(shape).copy()
+        # a copy (nothing refers to the region's memory after), as dtype once on the host
+        return region.read(offset, byte_size).view(dtype).reshape(shape)
 
     def want_output(self, name: str, parameters: dict[str, Any]) -> None:
         """Record where output `name` goes (checked against its region now, before any work)."""
@@ -120,8 +122,7 @@ class SharedMemoryIO:
                 f"({target.byte_size} bytes) should be at least {nbytes} bytes to hold the "
                 "results"
             )
-        destination = np.frombuffer(target.region.view(target.offset, nbytes), array.dtype)
-        destination[:] = array.reshape(-1)
+        target.region.write(target.offset, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         parameters: dict[str, Any] = {REGION: target.region.name, BYTE_SIZE: nbytes}
         if target.offset:
             parameters[OFFSET] = target.offset
