@@ -224,13 +224,34 @@ class CudaRegion:
         return host.numpy()
 
     def write(self, offset: int, data: np.ndarray) -> None:
-        """`data` (contiguous uint8, on the host: the batch's output comes back there) into the
-        client's buffer; synchronous, so the client reads it once answered."""
+        """`data` (contiguous uint8, on the host) into the client's buffer; synchronous, so the
+        client reads it once answered. (Outputs of the engine go by write_tensor instead.)"""
         if data.nbytes:
             self.memory(offset, data.nbytes).copy_(torch.from_numpy(data))
 
+    def write_tensor(self, offset: int, rows: torch.Tensor) -> None:
+        """`rows` (contiguous: a request's rows of the batch output, on the engine's device) into
+        the client's buffer: one device-to-device copy, finished before this returns (so before
+        the answer is sent). On the engine thread, which may outlive the request's lease (a
+        request that timed out while its batch ran): so under the region's lock, which _close
+        takes too, and refused once closed."""
+        data = rows.reshape(-1).view(torch.uint8)
+        if not data.numel():
+            return
+        with self.lock:
+            if self.closed:
+                raise BadInput(f"CUDA shared memory region '{self.name}' was unregistered")
+            destination = self.memory(offset, data.numel())
+            destination.copy_(data)
+            for device in {destination.device, data.device}:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
     def _close(self) -> None:
-        if not self.closed:
+        """Close the handle, once; never while write_tensor copies into it."""
+        with self.lock:
+            if self.closed:
+                return
             self.closed = True
             self.cuda.close(self.pointer, self.device_id)
 

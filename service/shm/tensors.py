@@ -24,6 +24,10 @@ from service.pipeline.errors import BadInput
 from service.shm import BYTE_SIZE, OFFSET, REGION
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
     from service.shm.regions import Leased, Regions
 
 
@@ -34,6 +38,7 @@ class Target:
     region: Leased
     offset: int
     byte_size: int
+    written: bool = False  # by the engine, device-to-device (a CUDA region)
 
 
 def _int(parameters: dict[str, Any], key: str, what: str, default: int | None = None) -> int:
@@ -111,22 +116,44 @@ class SharedMemoryIO:
         region, offset, byte_size = self._range(parameters, f"output '{name}'")
         self.outputs[name] = Target(region, offset, byte_size)
 
+    def device_sink(self, name: str) -> Callable[[torch.Tensor], None] | None:
+        """Where the engine writes output `name` from the device, when it goes to a CUDA region
+        (one device-to-device copy on the engine thread, before the answer; unverified on a
+        GPU); None for the host path (write_output)."""
+        target = self.outputs.get(name)
+        if target is None or target.region.kind != "cuda":
+            return None
+
+        def sink(rows: torch.Tensor) -> None:
+            _check_fits(name, target, rows.numel() * rows.element_size())
+            target.region.write_tensor(target.offset, rows)
+            target.written = True
+
+        return sink
+
     def write_output(self, name: str, array: np.ndarray) -> dict[str, Any]:
-        """Write output `name` into its region; returns the output's parameters for the answer.
-        A result larger than the client set aside is refused (nothing written)."""
+        """Write output `name` into its region (unless the engine did, device_sink); returns the
+        output's parameters for the answer. A result larger than the client set aside is refused
+        (nothing written)."""
         target = self.outputs[name]
         nbytes = math.prod(array.shape) * array.dtype.itemsize
-        if nbytes > target.byte_size:
-            raise BadInput(
-                f"shared memory size specified with the request for output '{name}' "
-                f"({target.byte_size} bytes) should be at least {nbytes} bytes to hold the "
-                "results"
+        _check_fits(name, target, nbytes)
+        if not target.written:
+            target.region.write(
+                target.offset, np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             )
-        target.region.write(target.offset, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         parameters: dict[str, Any] = {REGION: target.region.name, BYTE_SIZE: nbytes}
         if target.offset:
             parameters[OFFSET] = target.offset
         return parameters
+
+
+def _check_fits(name: str, target: Target, nbytes: int) -> None:
+    if nbytes > target.byte_size:
+        raise BadInput(
+            f"shared memory size specified with the request for output '{name}' "
+            f"({target.byte_size} bytes) should be at least {nbytes} bytes to hold the results"
+        )
 
 
 async def write_outputs(shm: SharedMemoryIO, name: str, array: np.ndarray) -> dict[str, Any] | None:

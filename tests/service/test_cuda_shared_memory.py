@@ -28,7 +28,10 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
+from service.oip.inputs import Payload
 from service.oip.model_config import extensions
+from service.pipeline.errors import BadInput
+from service.runtime.forward import hidden_states
 from service.runtime.settings import Settings
 from service.shm import cuda_regions
 from service.shm.cuda_regions import HANDLE_SIZE, Cudart, cuda_unavailable
@@ -422,3 +425,48 @@ def test_unregister_while_in_use_closes_after_the_last_lease(model_dir, fake_gpu
             assert fake_gpu.closed == [memory.ctypes.data]  # and only once
 
     asyncio.run(main())
+
+
+def test_the_engine_writes_a_cuda_output_from_the_device_once(model_dir, module, fake_gpu) -> None:
+    """The batch output's rows go into a CUDA region from the engine thread (device to device
+    on a GPU; here the fake's host memory), before the answer; write_output then only answers
+    (it writes nothing more), and a region too small is that request's error, no one else's."""
+    model = mha_engine.load_model(model_dir, device="cpu")
+    regions = Regions.for_settings(Settings(device="cuda"))
+    handle, memory = fake_gpu.allocate(NBYTES)
+    small_handle, small_memory = fake_gpu.allocate(NBYTES - 4)
+    cuda_regions.register_cuda(regions, "out", handle, 0, NBYTES)
+    cuda_regions.register_cuda(regions, "small", small_handle, 0, NBYTES - 4)
+    x = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
+    q = torch.from_numpy(x)
+    want = module(q, q, q, need_weights=False)[0].detach().numpy()
+    with SharedMemoryIO(regions) as shm, SharedMemoryIO(regions) as other:
+        shm.want_output(
+            "output", {"shared_memory_region": "out", "shared_memory_byte_size": NBYTES}
+        )
+        small = {"shared_memory_region": "small", "shared_memory_byte_size": NBYTES - 4}
+        other.want_output("output", small)
+        payloads = [Payload(x.reshape(-1, E), [SHAPE[1]] * SHAPE[0]) for _ in range(2)]
+        payloads[0].output_sink = shm.device_sink("output")
+        payloads[1].output_sink = other.device_sink("output")
+        first, second = hidden_states(model, payloads)
+        np.testing.assert_allclose(memory.view(np.float32).reshape(SHAPE), want, **FP32_TOL)
+        np.testing.assert_allclose(first.reshape(SHAPE), want, **FP32_TOL)
+        assert isinstance(second, BadInput) and "should be at least 384 bytes" in str(second)
+        assert not small_memory.any()  # nothing written into the small one
+        parameters = shm.write_output("output", np.zeros(SHAPE, np.float32))
+        assert parameters == {"shared_memory_region": "out", "shared_memory_byte_size": NBYTES}
+        np.testing.assert_allclose(memory.view(np.float32).reshape(SHAPE), want, **FP32_TOL)
+    # a request that ended (timed out) while its batch ran: its lease is gone, the region was
+    # unregistered and closed, and the engine's late write is refused, not made
+    with SharedMemoryIO(regions) as gone:
+        gone.want_output("output", {"shared_memory_region": "out", "shared_memory_byte_size": 8})
+        sink = gone.device_sink("output")
+        regions.unregister("out", kind="cuda")
+        assert fake_gpu.closed == []
+    assert fake_gpu.closed == [memory.ctypes.data]
+    with pytest.raises(BadInput, match="region 'out' was unregistered"):
+        sink(torch.zeros(2, dtype=torch.float32))
+    np.testing.assert_allclose(memory.view(np.float32).reshape(SHAPE), want, **FP32_TOL)
+    system = Regions(max_regions=1, max_bytes=1)  # a system region's output: the host path
+    assert SharedMemoryIO(system).device_sink("output") is None
