@@ -264,6 +264,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
                 offload=shared_input_bytes(request) > OFFLOAD_BYTES
                 or (not raw and request.ByteSize() > OFFLOAD_BYTES),
                 deadline_s=deadline_s,
+                output_sink=functools.partial(shm.device_sink, OUTPUT_NAME),
             )
             return await infer(self.state, work, functools.partial(_encode, raw, shm))
 

@@ -1,14 +1,14 @@
-"""Triton's shared-memory RPCs: system shared memory over the server's registry
-(service.shm.regions); CUDA shared memory answers INVALID_ARGUMENT "GPUs not supported" on
-registration, as Triton's CPU builds do (status lists none, unregistering has nothing to
-remove: perf_analyzer unregisters both kinds before it starts)."""
+"""Triton's shared-memory RPCs over the server's registry: system regions (service.shm.regions)
+and CUDA ones (service.shm.cuda_regions). Where the engine is not on a GPU, a CUDA registration
+answers INVALID_ARGUMENT "GPUs not supported", as Triton's CPU builds do (status lists none,
+unregistering has nothing to remove: perf_analyzer unregisters both kinds before it starts)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from service.grpc import grpc_service_pb2 as pb
-from service.shm.regions import RegionNotFound, cuda_unsupported
+from service.shm.cuda_regions import register_cuda
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -53,14 +53,25 @@ class SharedMemoryServicer:
 
     async def CudaSharedMemoryStatus(self, request, context):
         async with self._call("CudaSharedMemoryStatus", context):
-            if request.name:
-                raise RegionNotFound(f"unable to find cuda shared memory region: '{request.name}'")
-            return pb.CudaSharedMemoryStatusResponse()
+            answer = pb.CudaSharedMemoryStatusResponse()
+            for region in self.state.shared_memory.status(request.name or None, kind="cuda"):
+                answer.regions[region["name"]].CopyFrom(
+                    pb.CudaSharedMemoryStatusResponse.RegionStatus(**region)
+                )
+            return answer
 
     async def CudaSharedMemoryRegister(self, request, context):
         async with self._call("CudaSharedMemoryRegister", context):
-            raise cuda_unsupported(request.name)
+            register_cuda(
+                self.state.shared_memory,
+                request.name,
+                request.raw_handle,
+                request.device_id,
+                request.byte_size,
+            )
+            return pb.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request, context):
         async with self._call("CudaSharedMemoryUnregister", context):
+            self.state.shared_memory.unregister(request.name or None, kind="cuda")
             return pb.CudaSharedMemoryUnregisterResponse()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,9 @@ class Payload:
     datatype: str = "FP32"  # the input's wire datatype; the output comes back in it
     batched: bool = True  # input was [B, T, E] (else [T, E])
     token_types: np.ndarray | None = None  # (N,) token type ids beside token-id queries (pairs)
+    # the output's rows on the device go here as well (an output in CUDA shared memory: written
+    # device-to-device on the engine thread, service.shm.tensors); None: host only
+    output_sink: Callable[[Any], None] | None = None
 
     @property
     def num_sequences(self) -> int:

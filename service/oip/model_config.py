@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.oip.datatypes import of_torch
 from service.oip.model_inputs import declared_inputs
+from service.shm.cuda_regions import cuda_unavailable
 from service.shm.regions import unavailable
 from service.text.tokenizer import text_properties
 
@@ -22,13 +23,15 @@ EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
 
 def extensions(settings: Settings) -> list[str]:
     """The extensions offered: model_repository (index, load, unload) in explicit mode only;
-    system_shared_memory where it works (one process, Linux)."""
+    system_shared_memory where it works (one process, Linux), cuda_shared_memory where it works
+    (one process, the engine on a CUDA device)."""
     explicit = settings.model_control_mode == "explicit"
     return [
         *EXTENSIONS,
         *(["model_repository"] if explicit else []),
         "logging",  # GET/POST /v2/logging, gRPC LogSettings
         *(["system_shared_memory"] if unavailable(settings) is None else []),
+        *(["cuda_shared_memory"] if cuda_unavailable(settings) is None else []),
     ]
 
 

@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.oip.inputs import Payload, prepare, request_timeout_s
 from service.pipeline.models import submit
@@ -43,6 +43,8 @@ class TensorRequest:
     offload: bool = False  # decode and validate on a worker thread (a large request)
     deadline_s: float | None = None  # the transport's own deadline (gRPC's), seconds from now
     gone: Gone | None = None  # fires when the client leaves (None: cancellation tells)
+    # after decoding: where the engine writes the output from the device (Payload.output_sink)
+    output_sink: Callable[[], Callable[[Any], None] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +69,8 @@ async def infer(
     entry = state.find(request.model, request.version)
     try:
         decoded, payload, input_s = await _decode(entry, request)
+        if request.output_sink is not None:
+            payload.output_sink = request.output_sink()
         metrics = entry.metrics or state.metrics
         metrics.codec(metrics.decode, request.protocol, input_s)
         metrics.sequences_received(payload.lengths)

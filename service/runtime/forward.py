@@ -4,7 +4,9 @@ one tensor per input, one engine call, and each request's output a slice of the 
 Per batch: one copy of the wire arrays into a staging tensor (64-byte aligned like every torch
 allocation, pinned on CUDA), one host->device copy, one device->host copy of the output. NaN/Inf
 are found by one vectorised float64 sum over each staged input and over the output, per batch:
-no pass per request and none on the event loop. Nothing is copied per request.
+no pass per request and none on the event loop. Nothing is copied per request, except an output
+the request put in CUDA shared memory: its rows are copied there from the device as well
+(Payload.output_sink; unverified on a GPU).
 """
 
 from __future__ import annotations
@@ -144,16 +146,18 @@ def _forward(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | S
             is_causal=causal,
         )  # (N, E) on the device
     finite = _finite(out)
-    host = _to_host(out, types)  # (N, E) per wire type, one device->host copy each
+    typed = {name: out.to(dtype=DATATYPES[name].torch) for name in set(types)}  # on the device
+    host = _to_host(typed)  # (N, E) per wire type, one device->host copy each
     results: list[np.ndarray | ServiceError] = []
     start = 0
     for i, p in enumerate(payloads):
-        mine = host[p.datatype][start : start + p.num_tokens]  # (tokens, E), a view
+        rows = slice(start, start + p.num_tokens)
+        mine = host[p.datatype][rows]  # (tokens, E), a view
         start += p.num_tokens
         if i in bad:
             results.append(BadInput(f"input '{bad[i]}' holds NaN or Inf values"))
         elif finite or _finite(torch.from_numpy(mine).view(DATATYPES[p.datatype].torch)):
-            results.append(mine)
+            results.append(_sink(p, typed[p.datatype][rows], mine))
         else:
             results.append(
                 NonFiniteOutput(
@@ -207,11 +211,23 @@ def _decoder_forward(model, payloads, tgt, tgt_lens, memory, mem_lens, memory_kp
     )
 
 
-def _to_host(out: torch.Tensor, types: list[str]) -> dict[str, np.ndarray]:
+def _to_host(typed: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """The output in each wire datatype the batch asked for, as numpy on the host (BF16 as its
     bits): one device->host copy per wire type."""
     host = {}
-    for name in set(types):
-        tensor = out.to(dtype=DATATYPES[name].torch).cpu()
+    for name, tensor in typed.items():
+        tensor = tensor.cpu()
         host[name] = tensor.view(torch.uint16).numpy() if name == "BF16" else tensor.numpy()
+    return host
+
+
+def _sink(payload: Payload, rows: torch.Tensor, host: np.ndarray) -> np.ndarray | ServiceError:
+    """The payload's rows also to its output sink (CUDA shared memory: straight from the device;
+    unverified on a GPU); the sink's refusal (a region too small) is the payload's error."""
+    if payload.output_sink is None:
+        return host
+    try:
+        payload.output_sink(rows)
+    except ServiceError as exc:
+        return exc
     return host

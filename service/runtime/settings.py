@@ -67,14 +67,16 @@ class Settings(BaseSettings):
     shm_max_regions: int = Field(
         64,
         ge=0,
-        description="Most system shared-memory regions registered at once (Triton's "
-        "/v2/systemsharedmemory extension); 0 turns registration off.",
+        description="Most shared-memory regions registered at once, system and CUDA (Triton's "
+        "/v2/systemsharedmemory and /v2/cudasharedmemory extensions); 0 turns registration "
+        "off.",
     )
     shm_max_bytes: int = Field(
         16 * 1024**3,
         ge=0,
-        description="Most bytes of client shared memory mapped at once, over all registered "
-        "regions (address space and page tables, not memory of the server's own).",
+        description="Most bytes of client system shared memory mapped at once, over all "
+        "registered system regions (address space and page tables, not memory of the server's "
+        "own; CUDA regions stay in the client's GPU memory and do not count).",
     )
     device: str | None = Field(None, description="torch device: cuda, cuda:1, cpu. Default: auto.")
     dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(

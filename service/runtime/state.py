@@ -18,7 +18,7 @@ from service.runtime.log_settings import LogControl
 from service.runtime.metrics import Metrics
 from service.runtime.settings import Settings
 from service.runtime.statistics import ModelStats
-from service.shm.regions import SystemRegions
+from service.shm.regions import Regions
 from service.text.tokenizer import CharLimits, TextTokenizer
 
 log = logging.getLogger("service")
@@ -67,12 +67,12 @@ class ServiceState:
     started_at: float = field(default_factory=time.time)
     loop: asyncio.AbstractEventLoop | None = None
     grace_timer: asyncio.TimerHandle | None = None
-    shared_memory: SystemRegions = field(init=False)  # Triton's system shared memory
+    shared_memory: Regions = field(init=False)  # Triton's system and CUDA shared memory
     log_control: LogControl | None = None  # the app's (Triton's logging extension)
 
     def __post_init__(self) -> None:
         self.models = {}
-        self.shared_memory = SystemRegions.for_settings(self.settings)
+        self.shared_memory = Regions.for_settings(self.settings)
         for name in self.versions:
             self._follow(name)
 

@@ -1,5 +1,7 @@
-"""The registered system shared-memory regions: each a client's POSIX shared-memory object (its
-shm_open key), mapped from `offset` for `byte_size` bytes, under a name requests refer to.
+"""The registered shared-memory regions, system and CUDA in one namespace (as Triton's manager):
+a system region is a client's POSIX shared-memory object (its shm_open key), mapped from `offset`
+for `byte_size` bytes; a CUDA region (service.shm.cuda_regions) a client's GPU buffer opened
+from its IPC handle. Requests refer to either by name.
 
 A request holds a lease on each region it uses; unregistering removes the name at once (new
 requests cannot find it) and unmaps the region when its last lease ends, so a request in flight
@@ -16,23 +18,19 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from service.pipeline.errors import BadInput, ModelNotFound, ServiceError
 
 if TYPE_CHECKING:
     from service.runtime.settings import Settings
 
+# Triton's answer to a CUDA registration on a build without GPUs (the region's name follows)
+CPU_ONLY = "GPUs not supported (this build serves on the CPU only)"
 SHM_DIR = Path("/dev/shm")  # where Linux's shm_open keeps its objects
 KEY_MAX = 255  # NAME_MAX: an shm_open name is one file name
-
-
-def cuda_unsupported(name: str) -> NotSupported:
-    """Triton's answer on a build without GPUs, naming the region."""
-    return NotSupported(
-        f"failed to register CUDA shared memory region: '{name}', GPUs not supported "
-        "(this build serves on the CPU only)"
-    )
 
 
 class RegionExists(ServiceError):
@@ -63,8 +61,10 @@ class NotSupported(BadInput):
 
 @dataclass(eq=False)
 class Region:
-    """One registered region: its mapping and the leases on it."""
+    """One registered system region: its mapping and the leases on it. A CUDA region
+    (cuda_regions.CudaRegion) has the same lease fields and read/write/status/_close."""
 
+    kind = "system"
     name: str
     key: str
     offset: int
@@ -91,10 +91,34 @@ class Region:
         begin = self.start + offset
         return memoryview(self.mapping)[begin : begin + nbytes]
 
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """A copy of `nbytes` from `offset` (uint8; the caller checked the range)."""
+        return np.frombuffer(self.view(offset, nbytes), np.uint8).copy()
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """`data` (contiguous uint8) into the region at `offset` (range checked by the caller)."""
+        np.frombuffer(self.view(offset, data.nbytes), np.uint8)[:] = data
+
     def _close(self) -> None:
         # BufferError: a view still exists; CPython unmaps when the last one goes
         with contextlib.suppress(BufferError):
             self.mapping.close()
+
+
+class Leased(Protocol):
+    """What the registry needs of a region of either kind."""
+
+    kind: str
+    name: str
+    byte_size: int
+    users: int
+    retired: bool
+    lock: threading.Lock
+
+    def status(self) -> dict[str, Any]: ...
+    def read(self, offset: int, nbytes: int) -> np.ndarray: ...
+    def write(self, offset: int, data: np.ndarray) -> None: ...
+    def _close(self) -> None: ...
 
 
 def unavailable(settings: Settings) -> str | None:
@@ -153,9 +177,20 @@ def _size(value: Any, what: str) -> int:
     return value
 
 
-class SystemRegions:
-    """The server's registered regions, bounded in count and total bytes. Thread-safe: requests
-    decoded on worker threads take leases too."""
+def checked_size(name: Any, offset: Any, byte_size: Any) -> tuple[int, int]:
+    """A registration's name, offset and byte_size checked (either kind): (offset, byte_size)."""
+    if not isinstance(name, str) or not name:
+        raise BadInput("a shared memory region needs a non-empty name")
+    offset, byte_size = _size(offset, "offset"), _size(byte_size, "byte_size")
+    if byte_size == 0:
+        raise BadInput(f"shared memory region '{name}': byte_size must be positive")
+    return offset, byte_size
+
+
+class Regions:
+    """The server's registered regions of both kinds, bounded in count (both) and mapped bytes
+    (system: CUDA regions stay in the client's GPU memory). Thread-safe: requests decoded on
+    worker threads take leases too."""
 
     def __init__(
         self,
@@ -163,46 +198,55 @@ class SystemRegions:
         max_bytes: int,
         disabled: str | None = None,
         max_tensor_bytes: int | None = None,
+        cuda_disabled: str | None = CPU_ONLY,
     ) -> None:
         self.max_regions = max_regions
         self.max_bytes = max_bytes
-        self.disabled = disabled  # why registration is refused (None: it is offered)
+        self.disabled = disabled  # why system registration is refused (None: it is offered)
+        self.cuda_disabled = cuda_disabled  # why CUDA registration is refused (None: offered)
         # one tensor's bytes at most: what a request body could carry (--max-body-bytes)
         self.max_tensor_bytes = max_tensor_bytes
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[str, Leased] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def for_settings(cls, settings: Settings) -> SystemRegions:
+    def for_settings(cls, settings: Settings) -> Regions:
+        from service.shm.cuda_regions import cuda_unavailable  # torch's CUDA checks
+
         return cls(
             settings.shm_max_regions,
             settings.shm_max_bytes,
             unavailable(settings),
             max_tensor_bytes=settings.max_body_bytes,
+            cuda_disabled=cuda_unavailable(settings),
         )
 
     def register(self, name: str, key: str, offset: Any, byte_size: Any) -> None:
-        """Map the region and name it; 400 when it cannot be mapped as asked."""
+        """Map the system region and name it; 400 when it cannot be mapped as asked."""
         if self.disabled:
             raise NotSupported(self.disabled)
-        if not isinstance(name, str) or not name:
-            raise BadInput("a shared memory region needs a non-empty name")
-        offset, byte_size = _size(offset, "offset"), _size(byte_size, "byte_size")
-        if byte_size == 0:
-            raise BadInput(f"shared memory region '{name}': byte_size must be positive")
-        with self._lock:
-            self._check_room(name, byte_size)
+        offset, byte_size = checked_size(name, offset, byte_size)
+        self.check_room(name, byte_size, "system")
         mapping, start = _map(key, offset, byte_size)
-        region = Region(name, key, offset, byte_size, mapping, start)
+        self.add(Region(name, key, offset, byte_size, mapping, start))
+
+    def add(self, region: Leased) -> None:
+        """Name an opened region; closed again (and the error raised) when there is no room."""
         with self._lock:
             try:
-                self._check_room(name, byte_size)  # again: another registration may have won
+                self._check_room(region.name, region.byte_size, region.kind)
             except ServiceError:
                 region._close()
                 raise
-            self._regions[name] = region
+            self._regions[region.name] = region
 
-    def _check_room(self, name: str, byte_size: int) -> None:
+    def check_room(self, name: str, byte_size: int, kind: str) -> None:
+        """The early refusal (name taken, no room) before a region is opened: add() checks
+        again, as another registration may win in between."""
+        with self._lock:
+            self._check_room(name, byte_size, kind)
+
+    def _check_room(self, name: str, byte_size: int, kind: str) -> None:
         if name in self._regions:
             raise RegionExists(f"shared memory region '{name}' is already registered")
         if len(self._regions) >= self.max_regions:
@@ -210,18 +254,26 @@ class SystemRegions:
                 f"{len(self._regions)} shared memory regions are registered, the most "
                 "--shm-max-regions allows; unregister one first"
             )
-        total = sum(r.byte_size for r in self._regions.values()) + byte_size
+        if kind != "system":
+            return
+        mapped = (r.byte_size for r in self._regions.values() if r.kind == "system")
+        total = sum(mapped) + byte_size
         if total > self.max_bytes:
             raise RegionsFull(
                 f"registering {byte_size} bytes would map {total} bytes of shared memory, "
                 f"more than --shm-max-bytes {self.max_bytes}"
             )
 
-    def unregister(self, name: str | None = None) -> None:
-        """Forget `name` (every region when None); an unknown name is no error (as Triton)."""
+    def unregister(self, name: str | None = None, kind: str | None = "system") -> None:
+        """Forget `name` (every region of `kind` when None; None `kind`: every kind). An
+        unknown name, or one of the other kind, is no error (as Triton)."""
         with self._lock:
             names = list(self._regions) if name is None else [name]
-            gone = [self._regions.pop(n) for n in names if n in self._regions]
+            gone = [
+                self._regions.pop(n)
+                for n in names
+                if n in self._regions and kind in (None, self._regions[n].kind)
+            ]
         for region in gone:
             with region.lock:
                 region.retired = True
@@ -229,28 +281,28 @@ class SystemRegions:
             if idle:
                 region._close()
 
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """Each region's name, key, offset and byte_size (404 for an unknown `name`)."""
+    def status(self, name: str | None = None, kind: str = "system") -> list[dict[str, Any]]:
+        """Each `kind` region's status (404 for a `name` not registered as that kind)."""
         with self._lock:
             if name is None:
-                return [r.status() for r in self._regions.values()]
+                return [r.status() for r in self._regions.values() if r.kind == kind]
             region = self._regions.get(name)
-        if region is None:
-            raise RegionNotFound(f"unable to find system shared memory region: '{name}'")
+        if region is None or region.kind != kind:
+            raise RegionNotFound(f"unable to find {kind} shared memory region: '{name}'")
         return [region.status()]
 
-    def acquire(self, name: str) -> Region:
+    def acquire(self, name: str) -> Leased:
         """A lease on the region `name` (400 when not registered); end it with release()."""
         with self._lock:
             region = self._regions.get(name)
             if region is None:  # a request's mistake: 400, not the 404 of a model
-                raise BadInput(f"unable to find system shared memory region: '{name}'")
+                raise BadInput(f"unable to find shared memory region: '{name}'")
             with region.lock:
                 region.users += 1
         return region
 
     @staticmethod
-    def release(region: Region) -> None:
+    def release(region: Leased) -> None:
         with region.lock:
             region.users -= 1
             last = region.retired and region.users == 0
@@ -258,5 +310,5 @@ class SystemRegions:
             region._close()
 
     def close(self) -> None:
-        """At shutdown: forget every region (the mappings go with their last lease)."""
-        self.unregister(None)
+        """At shutdown: forget every region (each is closed when its last lease ends)."""
+        self.unregister(None, kind=None)

@@ -21,7 +21,8 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 from service.runtime.settings import Settings
-from service.shm.regions import SystemRegions, unavailable
+from service.shm.regions import Regions as ServerRegions
+from service.shm.regions import unavailable
 from tests.service.test_grpc import GrpcServer, attention, expected, rng_input, serving
 from tests.support import FP32_TOL
 
@@ -261,7 +262,7 @@ def test_unregister_while_requests_use_the_region(server, module) -> None:
             try:
                 got = client.infer(NAME, [item]).as_numpy("output")
             except InferenceServerException as exc:
-                assert "unable to find system shared memory region: 'busy'" in exc.message()
+                assert "unable to find shared memory region: 'busy'" in exc.message()
                 return "refused"
             np.testing.assert_allclose(got, want, **FP32_TOL)
             return "answered"
@@ -286,7 +287,7 @@ def test_a_lease_outlives_unregister_and_the_last_one_unmaps(tmp_path) -> None:
     handle = shm.create_shared_memory_region("unit", f"/mha-unit-{os.getpid()}", 64)
     try:
         shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.float32)])
-        regions = SystemRegions(max_regions=2, max_bytes=128)
+        regions = ServerRegions(max_regions=2, max_bytes=128)
         regions.register("unit", f"/mha-unit-{os.getpid()}", 0, 64)
         lease = regions.acquire("unit")
         regions.unregister("unit")
@@ -306,7 +307,7 @@ def test_the_bounds_on_regions(tmp_path) -> None:
     handles = [shm.create_shared_memory_region(f"b{i}", f"/mha-b{i}-{os.getpid()}", 64)
                for i in range(3)]  # fmt: skip
     try:
-        regions = SystemRegions(max_regions=2, max_bytes=100)
+        regions = ServerRegions(max_regions=2, max_bytes=100)
         regions.register("b0", f"/mha-b0-{os.getpid()}", 0, 64)
         with pytest.raises(Exception, match="--shm-max-bytes"):
             regions.register("b1", f"/mha-b1-{os.getpid()}", 0, 64)

@@ -52,6 +52,7 @@ async def _infer(
             decode=functools.partial(decode_request, body, header_length, shm),
             offload=offload,
             gone=gone,
+            output_sink=functools.partial(shm.device_sink, OUTPUT_NAME),
         )
         return await run_infer(state, work, functools.partial(_encode, request, version, shm))
 
