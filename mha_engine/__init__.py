@@ -23,7 +23,7 @@ from .config import (
 )
 from .cpu_memory import cpu_allocator_tuned, tune_cpu_allocator
 from .decoder_blocks import DecoderLayer, DecoderStack
-from .decoder_models import TransformerDecoderModel, TransformerModel
+from .decoder_models import TransformerDecoderModel
 from .demo import build_demo_model, demo_module
 from .devices import check_device
 from .errors import DeviceError
@@ -34,6 +34,7 @@ from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .save import save_model
 from .text import TextEmbeddings
 from .text_model import TextEncoderModel
+from .transformer_model import TransformerModel
 
 __all__ = [
     "CheckpointError",

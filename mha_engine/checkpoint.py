@@ -29,7 +29,7 @@ from .config import (
     TransformerDecoderConfig,
     config_from_dict,
 )
-from .decoder_models import TransformerDecoderModel, TransformerModel
+from .decoder_models import TransformerDecoderModel
 from .devices import resolve_device, resolve_precision
 from .errors import CheckpointError, check_state
 from .fused import prepack
@@ -37,6 +37,7 @@ from .heads import TextClassifierModel
 from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
 from .quantize import quantize_int8
 from .text_model import TextEncoderModel, read_text_settings
+from .transformer_model import TransformerModel
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 
