@@ -58,47 +58,35 @@ DONE = {
     503: ERROR_RESPONSES[503],
 }
 CONTROL_RESPONSES = {**DONE, **{code: ERROR_RESPONSES[code] for code in (400, 413, 429)}}
-REGISTER_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {
-                        "key": {"type": "string", "description": "shm_open name, e.g. /input0"},
-                        "offset": {"type": "integer", "minimum": 0, "default": 0},
-                        "byte_size": {"type": "integer", "minimum": 1},
-                    },
-                    "required": ["key", "byte_size"],
-                }
-            }
+
+
+def _json_body(properties: dict, required: list[str]) -> dict:
+    """The OpenAPI requestBody of a register call: a required JSON object."""
+    schema = {"type": "object", "properties": properties, "required": required}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+REGISTER_BODY = _json_body(
+    {
+        "key": {"type": "string", "description": "shm_open name, e.g. /input0"},
+        "offset": {"type": "integer", "minimum": 0, "default": 0},
+        "byte_size": {"type": "integer", "minimum": 1},
+    },
+    ["key", "byte_size"],
+)
+CUDA_REGISTER_BODY = _json_body(
+    {
+        "raw_handle": {
+            "type": "object",
+            "properties": {"b64": {"type": "string", "format": "byte"}},
+            "required": ["b64"],
+            "description": "the 64-byte cudaIpcMemHandle_t, base64",
         },
-    }
-}
-CUDA_REGISTER_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {
-                        "raw_handle": {
-                            "type": "object",
-                            "properties": {"b64": {"type": "string", "format": "byte"}},
-                            "required": ["b64"],
-                            "description": "the 64-byte cudaIpcMemHandle_t, base64",
-                        },
-                        "device_id": {"type": "integer", "minimum": 0},
-                        "byte_size": {"type": "integer", "minimum": 1},
-                    },
-                    "required": ["raw_handle", "device_id", "byte_size"],
-                }
-            }
-        },
-    }
-}
+        "device_id": {"type": "integer", "minimum": 0},
+        "byte_size": {"type": "integer", "minimum": 1},
+    },
+    ["raw_handle", "device_id", "byte_size"],
+)
 
 
 @router.get(
