@@ -8,10 +8,11 @@ GEMM. Measured on torch 2.13 (BENCHMARKS.md, "CPU engine"): the fused GELU gives
 as F.gelu on the linear's output, the fused add the same bits as a separate add.
 
 Batch invariance: a GEMM kernel may pick another code path for very few rows (MKL's fp32 sgemm
-gives other bits for 1-3 rows, and 5-7 and 9-11 with 2 threads; oneDNN's for 1 row at
+gives other bits for 1-3 rows on AMD EPYC, 1-15 on an AMX Xeon; oneDNN's for 1 row at
 K=1536), so inputs with fewer than MIN_ROWS rows are padded with zero rows up to MIN_ROWS
-and the padding cut off. Every row count then runs the kernel choice of a large batch and a
-sequence gets the same bits alone or in any batch (tests/mha_engine/test_tiny_batch.py).
+and the padding cut off. On AMX CPUs oneDNN's bf16 kernel also changes with larger row counts,
+so bf16 GEMMs there run in blocks of exactly AMX_BF16_BLOCK rows. A sequence then gets the
+same bits alone or in any batch (tests/mha_engine/test_tiny_batch.py).
 
 Anything else (int8 Linears, CUDA, autograd, torch.compile tracing, MHA_ENGINE_FUSED_CPU=0)
 takes the plain module call, with the same row padding for float nn.Linear (none while
@@ -28,12 +29,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Measured on torch 2.13 CPU (MKL sgemm, oneDNN fp32/bf16, AVX-512): a GEMM over M < 12 rows
-# (MKL: 1-3, 5-7, 9-11 rows with 2 threads; oneDNN prepacked: 1 row at K=1536) rounds
-# differently from the same rows inside a larger GEMM; from 12 rows on, a row's bits do not
-# depend on M. The one threshold for every padding in the engine.
-MIN_ROWS = 12
+# Measured on torch 2.13 CPU (MKL sgemm, oneDNN fp32/bf16, AVX-512): a GEMM over few rows
+# (MKL on AMD EPYC: 1-3, 5-7, 9-11 rows with 2 threads; MKL on an AMX Xeon: 1-15 rows; oneDNN
+# prepacked: 1 row at K=1536) rounds differently from the same rows inside a larger GEMM; from
+# 16 rows on, a row's bits do not depend on M there. The one threshold for every padding in the
+# engine.
+MIN_ROWS = 16
+# bf16 on AMX (measured on a Sapphire Rapids-class Xeon, oneDNN in torch 2.13): at K >= 768
+# the kernel's blocking depends on the row count M (1-32 rows, 33-387, 388 on, other regions
+# with 2 threads and other shapes), and the bf16 rounding of some outputs flips with it (2 of 64
+# MiniLM sentences differed alone and in an 892-token batch). With one M for every call a row's
+# bits depend on nothing else (checked over shapes, positions, neighbours, 1 and 2 threads), so
+# bf16 GEMMs there run in blocks of exactly AMX_BF16_BLOCK rows, the last padded: as fast as
+# one call for MiniLM at 446 rows (0.94-1.01x; blocks of 32 were 0.48x).
+AMX_BF16_BLOCK = 128
 PACKABLE = (torch.float32, torch.bfloat16)
+AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 # engine activation name -> (oneDNN post-op, its algorithm argument)
 POST_OPS = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -140,9 +151,10 @@ def _as_rows(x: Tensor, pad: bool) -> tuple[Tensor, int]:
 
 
 def padded_gemm(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """fn (a row-wise GEMM) on x (..., K) with tiny batches padded; output (..., M)."""
+    """fn (a row-wise GEMM) on x (..., K) with tiny batches padded (and bf16 rows in blocks on
+    AMX, as `linear`); output (..., M)."""
     x2, n = _as_rows(x, pad=True)
-    y = fn(x2)  # (N', M)
+    y = _rows(lambda xb, _: fn(xb), x2, None)  # (N', M)
     return y[:n].reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -159,15 +171,40 @@ def linear(
     r2 = None if residual is None else _as_rows(residual, pad)[0]  # (N', M)
     if pad and _packable(module, x2) and (activation is None or r2 is None):
         w = packed_weight(module)
-        if r2 is not None:
-            y = torch.ops.mkldnn._linear_pointwise.binary(x2, r2, w, module.bias, "add")
-        else:
-            op, algorithm = POST_OPS[activation] if activation else ("none", "")
-            y = torch.ops.mkldnn._linear_pointwise(x2, w, module.bias, op, [], algorithm)
+        y = _rows(lambda xb, rb: _onednn_linear(module, w, xb, rb, activation), x2, r2)
     else:
-        y = module(x2)  # (N', M)
-        if activation is not None:
-            y = ACTIVATIONS[activation](y)
-        if r2 is not None:
-            y = y + r2
+
+        def plain(xb: Tensor, rb: Tensor | None) -> Tensor:
+            yb = module(xb)  # (N', M)
+            if activation is not None:
+                yb = ACTIVATIONS[activation](yb)
+            return yb if rb is None else yb + rb
+
+        y = _rows(plain, x2, r2) if pad else plain(x2, r2)
     return y[:n].reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _onednn_linear(
+    module: nn.Module, w: Tensor, x2: Tensor, r2: Tensor | None, activation: str | None
+) -> Tensor:
+    """oneDNN's linear on rows x2 (N, K) with the prepacked weight, fused post-op; (N, M)."""
+    if r2 is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x2, r2, w, module.bias, "add")
+    op, algorithm = POST_OPS[activation] if activation else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x2, w, module.bias, op, [], algorithm)
+
+
+def _rows(fn: Callable[[Tensor, Tensor | None], Tensor], x2: Tensor, r2: Tensor | None) -> Tensor:
+    """fn(rows, residual rows) on x2 (N, K): in one call, or for bf16 on AMX in blocks of
+    exactly AMX_BF16_BLOCK rows (the last padded with zero rows), so every call has the same
+    row count and so the same kernel; (N, M)."""
+    n = x2.shape[0]
+    if not (AMX and x2.dtype == torch.bfloat16) or torch.compiler.is_compiling():
+        return fn(x2, r2)
+    out = []
+    block = AMX_BF16_BLOCK
+    for start in range(0, n, block):
+        xb = pad_rows(x2[start : start + block], block)
+        rb = None if r2 is None else pad_rows(r2[start : start + block], block)
+        out.append(fn(xb, rb)[: min(block, n - start)])
+    return out[0] if len(out) == 1 else torch.cat(out)  # (N, M)

@@ -54,12 +54,15 @@ def faults_per_round(mode: str, where: str) -> tuple[str, float]:
 def test_tuned_heap_reuses_freed_buffers(where: str) -> None:
     tuned, faults = faults_per_round("tuned", where)
     assert tuned == "True"
-    # The same rounds under glibc's defaults: the freed top of the heap goes back to the kernel
-    # and ~7,000 pages (30 MiB) fault again every round. Kept: none on the main thread, ~115 on
-    # a thread's arena (its heaps are separate 64 MiB maps), measured here.
-    _, default = faults_per_round("default", where)
-    assert default > 1000, default
-    assert faults * 20 < default, f"{faults} page faults per round kept, {default} by default"
+    # A round writes 7,680 pages (30 MiB). Kept: none on the main thread, ~115 on a thread's
+    # arena (its heaps are separate 64 MiB maps), measured here; at most 5% allowed.
+    assert faults < 384, f"{faults} page faults per round with the heap kept"
+    if where == "main":
+        # glibc's defaults, same rounds: the freed top of the heap goes back to the kernel and
+        # every page faults again (7,648 a round here). On a thread it varies with the arena's
+        # history (612-6,880 measured), so the failing case is shown on the main thread.
+        _, default = faults_per_round("default", where)
+        assert default > 3000, default
 
 
 def test_tuning_is_idempotent_and_reported() -> None:

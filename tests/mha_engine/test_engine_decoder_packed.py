@@ -133,9 +133,9 @@ def test_cross_attention_projects_memory_once_per_layer(monkeypatch):
         return real(linear, x, start, stop)
 
     monkeypatch.setattr(attention, "linear_rows", spy)
-    tgt, mem = torch.randn(14, D), torch.randn(13, D)
-    model.forward_packed(tgt, [0, 3, 14], mem, [0, 6, 13])
-    assert calls == [((14, D), 0, D), ((13, D), D, 3 * D)] * 2
+    tgt, mem = torch.randn(18, D), torch.randn(17, D)  # above fused.MIN_ROWS: no padding
+    model.forward_packed(tgt, [0, 3, 18], mem, [0, 6, 17])
+    assert calls == [((18, D), 0, D), ((17, D), D, 3 * D)] * 2
 
 
 def test_packed_argument_errors_name_the_input():

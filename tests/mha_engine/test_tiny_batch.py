@@ -1,11 +1,11 @@
 """Tiny packed batches (1-16 rows) give every sequence the bits it gets in a large batch.
 
 GEMM kernels pick other code paths for very few rows (MKL's fp32 sgemm for 1-3 rows, and 5-7
-and 9-11 with 2 threads; oneDNN's for 1 row at K=1536); mha_engine.fused pads each linear's
-input to MIN_ROWS rows (and models pad a whole packed batch at entry). Shapes are MiniLM's
-(E=384, 6 heads, FFN 1536, GELU), in fp32, bf16 and int8, with the fused oneDNN path on
-(default) and off (MHA_ENGINE_FUSED_CPU=0), at 1 thread, 2 and torch's default (the server's:
-one per core).
+and 9-11 with 2 threads on AMD EPYC, 1-15 on an AMX Xeon; oneDNN's for 1 row at K=1536);
+mha_engine.fused pads each linear's input to MIN_ROWS rows (and models pad a whole packed
+batch at entry). Shapes are MiniLM's (E=384, 6 heads, FFN 1536, GELU), in fp32, bf16 and
+int8, with the fused oneDNN path on (default) and off (MHA_ENGINE_FUSED_CPU=0), at 1 thread,
+2 and torch's default (the server's: one per core).
 """
 
 from __future__ import annotations
@@ -108,3 +108,19 @@ def test_weights_made_under_inference_mode_are_packed():
     if fused.ONEDNN:
         linear1 = model.encoder.layers[0].linear1
         assert fused.packed_weight(linear1) is fused.packed_weight(linear1)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
+def test_sequences_alone_match_a_large_batch(precision, threads):
+    """Large batches too: on an AMX CPU oneDNN's bf16 kernel rounds differently past 32 and
+    again past ~388 rows at K >= 768 (2 of 64 MiniLM sentences differed), so bf16 GEMMs there
+    run in blocks of exactly fused.AMX_BF16_BLOCK rows (this test fails without them there).
+    Sequences at several offsets of a 902-row batch against the same sequences alone, on the
+    default (fused) path."""
+    model = _encoder(precision)
+    dtype = torch.float32 if precision == "int8" else getattr(torch, precision)
+    torch.manual_seed(7)
+    seqs = [torch.randn(n, E, dtype=dtype) for n in (23, 5, 57, 130, 9, 211, 33, 300, 64, 70)]
+    batch = model.forward_varlen(seqs)  # 902 rows
+    for i, (seq, want) in enumerate(zip(seqs, batch, strict=True)):
+        assert torch.equal(model.forward_varlen([seq])[0], want), f"sequence {i}"
