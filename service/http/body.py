@@ -16,12 +16,9 @@ from service.pipeline.errors import BadInput, ClientDisconnected, PayloadTooLarg
 async def read_body(request: Request, limit: int) -> bytes | bytearray:
     """The (decompressed) request body, refusing anything over `limit` bytes with 413. A body
     that arrives in one piece is used as it is (no copy)."""
-    too_large = PayloadTooLarge(
-        f"request body is over the limit of {limit} bytes (--max-body-bytes)"
-    )
-    declared = request.headers.get("content-length")
+    declared, encoding = _body_headers(request.scope)
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large(limit)
     body: bytes | bytearray = b""
     parts: bytearray | None = None
     while True:
@@ -36,13 +33,15 @@ async def read_body(request: Request, limit: int) -> bytes | bytearray:
         parts = bytearray() if parts is None else parts
         parts += chunk
         if len(parts) > limit:
-            raise too_large
+            raise _too_large(limit)
         if not more:
             body = parts
             break
     if len(body) > limit:
-        raise too_large
-    encoding = request.headers.get("content-encoding", "identity").lower()
+        raise _too_large(limit)
+    if encoding is None:
+        return body
+    encoding = encoding.lower()
     if encoding in ("gzip", "deflate"):
         inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
         try:
@@ -50,10 +49,28 @@ async def read_body(request: Request, limit: int) -> bytes | bytearray:
         except zlib.error as exc:
             raise BadInput(f"body is not valid {encoding} data: {exc}") from None
         if len(body) > limit or inflater.unconsumed_tail:
-            raise too_large
+            raise _too_large(limit)
     elif encoding != "identity":
         raise BadInput(f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
     return body
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body is over the limit of {limit} bytes (--max-body-bytes)")
+
+
+def _body_headers(scope: Any) -> tuple[str | None, str | None]:
+    """The first Content-Length and Content-Encoding of the request, in one pass over its raw
+    headers (the values Starlette's `request.headers.get` would give; per request, so no
+    Headers object)."""
+    length = encoding = None
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            if length is None:
+                length = value.decode("latin-1")
+        elif key == b"content-encoding" and encoding is None:
+            encoding = value.decode("latin-1")
+    return length, encoding
 
 
 def parse_json(body: bytes | bytearray | memoryview) -> Any:

@@ -112,6 +112,7 @@ def protocol_class(
             self.idle_since = 0.0
             self.busy = False  # a request's headers are in and its response is not done
             self._started = False  # some bytes of a request have arrived
+            self._heading = False  # a request has begun and its headers are not complete
 
         # -- connection cap -----------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -157,10 +158,18 @@ def protocol_class(
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._started = True
-            self._arm_header_timer()
+            self._started = self._heading = True
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # A request begun in these bytes whose headers are not all in yet: time them from
+            # now (the same turn of the loop as its first byte). A request whose headers came
+            # whole, the usual case, costs no timer.
+            if self._heading and not self.transport.is_closing():
+                self._arm_header_timer()
 
         def on_headers_complete(self) -> None:
+            self._heading = False
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None

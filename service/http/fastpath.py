@@ -27,7 +27,7 @@ from service.http.flow import (
     ResponseBudget,
     TimedReceive,
 )
-from service.http.middleware import ApiKeyAuth, RequestContext, first_header, request_id
+from service.http.middleware import ApiKeyAuth, RequestContext, request_id
 from service.http.routes import embeddings, infer
 from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError
@@ -87,18 +87,31 @@ class FastPath:
         self.budget = budget
         self.answered = 0  # requests this path answered itself (the parity tests check it)
 
-    def _takes(self, scope: Scope) -> bool:
-        """Whether this request is the fast path's: the rest (refusals included) goes on."""
+    def _takes(self, scope: Scope) -> tuple[bytes | None, bool] | None:
+        """Whether this request is the fast path's (None: the rest, refusals included, go on);
+        if it is, its X-Request-ID and whether a body follows, from the same pass over its
+        headers (what first_header and BodyRate.applies would find)."""
         size = 0
+        given = None
+        body = False
         for key, value in scope["headers"]:
             size += len(key) + len(value) + 4
-            if key == b"origin" and self.cors:
-                return False  # CORSMiddleware's headers: the regular path
+            if key == b"x-request-id":
+                if given is None:
+                    given = value
+            elif key == b"content-length":
+                body = body or value != b"0"
+            elif key == b"transfer-encoding":
+                body = True
+            elif key == b"origin" and self.cors:
+                return None  # CORSMiddleware's headers: the regular path
         if size > self.header_limit or scope.get("root_path"):
-            return False
+            return None
         if self.auth is not None and self.auth.refusal(scope) is not None:
-            return False
-        return getattr(scope["app"].state, "service", None) is not None
+            return None
+        if getattr(scope["app"].state, "service", None) is None:
+            return None
+        return given, body
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -106,16 +119,18 @@ class FastPath:
             return
         path = scope["path"]
         route = None if path == EMBEDDINGS else infer_route(path)
-        if (route is None and path != EMBEDDINGS) or not self._takes(scope):
+        taken = None if route is None and path != EMBEDDINGS else self._takes(scope)
+        if taken is None:
             await self.app(scope, receive, send)
             return
         self.answered += 1
-        rid = request_id(first_header(scope, b"x-request-id"))
+        given, has_body = taken
+        rid = request_id(None if given is None else given.decode("latin-1"))
         scope.setdefault("state", {})["request_id"] = rid
         started = time.perf_counter()
         status = 500
         timed = None
-        if self.body_rate.applies(scope):
+        if has_body and self.body_rate.min_rate > 0:  # BodyRate.applies
             timed = receive = TimedReceive(receive, self.body_rate.grace_s, self.body_rate.min_rate)
         try:
             request = Request(scope, receive)
@@ -139,7 +154,8 @@ class FastPath:
         """Send `response` with the request id (as RequestContext adds it); returns the status
         that went out."""
         rid_header = (b"x-request-id", rid.encode())
-        if int(_length(response)) > SLICE_BYTES:
+        size = getattr(response, "size", None)  # PartsResponse knows its length
+        if (int(_length(response)) if size is None else size) > SLICE_BYTES:
             return await self._send_large(response, scope, receive, send, rid_header)
         response.raw_headers.append(rid_header)
         await response(scope, receive, send)

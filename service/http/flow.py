@@ -79,7 +79,9 @@ class TimedReceive:
         self._received = 0
         self._complete = self._expired = False
         self._waiter: asyncio.Task | None = None
-        self._timer = loop.call_at(self._due(), self._check)
+        # Armed by the first receive that could wait: a body already in (the usual case for a
+        # small request, read before the handler first runs) costs no timer at all.
+        self._timer: asyncio.TimerHandle | None = None
 
     def _due(self) -> float:
         return self._started + self._grace_s + self._received / self._min_rate
@@ -106,6 +108,13 @@ class TimedReceive:
             return await self._receive()  # body done: e.g. waiting for a disconnect, untimed
         if self._expired:
             raise self._too_slow()
+        if self._timer is None:
+            if self._loop.time() >= self._due():  # as the timer would have found meanwhile
+                self._expired = True
+                raise self._too_slow()
+            if _ready(self._receive):
+                return self._count(await self._receive())  # returns without waiting
+            self._timer = self._loop.call_at(self._due(), self._check)
         self._waiter = asyncio.current_task()
         try:
             message = await self._receive()
@@ -116,6 +125,9 @@ class TimedReceive:
             raise self._too_slow() from None
         finally:
             self._waiter = None
+        return self._count(message)
+
+    def _count(self, message: dict) -> dict:
         if message["type"] == "http.request":
             self._received += len(message.get("body", b""))
             self._complete = not message.get("more_body", False)
@@ -124,7 +136,15 @@ class TimedReceive:
         return message
 
     def stop(self) -> None:
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _ready(receive: Any) -> bool:
+    """Whether `receive` returns without waiting: uvicorn's RequestResponseCycle.receive with
+    its message event already set (the body, or the disconnect, is in). Other servers: False."""
+    event = getattr(getattr(receive, "__self__", None), "message_event", None)
+    return event is not None and event.is_set()
 
 
 def _has_body(scope: Scope) -> bool:

@@ -5,8 +5,10 @@ that refuse optional ones (perf_analyzer --shared-memory system), and refuses th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from service.oip.decoder_inputs import DECODER_ARCHITECTURES, input_names
@@ -45,9 +47,29 @@ def declared_inputs(limits: ModelLimits) -> list[ModelInput]:
     return [i for i in all_inputs(limits) if i.required or limits.optional_inputs]
 
 
+@functools.lru_cache(maxsize=64)
+def _declared_names(
+    architecture: str, cross_attention: bool, needs_key_value: bool, optional_inputs: bool
+) -> frozenset[str]:
+    """The names declared_inputs gives a model of this kind (all it depends on)."""
+    limits = SimpleNamespace(
+        architecture=architecture,
+        cross_attention=cross_attention,
+        needs_key_value=needs_key_value,
+        optional_inputs=optional_inputs,
+        embed_dim=None,
+        kdim=None,
+        vdim=None,
+    )
+    return frozenset(i.name for i in declared_inputs(limits))  # type: ignore[arg-type]
+
+
 def check_input_names(names: Iterable[str], limits: ModelLimits, model: str = "model") -> None:
     """BadInput naming any input the model is not served with (`model`: how to call it)."""
     sent = set(names)
+    key = (limits.architecture, limits.cross_attention, limits.needs_key_value)
+    if _declared_names(*key, limits.optional_inputs).issuperset(sent):
+        return  # every request runs this: the names are worked out once per kind of model
     declared = [i.name for i in declared_inputs(limits)]
     hidden = sorted(sent & {i.name for i in all_inputs(limits)} - set(declared))
     if hidden:

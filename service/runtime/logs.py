@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,11 +50,28 @@ def set_access_log_probes(on: bool) -> None:
         access.addFilter(_not_probe)
 
 
+class TextFormatter(logging.Formatter):
+    """logging.Formatter with its default time format, the date and time part made once per
+    second rather than per line (strftime on every access-log line adds up)."""
+
+    _second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        cached = self._second
+        if cached[0] != second:  # (a race only formats the same second twice)
+            text = time.strftime(self.default_time_format, self.converter(record.created))
+            cached = self._second = (second, text)
+        return self.default_msec_format % (cached[1], record.msecs)
+
+
 def formatter(fmt: str) -> logging.Formatter:
     """The formatter of log format `fmt`: "text" or "json"."""
     if fmt == "json":
         return JsonFormatter()
-    return logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def set_log_format(fmt: str) -> None:

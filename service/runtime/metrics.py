@@ -83,6 +83,9 @@ MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 log = logging.getLogger(__name__)
 
 
+_REQUEST_DONE = object()  # Metrics._children key: a request outcome's two series
+
+
 class Metrics:
     """All of the service's metric families; `model` and `version` are bound once per view, the
     other labels per call."""
@@ -300,12 +303,19 @@ class Metrics:
         reason: str | None,
         protocol: str = "http",
     ) -> None:
-        self.child(self.requests, self.model, self.version, endpoint, str(status), protocol).inc()
-        status_class = f"{status // 100}xx"
-        duration = self.child(
-            self.request_duration, self.model, self.version, endpoint, status_class, protocol
-        )
-        duration.observe(seconds)
+        # Both series of this outcome in one look-up, kept with the label children (so
+        # remove_state_series forgets them with the model's): this runs on every request.
+        key = (_REQUEST_DONE, (self.model, self.version, endpoint, status, protocol))
+        pair = self._children.get(key)
+        if pair is None:
+            status_class = f"{status // 100}xx"
+            labels = (self.model, self.version, endpoint)
+            pair = self._children[key] = (
+                self.child(self.requests, *labels, str(status), protocol),
+                self.child(self.request_duration, *labels, status_class, protocol),
+            )
+        pair[0].inc()
+        pair[1].observe(seconds)
         if reason is not None:
             self.child(self.failures, self.model, self.version, endpoint, reason, protocol).inc()
 

@@ -93,6 +93,20 @@ def test_idle_half_sent_and_kept_alive_connections_are_closed(quick) -> None:
         sock.close()
 
 
+def test_half_sent_headers_of_a_later_request_time_out(quick) -> None:
+    """The header timer of a kept-alive connection's next request starts with its first bytes
+    (uvicorn's keep-alive timer stops there: without ours the connection would stay open)."""
+    sock = _connect(quick.port, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(5)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost:")
+    started = time.monotonic()
+    data, closed = _read_until_closed(sock, 5)
+    assert closed and time.monotonic() - started < 4
+    assert data.startswith(b"HTTP/1.1 408") and b"--header-timeout-s" in data
+    sock.close()
+
+
 def test_slow_uploader_leaves_in_flight(quick) -> None:
     sock = _connect(quick.port, _post_head(10**6) + b"{")
     time.sleep(0.2)

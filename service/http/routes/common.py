@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -69,8 +68,17 @@ class PartsResponse(Response):
     ) -> None:
         size = sum(len(part) for part in parts)
         self.parts = [b"".join(parts)] if len(parts) > 1 and size <= JOIN_BYTES else parts
-        length = str(size)
-        super().__init__(None, media_type=media_type, headers={**headers, "content-length": length})
+        self.size = size
+        # What Response.__init__(None, media_type=..., headers={**headers, "content-length":
+        # ...}) sets, in its order, without its generic header handling (it runs per request)
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.body = b""
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw.append((b"content-length", str(size).encode("latin-1")))
+        raw.append((b"content-type", media_type.encode("latin-1")))
+        self.raw_headers = raw
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send(
@@ -134,19 +142,27 @@ class ClientWatch:
             self._task.cancel()
 
 
-@contextmanager
-def client_gone(request: Request) -> Iterator[Gone]:
+class client_gone:  # named as the generator it replaced: `with client_gone(request) as gone`
     """What tells the pipeline that the client of `request` (its body read) has gone: our
-    server's connection signal as it is, else a ClientWatch, closed after."""
-    signal = disconnect_signal(request.scope)
-    if signal is not None:
-        yield signal
-        return
-    watch = ClientWatch(request)
-    try:
-        yield watch
-    finally:
-        watch.close()
+    server's connection signal as it is, else a ClientWatch, closed after. A class, not a
+    generator: it runs on every request."""
+
+    __slots__ = ("request", "watch")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.watch: ClientWatch | None = None
+
+    def __enter__(self) -> Gone:
+        signal = disconnect_signal(self.request.scope)
+        if signal is not None:
+            return signal
+        self.watch = ClientWatch(self.request)
+        return self.watch
+
+    def __exit__(self, *_: object) -> None:
+        if self.watch is not None:
+            self.watch.close()
 
 
 async def await_queued(

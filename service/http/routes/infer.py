@@ -38,7 +38,7 @@ async def _infer(
 ) -> Response:
     admit(state, model_name, version)  # 404 / 503 before the body is read
     body = await read_body(request, state.settings.max_body_bytes)
-    header_length = request.headers.get(BINARY_HEADER)
+    header_length = _binary_header(request.scope["headers"])
     json_end = json_length(header_length, len(body))
     # Large JSON is parsed off the event loop, and so are requests naming shared memory (their
     # inputs are copied out of the regions): looked for in the JSON part only, never in tensors
@@ -48,13 +48,25 @@ async def _infer(
             model=model_name,
             version=version,
             protocol="json" if header_length is None else "binary",
-            request_id=request.state.request_id,
+            request_id=request.scope["state"]["request_id"],  # RequestContext or the fast path
             decode=functools.partial(decode_request, body, header_length, shm),
             offload=offload,
             gone=gone,
             output_sink=functools.partial(shm.device_sink, OUTPUT_NAME),
         )
         return await run_infer(state, work, functools.partial(_encode, request, version, shm))
+
+
+BINARY_KEY = BINARY_HEADER.lower().encode("latin-1")
+
+
+def _binary_header(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The first Inference-Header-Content-Length value, as `request.headers.get` would give it,
+    without building a Headers object per request."""
+    for key, value in headers:
+        if key == BINARY_KEY:
+            return value.decode("latin-1")
+    return None
 
 
 async def _encode(
