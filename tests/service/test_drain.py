@@ -25,10 +25,12 @@ def test_work_not_started_when_the_grace_ends_gets_503_and_is_never_computed(
     args = ("--max-batch-size", "1", "--drain-grace-s", str(GRACE_S), "--request-timeout-s", "120")
     with run_server(tmp_path, *args) as server:
         body, headers = reliability.binary_body(1, SEQ_LEN)
-        started = time.monotonic()
-        assert httpx.post(f"{server.url}{reliability.PATH}", content=body, headers=headers,
-                          timeout=60).status_code == 200  # fmt: skip
-        forward_s = time.monotonic() - started
+        forward_s = math.inf
+        for _ in range(2):  # the warm time: the first request also pays for warming up
+            started = time.monotonic()
+            assert httpx.post(f"{server.url}{reliability.PATH}", content=body, headers=headers,
+                              timeout=60).status_code == 200  # fmt: skip
+            forward_s = min(forward_s, time.monotonic() - started)
         # Enough queued forwards to outlast the grace about three times, however fast the
         # engine is here (at most the client's 64 connections, so all are in flight at once).
         requests = min(64, max(16, math.ceil(3 * GRACE_S / forward_s) + 4))
