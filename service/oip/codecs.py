@@ -262,9 +262,10 @@ def decode_request(
         else:
             if "data" not in raw:
                 raise BadInput(f"input '{name}' has neither 'data' nor binary_data_size")
-            if suspect is None:
+            data = raw["data"]
+            if suspect is None and not isinstance(data, Numbers):  # Numbers: numbers only
                 suspect = _data_may_hold_booleans(body, json_end, header)
-            array = _json_array(raw["data"], datatype, shape, count, name, suspect)
+            array = _json_array(data, datatype, shape, count, name, bool(suspect))
         inputs[name] = InferTensor(name, datatype, shape, array)
     if offset != len(body):
         raise BadInput(

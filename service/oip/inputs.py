@@ -119,8 +119,11 @@ def nonfinite_input(payload: Payload) -> str | None:
 def _finite(datatype: str, array: np.ndarray) -> bool:
     if datatype == "BF16":  # raw bits: an all-ones exponent is Inf or NaN
         return not ((array & 0x7F80) == 0x7F80).any()
-    # one pass, no temporary: NaN/Inf survive a float64 sum, finite values can't overflow it
+    # one pass, no temporary: NaN/Inf survive a sum. A finite float32 sum settles it (fast);
+    # one that is not is redone in float64, which finite values cannot overflow.
     with np.errstate(invalid="ignore", over="ignore"):
+        if array.dtype != np.float64 and math.isfinite(array.sum(dtype=np.float32)):
+            return True
         return math.isfinite(array.sum(dtype=np.float64))
 
 

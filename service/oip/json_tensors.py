@@ -99,7 +99,8 @@ def _header(doc: Any, raw: bytes | bytearray) -> dict[str, Any] | None:
             values = np.frombuffer(data.as_buffer(of_type="d"), np.float64)
             if values.size != len(data):  # a nested list somewhere: as_buffer flattens
                 return None
-            if values.size and np.abs(values).max() >= BIG:  # an integer orjson keeps exact
+            # an integer orjson keeps exact (max and min: no temporary array, unlike abs)
+            if values.size and (values.max() >= BIG or values.min() <= -BIG):
                 return None
             fields["data"] = Numbers(values)
         tensors.append(fields)
