@@ -240,7 +240,7 @@ class TransformerDecoderModel(_DecoderBase):
             memory_is_causal,
             bucket_padding,
         )
-        out = self.decoder(pad_rows(x), pad_rows(mem), plans=plans)[0]  # (max(N, 12), E)
+        out = self.decoder(pad_rows(x), pad_rows(mem), plans=plans)[0]  # (max(N, MIN_ROWS), E)
         return out[: x.shape[0]]  # (N, E)
 
     @torch.inference_mode()

@@ -149,7 +149,7 @@ class TransformerModel(_DecoderBase):
         enc_plan = make_plan(
             s_lens, s_lens, src_is_causal, src_key_padding_mask, self.device, bucket_padding
         )
-        memory = self.transformer.encoder(pad_rows(s), plan=enc_plan)[0]  # (max(M, 12), E)
+        memory = self.transformer.encoder(pad_rows(s), plan=enc_plan)[0]  # (max(M, MIN_ROWS), E)
         plans = self._decoder_plans(
             x,
             cu_seqlens,
@@ -161,7 +161,7 @@ class TransformerModel(_DecoderBase):
             False,
             bucket_padding,
         )
-        out = self.transformer.decoder(pad_rows(x), memory, plans=plans)[0]  # (max(N, 12), E)
+        out = self.transformer.decoder(pad_rows(x), memory, plans=plans)[0]  # (max(N, MIN_ROWS), E)
         return out[: x.shape[0]]  # (N, E)
 
     @torch.inference_mode()

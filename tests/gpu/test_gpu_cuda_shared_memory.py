@@ -42,12 +42,6 @@ def _cudashm():
 
 
 @pytest.fixture(scope="module")
-def module() -> torch.nn.MultiheadAttention:
-    torch.manual_seed(0)
-    return torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
-
-
-@pytest.fixture(scope="module")
 def served(module, tmp_path_factory) -> Iterator[tuple[Server, int]]:
     tmp = tmp_path_factory.mktemp("gpu-cudashm")
     mha_engine.save_model(module, tmp / "attn")

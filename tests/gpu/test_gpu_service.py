@@ -52,12 +52,6 @@ def _minilm_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def module() -> torch.nn.MultiheadAttention:
-    torch.manual_seed(0)
-    return torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
-
-
 @pytest.fixture(scope="module", params=list(TOLERANCES))
 def served(
     request: pytest.FixtureRequest,
