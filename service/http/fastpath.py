@@ -1,6 +1,6 @@
-"""The fast path: `POST /v2/models/{m}[/versions/{v}]/infer` and `/v1/embeddings` answered by a
-raw-ASGI handler ahead of FastAPI, its middleware stack and its router, calling the same
-endpoints.
+"""The fast path: `POST /v2/models/{m}[/versions/{v}]/infer`, `/v1/embeddings` and TEI's
+`/embed` answered by a raw-ASGI handler ahead of FastAPI, its middleware stack and its router,
+calling the same endpoints.
 
 Per request it skips the router's matching, FastAPI's and Starlette's per-request wrappers and
 the middleware layers' closures, and does their work inline: the request id and its access-log
@@ -28,7 +28,7 @@ from service.http.flow import (
     TimedReceive,
 )
 from service.http.middleware import ApiKeyAuth, RequestContext, request_id
-from service.http.routes import embeddings, infer
+from service.http.routes import embeddings, infer, tei
 from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError
 from service.runtime.settings import Settings
@@ -37,6 +37,7 @@ Scope = dict[str, Any]
 ASGIApp = Any
 
 EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = {EMBEDDINGS: embeddings.embeddings, "/embed": tei.embed}  # Request -> Response
 
 
 def infer_route(path: str) -> tuple[str, str | None] | None:
@@ -118,8 +119,9 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        route = None if path == EMBEDDINGS else infer_route(path)
-        taken = None if route is None and path != EMBEDDINGS else self._takes(scope)
+        endpoint = ENDPOINTS.get(path)
+        route = None if endpoint is not None else infer_route(path)
+        taken = None if route is None and endpoint is None else self._takes(scope)
         if taken is None:
             await self.app(scope, receive, send)
             return
@@ -136,7 +138,7 @@ class FastPath:
             request = Request(scope, receive)
             try:
                 if route is None:
-                    response = await embeddings.embeddings(request)
+                    response = await endpoint(request)
                 else:
                     response = await infer.infer(request, *route)
             except ServiceError as exc:

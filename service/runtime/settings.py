@@ -213,7 +213,7 @@ class Settings(BaseSettings):
     )
     fast_path: bool = Field(
         True,
-        description="Answer POST /v2/models/*/infer and /v1/embeddings with a raw-ASGI "
+        description="Answer POST /v2/models/*/infer, /v1/embeddings and /embed with a raw-ASGI "
         "handler ahead of the router and middleware, doing their work inline (same statuses, "
         "headers, error bodies, metrics and log lines); --no-fast-path sends them the regular "
         "way, to compare.",

@@ -158,7 +158,23 @@ def cases() -> list[Case]:
         ),
         Case("embeddings, malformed", "/v1/embeddings", b"{", JSON),
         Case("embeddings, no key", "/v1/embeddings", json.dumps(embed).encode(), fast=False),
+        Case("TEI embed", "/embed", tei(inputs=["a b c", "d e"]), JSON),
+        Case("TEI embed, one text", "/embed", tei(inputs="a b c", normalize=False), JSON),
+        Case("TEI embed, empty list", "/embed", tei(inputs=[]), JSON),
+        Case("TEI embed, empty text", "/embed", tei(inputs=[""]), JSON),
+        Case("TEI embed, unknown field", "/embed", tei(inputs="a", colour="red"), JSON),
+        Case("TEI embed, too many characters", "/embed", tei(inputs="word " * 600), JSON),
+        Case("TEI embed, too many tokens", "/embed", tei(inputs="word " * 120), JSON),
+        Case("TEI embed, truncated", "/embed", tei(inputs="word " * 120, truncate=True), JSON),
+        Case("TEI embed, malformed", "/embed", b'{"inputs": ', JSON),
+        Case("TEI embed, no key", "/embed", tei(inputs="a"), fast=False),
+        Case("TEI embed, GET", "/embed", method="GET", headers=AUTH, fast=False),
+        Case("TEI embed, per-model mount", "/models/emb/embed", tei(inputs="a"), JSON, fast=False),
     ]
+
+
+def tei(**body: object) -> bytes:
+    return json.dumps(body).encode()
 
 
 class AccessLines(logging.Handler):

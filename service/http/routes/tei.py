@@ -171,7 +171,9 @@ async def similarity(request: Request) -> list[float]:
         return [float(np.dot(source, v)) for v in others]
 
 
-async def embed_body(body: EmbedRequest, request: Request) -> list[list[float]]:
+async def embed_body(body: EmbedRequest, request: Request) -> Response:
+    """One float32 vector per input, written by orjson in float32's shortest form (as TEI's
+    serde does): no Python float and no response-model validation per value."""
     state = get_state(request)
     with text_route(request, state, "embed", "/embed", "embedding") as entry:
         ensure_serving(state)
@@ -181,11 +183,31 @@ async def embed_body(body: EmbedRequest, request: Request) -> list[list[float]]:
         )
         if body.normalize:
             vectors = _normalized(vectors)
-        return [np.asarray(v, dtype=np.float32).tolist() for v in vectors]
+        vectors = [np.asarray(v, dtype=np.float32) for v in vectors]
+        content = orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY)
+        return Response(content, media_type="application/json")
 
 
-@router.post("/embed", summary="Sentence embeddings (TEI)", openapi_extra=json_body(EmbedRequest))
-async def embed(request: Request) -> list[list[float]]:
+EMBED_RESPONSES = {
+    200: {
+        "description": "One sentence vector per input (float32 values)",
+        "content": {
+            "application/json": {
+                "schema": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/embed",
+    summary="Sentence embeddings (TEI)",
+    response_class=Response,
+    responses=EMBED_RESPONSES,
+    openapi_extra=json_body(EmbedRequest),
+)
+async def embed(request: Request) -> Response:
     body = await parse_body(request, get_state(request), EmbedRequest)
     return await embed_body(body, request)
 
