@@ -1,6 +1,6 @@
 """The fast path: `POST /v2/models/{m}[/versions/{v}]/infer`, `/v1/embeddings` and TEI's
-`/embed` answered by a raw-ASGI handler ahead of FastAPI, its middleware stack and its router,
-calling the same endpoints.
+`/embed`, `/rerank`, `/predict` and `/` answered by a raw-ASGI handler ahead of FastAPI, its
+middleware stack and its router, calling the same endpoints.
 
 Per request it skips the router's matching, FastAPI's and Starlette's per-request wrappers and
 the middleware layers' closures, and does their work inline: the request id and its access-log
@@ -28,7 +28,7 @@ from service.http.flow import (
     TimedReceive,
 )
 from service.http.middleware import ApiKeyAuth, RequestContext, request_id
-from service.http.routes import embeddings, infer, tei
+from service.http.routes import embeddings, infer, tei, tei_rank
 from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError
 from service.runtime.settings import Settings
@@ -37,7 +37,13 @@ Scope = dict[str, Any]
 ASGIApp = Any
 
 EMBEDDINGS = "/v1/embeddings"
-ENDPOINTS = {EMBEDDINGS: embeddings.embeddings, "/embed": tei.embed}  # Request -> Response
+ENDPOINTS = {  # path -> endpoint (Request -> Response); TEI's routes at the root only
+    EMBEDDINGS: embeddings.embeddings,
+    "/embed": tei.embed,
+    "/rerank": tei_rank.rerank,
+    "/predict": tei_rank.predict,
+    "/": tei.root,
+}
 
 
 def infer_route(path: str) -> tuple[str, str | None] | None:

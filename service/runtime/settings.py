@@ -213,10 +213,10 @@ class Settings(BaseSettings):
     )
     fast_path: bool = Field(
         True,
-        description="Answer POST /v2/models/*/infer, /v1/embeddings and /embed with a raw-ASGI "
-        "handler ahead of the router and middleware, doing their work inline (same statuses, "
-        "headers, error bodies, metrics and log lines); --no-fast-path sends them the regular "
-        "way, to compare.",
+        description="Answer POST /v2/models/*/infer, /v1/embeddings and TEI's /embed, /rerank, "
+        "/predict and / with a raw-ASGI handler ahead of the router and middleware, doing their "
+        "work inline (same statuses, headers, error bodies, metrics and log lines); "
+        "--no-fast-path sends them the regular way, to compare.",
     )
     threads: int | None = Field(
         None,

@@ -170,6 +170,26 @@ def cases() -> list[Case]:
         Case("TEI embed, no key", "/embed", tei(inputs="a"), fast=False),
         Case("TEI embed, GET", "/embed", method="GET", headers=AUTH, fast=False),
         Case("TEI embed, per-model mount", "/models/emb/embed", tei(inputs="a"), JSON, fast=False),
+        Case("TEI rerank", "/rerank", tei(query="a b", texts=["a b c", "d e", "a"]), JSON),
+        Case(
+            "TEI rerank, texts and raw scores",
+            "/rerank",
+            tei(query="a b", texts=["a b c", "d e"], return_text=True, raw_scores=True),
+            JSON,
+        ),
+        Case("TEI rerank, empty query", "/rerank", tei(query="", texts=["a"]), JSON),
+        Case("TEI rerank, 33 texts", "/rerank", tei(query="a", texts=["b"] * 33), JSON),
+        Case("TEI rerank, no texts field", "/rerank", tei(query="a"), JSON),
+        Case("TEI predict, one text", "/predict", tei(inputs="a b c"), JSON),
+        Case("TEI predict, a pair", "/predict", tei(inputs=["a b", "c d"]), JSON),
+        Case("TEI predict, a batch", "/predict", tei(inputs=[["a b"], ["c", "d"]]), JSON),
+        Case("TEI predict, raw scores", "/predict", tei(inputs="a b", raw_scores=True), JSON),
+        Case("TEI predict, three strings", "/predict", tei(inputs=["a", "b", "c"]), JSON),
+        Case("TEI predict, GET", "/predict", method="GET", headers=AUTH, fast=False),
+        Case("TEI root, embedding model", "/", tei(inputs="a b c"), JSON),
+        Case("TEI root, a classifier's body", "/", tei(inputs="a", parameters={"top_k": 1}), JSON),
+        Case("TEI root, malformed", "/", b"{", JSON),
+        Case("TEI root, a classifier", "/models/clf", tei(inputs=["a b"]), JSON, fast=False),
     ]
 
 
@@ -204,7 +224,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     torch.manual_seed(0)
     mha_engine.save_model(nn.MultiheadAttention(E, 4, batch_first=True).eval(), root / "attn")
     tm.sentence_transformer(root / "emb")
-    return [root / "attn", root / "emb"]
+    tm.classifier("bert", root / "clf", seed=1)
+    tm.classifier("bert", root / "rr", {0: "score"}, seed=2)
+    return [root / "attn", root / "emb", root / "clf", root / "rr"]
 
 
 COUNTED = re.compile(r"^(mha_\w+(?:_total|_count))(\{.*\})? (\S+)$", re.MULTILINE)

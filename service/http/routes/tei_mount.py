@@ -59,7 +59,7 @@ async def invocations(request: Request):
         return await embed_body(await parse_body(request, state, EmbedRequest), request)
     if kind == "classifier":
         return await predict(request)
-    return [rank.model_dump(exclude_none=True) for rank in await rerank(request)]  # as /rerank
+    return await rerank(request)
 
 
 MODEL_MOUNT = "/models/{model_name}"  # huggingface_hub's layout: InferenceClient(base_url=...)

@@ -14,7 +14,9 @@ import time
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state
@@ -103,9 +105,15 @@ async def _logits(
         )
 
 
-def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[Prediction]:
-    """Every label with its score, best first; how: None (the model's problem type), "none"
-    (raw logits), "sigmoid" or "softmax"."""
+def json_response(content: object) -> Response:
+    """`content` (lists and dicts of plain values) as JSON, written by orjson: the same text a
+    response model would give, without validating every item on the way out."""
+    return Response(orjson.dumps(content), media_type="application/json")
+
+
+def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[dict]:
+    """Every label with its score ({"label", "score"}, a Prediction), best first; how: None
+    (the model's problem type), "none" (raw logits), "sigmoid" or "softmax"."""
     info = entry.model.info
     if how in ("sigmoid", "softmax"):
         values = scores(logits, "multi_label_classification" if how == "sigmoid" else None, False)
@@ -114,7 +122,7 @@ def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list
     else:
         values = scores(logits, info.problem_type, raw=how == "none")
     order = np.argsort(-values, kind="stable")
-    return [Prediction(label=info.id2label[int(i)], score=float(values[i])) for i in order]
+    return [{"label": info.id2label[int(i)], "score": float(values[i])} for i in order]
 
 
 def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Text], bool]:
@@ -140,10 +148,11 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Tex
 @router.post(
     "/rerank",
     summary="Texts ranked by relevance to a query (TEI)",
+    response_model=list[Rank],
     response_model_exclude_none=True,
     openapi_extra=json_body(RerankRequest),
 )
-async def rerank(request: Request) -> list[Rank]:
+async def rerank(request: Request) -> Response:
     state = get_state(request)
     with text_route(request, state, "rerank", "/rerank", "reranker") as entry:
         body = await parse_body(request, state, RerankRequest)
@@ -157,18 +166,20 @@ async def rerank(request: Request) -> list[Rank]:
         )
         values = [float(scores(x, None, body.raw_scores)[0]) for x in logits]
         order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties by index
-        return [
-            Rank(index=i, score=values[i], text=body.texts[i] if body.return_text else None)
-            for i in order
-        ]
+        ranks = [{"index": i, "score": values[i]} for i in order]  # Rank, without a None text
+        if body.return_text:
+            for rank in ranks:
+                rank["text"] = body.texts[rank["index"]]
+        return json_response(ranks)
 
 
 @router.post(
     "/predict",
     summary="Label scores of texts or text pairs (TEI)",
+    response_model=list[Prediction] | list[list[Prediction]],
     openapi_extra=json_body(PredictRequest),
 )
-async def predict(request: Request) -> list[Prediction] | list[list[Prediction]]:
+async def predict(request: Request) -> Response:
     state = get_state(request)
     with text_route(request, state, "predict", "/predict", "classifier", "reranker") as entry:
         body = await parse_body(request, state, PredictRequest)
@@ -179,10 +190,10 @@ async def predict(request: Request) -> list[Prediction] | list[list[Prediction]]
         )
         how = "none" if body.raw_scores else None
         results = [_predictions(entry, x, how) for x in logits]
-        return results if batch else results[0]
+        return json_response(results if batch else results[0])
 
 
-async def hub_predict(body: HubPredictRequest, request: Request) -> list[list[Prediction]]:
+async def hub_predict(body: HubPredictRequest, request: Request) -> Response:
     """POST / for a classifier: one list of label scores per input (top_k best, if given)."""
     state = get_state(request)
     with text_route(request, state, "predict", "/", "classifier", "reranker") as entry:
@@ -191,4 +202,6 @@ async def hub_predict(body: HubPredictRequest, request: Request) -> list[list[Pr
         check_batch(len(texts))
         params = body.parameters or HubParameters()
         logits = await _logits(request, state, entry, texts, False, "Right", "inputs")
-        return [_predictions(entry, x, params.function_to_apply)[: params.top_k] for x in logits]
+        return json_response(
+            [_predictions(entry, x, params.function_to_apply)[: params.top_k] for x in logits]
+        )
