@@ -188,16 +188,15 @@ async def embed_body(body: EmbedRequest, request: Request) -> Response:
         return Response(content, media_type="application/json")
 
 
-EMBED_RESPONSES = {
-    200: {
-        "description": "One sentence vector per input (float32 values)",
-        "content": {
-            "application/json": {
-                "schema": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
-            }
-        },
-    }
-}
+def number_arrays(description: str, depth: int) -> dict[int, dict]:
+    """The 200 response of a route answering JSON arrays of numbers nested `depth` deep."""
+    schema: dict = {"type": "number"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return {200: {"description": description, "content": {"application/json": {"schema": schema}}}}
+
+
+EMBED_RESPONSES = number_arrays("One sentence vector per input (float32 values)", 2)
 
 
 @router.post(
@@ -213,22 +212,9 @@ async def embed(request: Request) -> Response:
 
 
 ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest)
-EMBED_ALL_RESPONSES = {
-    200: {
-        "description": "Per input, every token's hidden state (T_i, D), special tokens included",
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "array",
-                    "items": {
-                        "type": "array",
-                        "items": {"type": "array", "items": {"type": "number"}},
-                    },
-                }
-            }
-        },
-    }
-}
+EMBED_ALL_RESPONSES = number_arrays(
+    "Per input, every token's hidden state (T_i, D), special tokens included", 3
+)
 
 
 @router.post(
