@@ -1,10 +1,11 @@
 """Trees alternated round by round: medians of req/s and server CPU per request.
 
 `python -m benchmarks.alternate --root DIR --root DIR [--rounds 5] [--seconds 4] [--seq-len 1]
-[--case tiny|binary|json|embeddings]` (under `flock /work/bench.lock`). `benchmarks.serving`
-runs each tree once per case; on a shared machine one 5 s window can swing by 1.5x, so this
-runs every tree once per round (the order reversed every other round), a fresh server each
-time, and reports each round and the medians. Server CPU (all threads, and the event loop's
+[--case tiny|binary|json|embeddings|tei-embed] [--variant FLAGS ...]` (under
+`flock /work/bench.lock`). `benchmarks.serving` runs each tree once per case; on a shared
+machine one 5 s window can swing by 1.5x, so this runs every tree (and every `--variant` of
+server flags, e.g. batching off) once per round, the order reversed every other round, a fresh
+server each time, and reports each round and the medians. Server CPU (all threads, and the event loop's
 thread alone) from /proc, per completed request; 32 closed-loop keep-alive clients. Cases: the
 tiny MHA(16, 2) (binary tensors; the front-end's ceiling), MHA(512, 8) with binary or JSON
 tensors of `--seq-len` tokens, or /v1/embeddings (or TEI's /embed: `tei-embed`) with one MiniLM
@@ -52,10 +53,11 @@ def load_for(case: str, seq_len: int, tmp: Path) -> Load:
     return ["--model-dir", str(model)], MHA_PATH, [body], headers
 
 
-def one(work: Load, root: Path, seconds: float) -> tuple[float, ...]:
-    """(req/s, server CPU ms per request, event-loop CPU ms per request) of one fresh server."""
+def one(work: Load, root: Path, variant: list[str], seconds: float) -> tuple[float, ...]:
+    """(req/s, server CPU ms per request, event-loop CPU ms per request) of one fresh server
+    (the tree at `root`, `variant`'s extra flags)."""
     server_args, path, bodies, headers = work
-    with running(*server_args, root=root) as server:
+    with running(*server_args, *variant, root=root) as server:
         asyncio.run(_many(server.port, path, bodies, headers, 32, 1.0))
         cpu, loop = server.cpu_seconds(), server.main_thread_cpu_seconds()
         result = asyncio.run(_many(server.port, path, bodies, headers, 32, seconds))
@@ -71,28 +73,42 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--seq-len", type=int, default=1, help="tokens per request (MHA cases)")
     parser.add_argument("--case", choices=CASES, default="tiny")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help="extra server flags, e.g. '--max-batch-size 1' (repeat: each tree runs each variant; "
+        "'' for none)",
+    )
     args = parser.parse_args()
     now = time.strftime("%H:%M", time.gmtime())
     print(f"{now} UTC, load avg {os.getloadavg()[0]:.2f}, case {args.case}, T={args.seq_len}",
           flush=True)  # fmt: skip
-    rows: dict[Path, list[tuple[float, ...]]] = {root: [] for root in args.root}
+    codes = [(root, v) for root in args.root for v in (args.variant or [""])]
+    rows: dict[tuple[Path, str], list[tuple[float, ...]]] = {code: [] for code in codes}
     with tempfile.TemporaryDirectory() as tmp:
         work = load_for(args.case, args.seq_len, Path(tmp))
         for i in range(args.rounds):
-            for root in args.root if i % 2 == 0 else args.root[::-1]:
-                rows[root].append(one(work, root, args.seconds))
-                rps, cpu, loop = rows[root][-1]
+            for code in codes if i % 2 == 0 else codes[::-1]:
+                root, variant = code
+                rows[code].append(one(work, root, variant.split(), args.seconds))
+                rps, cpu, loop = rows[code][-1]
                 load = os.getloadavg()[0]
-                print(f"round {i} {root.name}: {rps:.0f} req/s, CPU {cpu:.3f} ms/req "
+                print(f"round {i} {_name(code)}: {rps:.0f} req/s, CPU {cpu:.3f} ms/req "
                       f"(loop {loop:.3f}), load avg {load:.2f}", flush=True)  # fmt: skip
     print(f"load avg after: {os.getloadavg()[0]:.2f}\n")
     print("| code | req/s (median) | min-max | server CPU ms/req | of which event loop |")
     print("|---|---:|---:|---:|---:|")
-    for root, got in rows.items():
+    for code, got in rows.items():
         rps = [r[0] for r in got]
         cpu, loop = (statistics.median(r[k] for r in got) for k in (1, 2))
-        print(f"| {root.name} | {statistics.median(rps):.0f} | {min(rps):.0f}-{max(rps):.0f} | "
+        print(f"| {_name(code)} | {statistics.median(rps):.0f} | {min(rps):.0f}-{max(rps):.0f} | "
               f"{cpu:.3f} | {loop:.3f} |")  # fmt: skip
+
+
+def _name(code: tuple[Path, str]) -> str:
+    root, variant = code
+    return f"{root.name} {variant}".rstrip()
 
 
 if __name__ == "__main__":
