@@ -1,9 +1,8 @@
 """The GRPCInferenceService handlers: the HTTP routes' checks, batcher and codecs behind gRPC.
 
 Every call: the API key from `authorization: Bearer <key>` metadata, a request id (the client's
-`x-request-id`, else a new one) sent back in the trailing metadata (and echoed in the initial
-metadata when the client sent one), one access-log line, and the request metrics with
-protocol="grpc". A ServiceError ends the call with its status code
+`x-request-id`, else a new one) sent back in the initial metadata, one access-log line, and the
+request metrics with protocol="grpc". A ServiceError ends the call with its status code
 (service.grpc.status); a cancelled call leaves the queue like a disconnected HTTP client.
 """
 
@@ -153,23 +152,15 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
     ) -> AsyncIterator[Call]:
         """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        given = metadata.get("x-request-id")
-        rid = request_id(given)
+        rid = request_id(metadata.get("x-request-id"))
         with self.observed(method, rid, endpoint, model, version) as call:
-            ids = (("x-request-id", call.request_id),)
             try:
-                # The trailers go out with the status, at no cost. Initial metadata sent on its
-                # own is a separate batch of gRPC operations, a quarter of a small call's CPU
-                # (`benchmarks.alternate --case tiny-grpc`), so only a client that sent an id
-                # gets it echoed there.
-                context.set_trailing_metadata(ids)
-                if given is not None:
-                    await context.send_initial_metadata(ids)
+                await context.send_initial_metadata((("x-request-id", call.request_id),))
                 self._check_key(method, metadata)
                 yield call
             except ServiceError as exc:
                 call.status, call.reason = exc.status, exc.reason
-                await context.abort(grpc_code(exc), exc.message, ids + trailing_metadata(exc))
+                await context.abort(grpc_code(exc), exc.message, trailing_metadata(exc))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -177,7 +168,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
                     raise
                 call.status, call.reason = 500, "inference_error"
                 log.exception("unhandled error in gRPC %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, "internal server error", ids)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
 
     def _ready(self, name: str, version: str) -> bool:
         """Triton's answer: false for a model it knows but cannot serve now (loading, unloading,

@@ -227,29 +227,9 @@ def test_request_id_from_metadata_comes_back(server: GrpcServer) -> None:
     response, call = server.stub().ModelInfer.with_call(
         request, metadata=(("x-request-id", "req-42"),), timeout=30
     )
-    assert dict(call.initial_metadata())["x-request-id"] == "req-42"  # echoed: the client sent it
-    assert dict(call.trailing_metadata())["x-request-id"] == "req-42"
+    assert dict(call.initial_metadata())["x-request-id"] == "req-42"
     assert response.id == "req-42"  # the OIP id, when the request has none (as over HTTP)
     assert len(response.raw_output_contents[0]) == x.nbytes
-
-
-def test_new_request_id_comes_back_in_the_trailers(server: GrpcServer) -> None:
-    """Without a client id the call gets a new one: in the trailing metadata (sent with the
-    status, success or error) and as the response id; no initial metadata is sent ahead."""
-    x = rng_input(4, 1, 4, EMBED_DIM)
-    request = service_pb2.ModelInferRequest(model_name=NAME)
-    request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
-    request.raw_input_contents.append(x.tobytes())
-    response, call = server.stub().ModelInfer.with_call(request, timeout=30)
-    rid = dict(call.trailing_metadata())["x-request-id"]
-    assert rid and response.id == rid
-    assert "x-request-id" not in dict(call.initial_metadata())
-    bad = service_pb2.ModelInferRequest(model_name="no-such-model")
-    with pytest.raises(grpc.RpcError) as caught:
-        server.stub().ModelInfer(bad, timeout=30)
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    failed = dict(caught.value.trailing_metadata())["x-request-id"]
-    assert failed and failed != rid
 
 
 # -- client mistakes: status codes naming the problem, never UNKNOWN/INTERNAL ------------------
