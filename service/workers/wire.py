@@ -14,6 +14,7 @@ from service.oip.inputs import Payload
 from service.text.tokenizer import text_kind
 from service.workers.slab import Slab
 
+PAYLOAD_FIELDS = tuple(f.name for f in fields(Payload))  # once: fields() is slow per call
 # Payload's array fields (decoder masks; a text pair's token types)
 ARRAYS = (
     "query", "key", "value", "key_padding_mask", "tgt_key_padding_mask", "src_key_padding_mask",
@@ -46,7 +47,7 @@ def payload_to_wire(
     payload: Payload, slab: Slab | None, regions: list[tuple[int, int]]
 ) -> dict[str, Any]:
     """The payload's fields, its arrays moved into the slab."""
-    wire = {f.name: getattr(payload, f.name) for f in fields(Payload)}
+    wire = {name: getattr(payload, name) for name in PAYLOAD_FIELDS}
     for name in ARRAYS:
         if wire[name] is not None:
             wire[name] = put(slab, wire[name], regions)
