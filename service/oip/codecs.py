@@ -157,7 +157,11 @@ def _without_data(value: Any) -> Any:
 def _data_may_hold_booleans(body: bytes | bytearray, json_end: int, header: Any) -> bool:
     """Whether `data` may hold true/false: the text has more 't' or 'f' bytes than the header
     re-serialized without its data (numbers have neither). Byte counts run in numpy (~ms per
-    10 MB). Best effort: a client that writes a key's letters as \\u escapes can hide one."""
+    10 MB). Best effort: a client that writes a key's letters as \\u escapes can hide one.
+    A JSON text without the literals `true` and `false` holds no boolean at all (they cannot
+    be escaped): two substring searches answer most bodies (10 µs -> 2.5 µs at 1.4 KB)."""
+    if body.find(b"true", 0, json_end) < 0 and body.find(b"false", 0, json_end) < 0:
+        return False
     text = np.frombuffer(body, np.uint8, count=json_end)
     rest = np.frombuffer(orjson.dumps(_without_data(header)), np.uint8)
     return any(
