@@ -154,8 +154,11 @@ def drain(server: Proc, requests: int = 12, seq_len: int = 512) -> dict:
             seen = 0  # consecutive polls that found all in (an answer can be counted on both
             # sides for a moment, between the client reading it and the server's gauge moving)
             while seen < 2 and time.monotonic() < deadline:
-                answered = sum(statuses.values())
-                inside = answered + metric(server.url, "mha_requests_in_flight") >= requests
+                # scraped in a thread: a blocking scrape here would stall this loop, and with
+                # it the requests still being sent; answers counted after it (an answer seen
+                # on both sides only overcounts, and two polls in a row are asked for)
+                in_flight = await asyncio.to_thread(metric, server.url, "mha_requests_in_flight")
+                inside = sum(statuses.values()) + in_flight >= requests
                 seen = seen + 1 if inside else 0
                 await asyncio.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
