@@ -87,33 +87,39 @@ class _DecoderBase(EngineModel):
         )
         return list(out.split(tgt_lens))
 
-    def _decoder_plans(
+    def _decode_packed(
         self,
-        tgt: Tensor,
+        x: Tensor,
         cu_seqlens: Tensor | Sequence[int],
         memory: Tensor,
+        memory_rows: int,
         cu_seqlens_memory: Tensor | Sequence[int],
         tgt_key_padding_mask: Tensor | None,
         memory_key_padding_mask: Tensor | None,
         tgt_is_causal: Causal,
         memory_is_causal: Causal,
         bucket_padding: float,
-    ) -> DecoderPlans:
-        """Self-attention plan over the targets, cross-attention plan target -> memory."""
-        t_lens = lengths(cu_seqlens, tgt.shape[0], "cu_seqlens")
-        m_lens = lengths(cu_seqlens_memory, memory.shape[0], "cu_seqlens_memory")
+    ) -> Tensor:
+        """The decoder stack over packed targets x (N, E) and the memory's states (its first
+        `memory_rows` rows are real, the rest padding from pad_rows): the self-attention plan
+        over the targets and the cross-attention plan target -> memory, made once for every
+        layer; returns (N, E)."""
+        t_lens = lengths(cu_seqlens, x.shape[0], "cu_seqlens")
+        m_lens = lengths(cu_seqlens_memory, memory_rows, "cu_seqlens_memory")
         if len(t_lens) != len(m_lens):
             raise ValueError(
                 f"tgt has {len(t_lens)} sequences but memory has {len(m_lens)}: "
                 "each target needs its own memory"
             )
         device = self.device
-        return DecoderPlans(
+        plans = DecoderPlans(
             make_plan(t_lens, t_lens, tgt_is_causal, tgt_key_padding_mask, device, bucket_padding),
             make_plan(
                 t_lens, m_lens, memory_is_causal, memory_key_padding_mask, device, bucket_padding
             ),
         )
+        out = self._stack()(pad_rows(x), memory, plans=plans)[0]  # (max(N, MIN_ROWS), E)
+        return out[: x.shape[0]]  # (N, E)
 
     def _packed(self, name: str, x: Tensor) -> Tensor:
         x = self._cast(x)
@@ -229,19 +235,18 @@ class TransformerDecoderModel(_DecoderBase):
         or one per sequence. Both plans are made once and reused by every layer.
         """
         x, mem = self._packed("tgt", tgt), self._packed("memory", memory)  # (N, E), (M, E)
-        plans = self._decoder_plans(
+        return self._decode_packed(
             x,
             cu_seqlens,
-            mem,
+            pad_rows(mem),
+            mem.shape[0],
             cu_seqlens_memory,
             tgt_key_padding_mask,
             memory_key_padding_mask,
             tgt_is_causal,
             memory_is_causal,
             bucket_padding,
-        )
-        out = self.decoder(pad_rows(x), pad_rows(mem), plans=plans)[0]  # (max(N, MIN_ROWS), E)
-        return out[: x.shape[0]]  # (N, E)
+        )  # (N, E)
 
     @torch.inference_mode()
     def forward_varlen(  # type: ignore[override]

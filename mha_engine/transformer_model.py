@@ -150,19 +150,18 @@ class TransformerModel(_DecoderBase):
             s_lens, s_lens, src_is_causal, src_key_padding_mask, self.device, bucket_padding
         )
         memory = self.transformer.encoder(pad_rows(s), plan=enc_plan)[0]  # (max(M, MIN_ROWS), E)
-        plans = self._decoder_plans(
+        return self._decode_packed(
             x,
             cu_seqlens,
-            s,  # the memory has the sources' rows (plus padding rows from pad_rows)
+            memory,
+            s.shape[0],  # the memory has the sources' rows (plus padding rows from pad_rows)
             cu_seqlens_src,
             tgt_key_padding_mask,
             memory_key_padding_mask,
             tgt_is_causal,
             False,
             bucket_padding,
-        )
-        out = self.transformer.decoder(pad_rows(x), memory, plans=plans)[0]  # (max(N, MIN_ROWS), E)
-        return out[: x.shape[0]]  # (N, E)
+        )  # (N, E)
 
     @torch.inference_mode()
     def forward_varlen(  # type: ignore[override]
