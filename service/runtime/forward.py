@@ -5,9 +5,8 @@ Per batch: one copy of the wire arrays into a staging tensor (64-byte aligned li
 allocation, pinned on CUDA), one host->device copy, one device->host copy of the output. NaN/Inf
 are found by one vectorised float32 sum over each staged input and over the output, per batch
 (rechecked in float64 only when it is not finite): no pass per request and none on the event
-loop. Nothing is copied per request, except an output
-the request put in CUDA shared memory: its rows are copied there from the device as well
-(Payload.output_sink; unverified on a GPU).
+loop. Nothing is copied per request, except an output the request put in CUDA shared memory:
+its rows are copied there from the device as well (Payload.output_sink; unverified on a GPU).
 """
 
 from __future__ import annotations
