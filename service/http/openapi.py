@@ -209,6 +209,19 @@ def inlined(model: type[BaseModel]) -> dict:
     return walk(schema)
 
 
+def schema_body(schema: dict) -> dict:
+    """openapi_extra documenting a required JSON request body of `schema`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def number_arrays(description: str, depth: int) -> dict[int, dict]:
+    """The 200 response of a route answering JSON arrays of numbers nested `depth` deep."""
+    schema: dict = {"type": "number"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return {200: {"description": description, "content": {"application/json": {"schema": schema}}}}
+
+
 def json_body(*models: type[BaseModel]) -> dict:
     """openapi_extra documenting a JSON request body of one of `models` (the route reads the
     body itself, so FastAPI cannot infer it): a reference to the one model's component, or the
@@ -219,7 +232,7 @@ def json_body(*models: type[BaseModel]) -> dict:
         schema: dict = {"$ref": f"#/components/schemas/{model.__name__}"}
     else:
         schema = {"anyOf": [inlined(m) for m in models]}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    return schema_body(schema)
 
 
 def add_body_schemas(app: FastAPI) -> None:

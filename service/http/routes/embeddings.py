@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.http.body import parse_json, read_body
 from service.http.deps import get_state
-from service.http.openapi import OPENAI_ERROR_RESPONSES
+from service.http.openapi import OPENAI_ERROR_RESPONSES, schema_body
 from service.http.routes.common import LeanRoute, Observation, client_gone, observed
 from service.pipeline.errors import (
     BadInput,
@@ -100,12 +100,7 @@ EMBEDDINGS_RESPONSE = {
         },
     },
 }
-OPENAPI = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": EMBEDDINGS_REQUEST}},
-    }
-}
+OPENAPI = schema_body(EMBEDDINGS_REQUEST)
 RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "One vector per input, in order (X-Truncated-Inputs lists cut inputs)",

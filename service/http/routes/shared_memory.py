@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 
 from service.http.body import read_json
 from service.http.deps import get_state
-from service.http.openapi import ERROR_RESPONSES
+from service.http.openapi import ERROR_RESPONSES, schema_body
 from service.http.routes.repository import BODY_LIMIT
 from service.pipeline.errors import BadInput
 from service.shm.cuda_regions import not_supported, register_cuda
@@ -60,32 +60,32 @@ DONE = {
 CONTROL_RESPONSES = {**DONE, **{code: ERROR_RESPONSES[code] for code in (400, 413, 429)}}
 
 
-def _json_body(properties: dict, required: list[str]) -> dict:
-    """The OpenAPI requestBody of a register call: a required JSON object."""
-    schema = {"type": "object", "properties": properties, "required": required}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-REGISTER_BODY = _json_body(
+REGISTER_BODY = schema_body(
     {
-        "key": {"type": "string", "description": "shm_open name, e.g. /input0"},
-        "offset": {"type": "integer", "minimum": 0, "default": 0},
-        "byte_size": {"type": "integer", "minimum": 1},
-    },
-    ["key", "byte_size"],
-)
-CUDA_REGISTER_BODY = _json_body(
-    {
-        "raw_handle": {
-            "type": "object",
-            "properties": {"b64": {"type": "string", "format": "byte"}},
-            "required": ["b64"],
-            "description": "the 64-byte cudaIpcMemHandle_t, base64",
+        "type": "object",
+        "properties": {
+            "key": {"type": "string", "description": "shm_open name, e.g. /input0"},
+            "offset": {"type": "integer", "minimum": 0, "default": 0},
+            "byte_size": {"type": "integer", "minimum": 1},
         },
-        "device_id": {"type": "integer", "minimum": 0},
-        "byte_size": {"type": "integer", "minimum": 1},
-    },
-    ["raw_handle", "device_id", "byte_size"],
+        "required": ["key", "byte_size"],
+    }
+)
+CUDA_REGISTER_BODY = schema_body(
+    {
+        "type": "object",
+        "properties": {
+            "raw_handle": {
+                "type": "object",
+                "properties": {"b64": {"type": "string", "format": "byte"}},
+                "required": ["b64"],
+                "description": "the 64-byte cudaIpcMemHandle_t, base64",
+            },
+            "device_id": {"type": "integer", "minimum": 0},
+            "byte_size": {"type": "integer", "minimum": 1},
+        },
+        "required": ["raw_handle", "device_id", "byte_size"],
+    }
 )
 
 

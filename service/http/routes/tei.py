@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state
-from service.http.openapi import TEI_ERROR_RESPONSES, json_body
+from service.http.openapi import TEI_ERROR_RESPONSES, json_body, number_arrays
 from service.http.routes.common import client_gone
 from service.http.routes.tei_common import (
     MAX_CLIENT_BATCH,
@@ -186,14 +186,6 @@ async def embed_body(body: EmbedRequest, request: Request) -> Response:
         vectors = [np.asarray(v, dtype=np.float32) for v in vectors]
         content = orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(content, media_type="application/json")
-
-
-def number_arrays(description: str, depth: int) -> dict[int, dict]:
-    """The 200 response of a route answering JSON arrays of numbers nested `depth` deep."""
-    schema: dict = {"type": "number"}
-    for _ in range(depth):
-        schema = {"type": "array", "items": schema}
-    return {200: {"description": description, "content": {"application/json": {"schema": schema}}}}
 
 
 EMBED_RESPONSES = number_arrays("One sentence vector per input (float32 values)", 2)
