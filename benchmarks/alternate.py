@@ -55,13 +55,10 @@ def load_for(case: str, seq_len: int, tmp: Path) -> Load:
     embed_dim, num_heads = (16, 2) if case.startswith("tiny") else (512, 8)
     model = save_mha(tmp, embed_dim, num_heads)
     if case == "tiny-grpc":
-        from service.grpc import grpc_service_pb2 as pb
+        from benchmarks.grpc_vs_http import infer_request
 
         x = np.random.default_rng(0).standard_normal((1, seq_len, embed_dim), np.float32)
-        infer = pb.ModelInferRequest(model_name="mha")
-        infer.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
-        infer.raw_input_contents.append(x.tobytes())
-        return ["--model-dir", str(model)], GRPC, [infer], {}
+        return ["--model-dir", str(model)], GRPC, [infer_request(x, "mha")], {}
     body, headers = request("json" if case == "json" else "binary", seq_len, embed_dim)
     return ["--model-dir", str(model)], MHA_PATH, [body], headers
 

@@ -64,6 +64,14 @@ async def grpc_load(
     return completed, failed
 
 
+def infer_request(x: np.ndarray, model_name: str) -> pb.ModelInferRequest:
+    """A ModelInferRequest of `x` (FP32) as raw contents."""
+    request = pb.ModelInferRequest(model_name=model_name)
+    request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    return request
+
+
 def measure(proc: Proc, run) -> tuple[float, float, int]:
     """(req/s, server CPU ms per request, failures) of one load run."""
     cpu0, t0 = proc.cpu_seconds(), time.perf_counter()
@@ -102,9 +110,7 @@ def main() -> None:
             for length in args.lengths:
                 x = np.random.default_rng(length).standard_normal((1, length, 512), np.float32)
                 body, headers = binary_infer_body(x)
-                request = pb.ModelInferRequest(model_name=NAME)
-                request.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
-                request.raw_input_contents.append(x.tobytes())
+                request = infer_request(x, NAME)
 
                 def http_run(body=body, headers=headers):
                     result = asyncio.run(
