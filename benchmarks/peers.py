@@ -8,7 +8,8 @@ tokenize + encode + mean-pool + L2-normalise.
 - ours fp32 / bf16 / int8: `mha_engine.load_model(..., dtype=...)`, `embed_varlen` on the 32
   unpadded sentences as one packed batch; "unfused" rows run the same model with
   MHA_ENGINE_FUSED_CPU=0 (plain F.linear + separate GELU / add: the engine before the fused
-  path).
+  path); "int8 eager rows" runs int8 with MHA_ENGINE_INT8_KERNEL=eager (the per-row
+  quantize / rescale passes as torch ops, not int8_rows.c: the engine before those kernels).
 - ONNX Runtime fp32: transformers' BertModel exported with torch.onnx (TorchScript exporter,
   dynamic batch and sequence axes), ORT_ENABLE_ALL (ORT fuses attention, LayerNorm, GELU);
   inputs padded to the longest sentence (what ORT needs), pooled with the attention mask.
@@ -40,7 +41,7 @@ import torch
 import mha_engine
 from benchmarks.embeddings import SENTENCES
 from benchmarks.text_models import rate
-from mha_engine import fused
+from mha_engine import fused, int8_rows
 from service.text.tokenizer import minilm_path
 
 MAX_LENGTH = 256
@@ -126,14 +127,16 @@ def ort_embedder(path: Path, tok, threads: int) -> Callable[[list[str]], np.ndar
 
 
 def ours_embedder(
-    directory: Path, dtype: str, tok, fused: bool = True
+    directory: Path, dtype: str, tok, fused: bool = True, int8_kernel: str = "auto"
 ) -> Callable[[list[str]], np.ndarray]:
-    """embed_varlen on the packed sentences; fused=False runs the plain (unfused) path."""
+    """embed_varlen on the packed sentences; fused=False runs the plain (unfused) path,
+    int8_kernel="eager" int8's per-row passes as eager torch ops instead of compiled C."""
     model = mha_engine.load_model(directory, device="cpu", dtype=dtype)
     flag = "1" if fused else "0"
 
     def embed(texts: list[str]) -> np.ndarray:
         os.environ["MHA_ENGINE_FUSED_CPU"] = flag
+        os.environ["MHA_ENGINE_INT8_KERNEL"] = int8_kernel
         ids = [torch.tensor(e.ids) for e in tok.encode_batch(texts)]
         return model.embed_varlen(ids, pooling="mean", normalize=True).numpy()
 
@@ -201,6 +204,7 @@ def main() -> None:
             "ours bf16": ours_embedder(directory, "bfloat16", tok),
             "ours bf16 unfused": ours_embedder(directory, "bfloat16", tok, fused=False),
             "ours int8": ours_embedder(directory, "int8", tok),
+            "ours int8 eager rows": ours_embedder(directory, "int8", tok, int8_kernel="eager"),
             "ORT fp32": ort_embedder(fp32_onnx, tok, threads),
             "ORT int8": ort_embedder(int8_onnx, tok, threads),
         }
@@ -211,12 +215,15 @@ def main() -> None:
                 got[name].append(rate(lambda e=embed: e(texts), len(texts), args.seconds))
         gains = gemm_speedup(sum(lens))
     med = {name: statistics.median(r) for name, r in got.items()}
+    os.environ["MHA_ENGINE_INT8_KERNEL"] = "auto"
+    int8_kernel_status = int8_rows.kernel_status()
     print(
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
         f"CPU capability {fused.cpu_capability()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, {threads} threads, "
         f"load avg {os.getloadavg()[0]:.2f}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-        f"malloc {'kept' if mha_engine.cpu_allocator_tuned() else 'glibc defaults'}"
+        f"malloc {'kept' if mha_engine.cpu_allocator_tuned() else 'glibc defaults'}, "
+        f"int8 row passes {int8_kernel_status}"
     )
     print(
         f"32 sentences, {min(lens)}-{max(lens)} tokens ({sum(lens)} packed, "
@@ -236,6 +243,8 @@ def main() -> None:
     print(f"- fused / unfused (ours bf16) = {med['ours bf16'] / med['ours bf16 unfused']:.2f}x")
     print(f"- int8: ours / ORT = {med['ours int8'] / med['ORT int8']:.2f}x")
     print(f"- int8 / fp32 (ours) = {med['ours int8'] / med['ours fp32']:.2f}x")
+    eager = med["ours int8 eager rows"]
+    print(f"- int8 compiled / eager row passes (ours) = {med['ours int8'] / eager:.2f}x")
     bf16 = med["ours bf16"] / med["ours fp32"]
     print(f"- bf16 / fp32 (ours) = {bf16:.2f}x")
     for name, (gain, ms) in gains.items():

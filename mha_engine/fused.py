@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .quantize import Int8Linear
+
 # Measured on torch 2.13 CPU (MKL sgemm, oneDNN fp32/bf16, AVX-512): a GEMM over few rows
 # (MKL on AMD EPYC: 1-3, 5-7, 9-11 rows with 2 threads; MKL on an AMX Xeon: 1-15 rows; oneDNN
 # prepacked: 1 row at K=1536) rounds differently from the same rows inside a larger GEMM; from
@@ -175,6 +177,8 @@ def linear(
     else:
 
         def plain(xb: Tensor, rb: Tensor | None) -> Tensor:
+            if rb is not None and activation is None and isinstance(module, Int8Linear):
+                return module(xb, rb)  # the add runs in the int8 epilogue (same bits)
             yb = module(xb)  # (N', M)
             if activation is not None:
                 yb = ACTIVATIONS[activation](yb)

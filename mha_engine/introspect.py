@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .fused import cpu_capability, fused_cpu_enabled
+from .int8_rows import kernel_status
 
 if TYPE_CHECKING:
     from .attention import FusedAttention
@@ -74,7 +75,7 @@ def engine_path(model: EngineModel) -> str:
     if fused_cpu:
         gemms = "prepacked oneDNN in_proj / out_proj+residual / FFN (GELU, residual fused)"
     elif model.precision == "int8":
-        gemms = "int8 oneDNN GEMMs (per-row activation scales)"
+        gemms = f"int8 oneDNN GEMMs (per-row activation scales; row passes {kernel_status()})"
     else:
         gemms = "fused in_proj GEMM"
     return f"{gemms} + scaled_dot_product_attention"

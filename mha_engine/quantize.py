@@ -16,7 +16,8 @@ that picked the kernel (figures: BENCHMARKS.md, "int8 kernels"; torch 2.13 CPU):
   zero_point (it subtracts it exactly, in integers), and the float epilogue applies the row's
   scale and adds mid * (the weight row sums) and the bias. The integer sums are exact and the
   epilogue is elementwise, so a row's result depends only on that row: bit-identical alone or
-  in any batch (tested).
+  in any batch (tested). The per-row passes run as compiled C where a C compiler exists
+  (int8_rows: one pass per row instead of nine over the batch, bit-identical).
 
 Activations: asymmetric per row (min..max over 2 * levels steps). With VNNI the u8 x s8
 products go straight into int32 (vpdpbusd): 8 bits, q in [1, 255] around 128. Without VNNI,
@@ -31,10 +32,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import int8_rows
 from .errors import DeviceError
+from .int8_rows import TINY
 
 WEIGHT_MAX = 127  # weights: int8 in [-127, 127] per output channel
-TINY = torch.finfo(torch.float32).tiny
 UNSUPPORTED_HINT = "use --dtype float32 or --dtype bfloat16"
 
 
@@ -113,34 +115,24 @@ class Int8Linear(nn.Module):
 
     def quantize_rows(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """uint8 rows q (N, K) in [1, 2 * levels + 1], scales (N,) and midpoints (N,):
-        x ~ scale * (q - zero_point) + mid, per row.
+        x ~ scale * (q - zero_point) + mid, per row (int8_rows: compiled, or eager ops)."""
+        return int8_rows.quantize_rows(x, self.levels)
 
-        Elementwise ops and exact min/max only: each value is computed the same way whichever
-        batch it is in (tested bit for bit). float -> int8 is a fast vectorised cast where
-        float -> uint8 is not (0.35 ms against 0.04 ms at 446 x 1536), hence the detour.
-        """
-        lo, hi = x.amin(dim=1), x.amax(dim=1)  # (N,) exact
-        mid = (hi + lo).mul_(0.5)  # (N,)
-        scale = (hi - lo).div_(2 * self.levels).clamp_(min=TINY)  # (N,)
-        t = x.sub(mid[:, None]).mul_(scale.reciprocal()[:, None])  # (N, K) in [-levels, levels]
-        q = t.round_().to(torch.int8).view(torch.uint8)  # two's complement bytes of round(t)
-        return q.add_(self.zero_point), scale, mid  # wraps to round(t) + zero_point, no overflow
-
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x (..., K) -> (..., M), plus `residual` (..., M) when given (added in the epilogue)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (N, K)
         if x2.shape[0] == 0:
-            return x2.new_zeros(*lead, self.out_features)
+            y = x2.new_zeros(*lead, self.out_features)
+            return y if residual is None else y + residual
         q, scale, mid = self.quantize_rows(x2)
         y = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, self.zero_point, self._packed, self.weight_scale, self._zero_points, None,
             1.0, 0, torch.float32, "none", [], "",
         )  # (N, M) = exact int32 sums of (q - zero_point) * W_q, times weight_scale  # fmt: skip
-        if self.bias is None:
-            y.mul_(scale[:, None])
-        else:
-            torch.addcmul(self.bias, y, scale[:, None], out=y)  # one pass: y * scale + bias
-        return y.addr_(mid, self._weight_sums).view(*lead, self.out_features)  # + mid * sums
+        r2 = None if residual is None else residual.reshape(-1, self.out_features)  # (N, M)
+        y = int8_rows.rescale_rows(y, scale, mid, self.bias, self._weight_sums, r2)
+        return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         bits = (2 * self.levels + 1).bit_length()

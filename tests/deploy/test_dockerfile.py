@@ -134,7 +134,8 @@ def copied_sources() -> list[str]:
 
 def test_build_stage_installs_a_complete_package(tmp_path) -> None:
     """The build stage's non-editable `pip install .`, from only what the image's build stage
-    copies: the wheel must hold every module and the `mha-serve` entry point, and import."""
+    copies: the wheel must hold every module, int8's C source and the `mha-serve` entry point,
+    and import."""
     context = tmp_path / "context"
     for source in ("pyproject.toml", "README.md", "mha_engine", "service"):
         assert source in copied_sources(), f"the build stage no longer copies {source}"
@@ -156,6 +157,7 @@ def test_build_stage_installs_a_complete_package(tmp_path) -> None:
     for package in ("service", "mha_engine"):
         for module in (ROOT / package).rglob("*.py"):
             assert module.relative_to(ROOT).as_posix() in names, f"{module} not in the wheel"
+    assert "mha_engine/int8_rows.c" in names  # compiled at first use (int8_rows.py)
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "mha-serve = service.__main__:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     site = tmp_path / "site"

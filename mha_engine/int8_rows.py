@@ -1,0 +1,176 @@
+"""The per-row passes around Int8Linear's GEMM as compiled C (int8_rows.c), with eager fallback.
+
+Each int8 linear quantizes its input rows and rescales its output rows. As eager torch ops that
+is about nine passes over the batch, and they took as long as the int8 GEMMs themselves on
+MiniLM (BENCHMARKS.md, "int8 row kernels"). int8_rows.c does the same float32 operations in the
+same order, one row at a time while the row is in cache: bit-identical results, fewer passes.
+
+It is compiled at first use with the host's C compiler (`$CC`, else `cc`) for this CPU
+(`-march=native`) into a private temporary directory and loaded with ctypes; nothing is cached
+on disk between processes (about 0.3 s per process). Without a compiler, or with
+MHA_ENGINE_INT8_KERNEL=eager, the eager torch ops run instead: same numbers, slower.
+`kernel_status()` says which, and why; model diagnostics report it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("int8_rows.c")
+# -ffp-contract=off: no fused multiply-adds beyond the explicit fmaf calls (bit-exact with eager)
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+COMPILE_TIMEOUT_S = 60.0
+TINY = torch.finfo(torch.float32).tiny
+
+log = logging.getLogger(__name__)
+
+
+class _Library:
+    """The two C functions, bound with ctypes (each call releases the GIL)."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        self.quantize_rows = lib.mha_int8_quantize_rows
+        self.quantize_rows.argtypes = [p, i64, i64, i64, i32, p, p, p]
+        self.quantize_rows.restype = None
+        self.epilogue = lib.mha_int8_epilogue
+        self.epilogue.argtypes = [p, i64, i64, p, p, p, p, p, i64]
+        self.epilogue.restype = None
+
+
+def _compile() -> tuple[_Library | None, str]:
+    """(library, how it was built) or (None, why not)."""
+    if sys.platform == "win32":
+        return None, "eager: no C build on Windows"
+    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="mha-int8-") as tmp:
+        target = str(Path(tmp) / "int8_rows.so")
+        for arch in (["-march=native"], []):  # some compilers or targets lack -march=native
+            cmd = [*compiler, *FLAGS, *arch, "-o", target, str(SOURCE), "-lm"]
+            try:
+                done = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})"
+            if done.returncode == 0:
+                try:  # the mapping outlives the file, which the directory's removal deletes
+                    return _Library(target), f"compiled ({' '.join([compiler[0], *arch])})"
+                except OSError as exc:
+                    return None, f"eager: the compiled kernels did not load ({exc})"
+            errors.append((done.stderr or done.stdout).strip().splitlines()[:1])
+    first = errors[0][0] if errors and errors[0] else "no output"
+    return None, f"eager: {compiler[0]} failed to build int8_rows.c ({first})"
+
+
+@functools.cache
+def _built() -> tuple[_Library | None, str]:
+    library, status = _compile()
+    if library is None:
+        log.warning("int8 row kernels: %s (same numbers, slower int8)", status)
+    return library, status
+
+
+def _library() -> _Library | None:
+    """The compiled kernels, or None where they are off or could not be built."""
+    if os.environ.get("MHA_ENGINE_INT8_KERNEL", "auto") == "eager":
+        return None
+    return _built()[0]
+
+
+def kernel_status() -> str:
+    """'compiled (cc -march=native)', or 'eager: <why>' (diagnostics, benchmarks, logs)."""
+    if os.environ.get("MHA_ENGINE_INT8_KERNEL", "auto") == "eager":
+        return "eager: MHA_ENGINE_INT8_KERNEL=eager"
+    return _built()[1]
+
+
+def quantize_rows(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows x (N, K) float32 as uint8 q in [1, 2 * levels + 1], scales (N,) and midpoints (N,):
+    x ~ scale * (q - (levels + 1)) + mid per row. Compiled where available, else eager."""
+    lib = _library()
+    if lib is None or not _f32_cpu(x) or x.dim() != 2:
+        return _quantize_rows_eager(x, levels)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n, k = x.shape
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scale, mid = torch.empty(n), torch.empty(n)
+    lib.quantize_rows(
+        x.data_ptr(), n, k, x.stride(0), levels, q.data_ptr(), scale.data_ptr(), mid.data_ptr()
+    )
+    return q, scale, mid
+
+
+def rescale_rows(
+    y: Tensor,
+    scale: Tensor,
+    mid: Tensor,
+    bias: Tensor | None,
+    weight_sums: Tensor,
+    residual: Tensor | None = None,
+) -> Tensor:
+    """In place on the GEMM output y (N, M): y * scale + bias + mid * weight_sums (+ residual),
+    per row, as two fused multiply-adds; returns y. Compiled where available, else eager (the
+    same bits)."""
+    lib = _library()
+    dense = (y, scale, mid, weight_sums) if bias is None else (y, scale, mid, weight_sums, bias)
+    if lib is None or not all(_f32_cpu(t) and t.is_contiguous() for t in dense):
+        return _rescale_rows_eager(y, scale, mid, bias, weight_sums, residual)
+    if residual is not None and not (_f32_cpu(residual) and residual.stride(-1) == 1):
+        residual = residual.float().contiguous()
+    n, m = y.shape
+    lib.epilogue(
+        y.data_ptr(), n, m, scale.data_ptr(), mid.data_ptr(),
+        None if bias is None else bias.data_ptr(), weight_sums.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+    )  # fmt: skip
+    return y
+
+
+def _f32_cpu(t: Tensor) -> bool:
+    """What the C code reads: float32 in CPU memory (callers check the strides)."""
+    return t.dtype == torch.float32 and t.is_cpu
+
+
+def _quantize_rows_eager(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference: elementwise ops and exact min/max, each value computed the same way in
+    any batch. float -> int8 is a fast vectorised cast where float -> uint8 is not (0.35 ms
+    against 0.04 ms at 446 x 1536), hence the detour through int8 bytes."""
+    lo, hi = x.amin(dim=1), x.amax(dim=1)  # (N,) exact
+    mid = (hi + lo).mul_(0.5)  # (N,)
+    scale = (hi - lo).div_(2 * levels).clamp_(min=TINY)  # (N,)
+    t = x.sub(mid[:, None]).mul_(scale.reciprocal()[:, None])  # (N, K) in [-levels, levels]
+    q = t.round_().to(torch.int8).view(torch.uint8)  # two's complement bytes of round(t)
+    return q.add_(levels + 1), scale, mid  # wraps to round(t) + zero point, no overflow
+
+
+def _rescale_rows_eager(
+    y: Tensor,
+    scale: Tensor,
+    mid: Tensor,
+    bias: Tensor | None,
+    weight_sums: Tensor,
+    residual: Tensor | None,
+) -> Tensor:
+    if bias is None:
+        y.mul_(scale[:, None])
+    else:
+        torch.addcmul(bias, y, scale[:, None], out=y)  # one pass: y * scale + bias
+    y.addcmul_(mid[:, None], weight_sums)  # + mid * sums (addcmul: fused multiply-adds
+    # in every column; addr_'s scalar tail past the last full vector rounds the product first)
+    return y if residual is None else y.add_(residual)
