@@ -4,7 +4,7 @@
    over a row (in L1) instead of seven over the batch: the results are bit-identical to the
    eager path (tested), and each row depends only on itself (batch invariance).
    Build flags: -O3 -ffp-contract=off (no fused multiply-add beyond the explicit fmaf calls,
-   which mirror the fused multiply-adds of torch's addcmul kernel). */
+   which mirror those of torch's addcmul kernel where it fuses them). */
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -117,18 +117,24 @@ void mha_int8_quantize_rows(const float *x, int64_t n, int64_t k, int64_t ldx, i
 }
 
 /* In place on y (n, m), the GEMM's (sum of (q - zero_point) * W_q) * weight_scale:
-   y = y * scale + bias, then y += mid * weight_sums (two fused multiply-adds, as the eager
-   path's two addcmul calls), then y += residual (if given), per row. bias and residual may be NULL; residual has row stride ldr. */
+   y = y * scale + bias, then y += mid * weight_sums, then y += residual (if given), per row.
+   With fused != 0 the two multiply-adds are fused (as torch's vectorised addcmul kernels do
+   on AVX2 / AVX-512), else each product is rounded first (its DEFAULT kernels). bias and
+   residual may be NULL; residual has row stride ldr. */
 void mha_int8_epilogue(float *y, int64_t n, int64_t m, const float *scale, const float *mid,
                        const float *bias, const float *weight_sums, const float *residual,
-                       int64_t ldr) {
+                       int64_t ldr, int32_t fused) {
   for (int64_t i = 0; i < n; ++i) {
     float *row = y + i * m;
     const float s = scale[i], md = mid[i];
-    if (bias) {
+    if (fused && bias) {
       for (int64_t j = 0; j < m; ++j) row[j] = fmaf(md, weight_sums[j], fmaf(row[j], s, bias[j]));
-    } else {
+    } else if (fused) {
       for (int64_t j = 0; j < m; ++j) row[j] = fmaf(md, weight_sums[j], row[j] * s);
+    } else if (bias) {
+      for (int64_t j = 0; j < m; ++j) row[j] = (bias[j] + row[j] * s) + md * weight_sums[j];
+    } else {
+      for (int64_t j = 0; j < m; ++j) row[j] = row[j] * s + md * weight_sums[j];
     }
     if (residual) {
       const float *r = residual + i * ldr;

@@ -32,6 +32,9 @@ SOURCE = Path(__file__).with_name("int8_rows.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 COMPILE_TIMEOUT_S = 60.0
 TINY = torch.finfo(torch.float32).tiny
+# torch's vectorised addcmul fuses y * scale + bias into one rounding on AVX2 / AVX-512; its
+# DEFAULT kernels round the product first. The C epilogue follows whichever runs here.
+FUSED_MULTIPLY_ADD = int(torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class _Library:
         self.quantize_rows.argtypes = [p, i64, i64, i64, i32, p, p, p]
         self.quantize_rows.restype = None
         self.epilogue = lib.mha_int8_epilogue
-        self.epilogue.argtypes = [p, i64, i64, p, p, p, p, p, i64]
+        self.epilogue.argtypes = [p, i64, i64, p, p, p, p, p, i64, i32]
         self.epilogue.restype = None
 
 
@@ -137,7 +140,7 @@ def rescale_rows(
         y.data_ptr(), n, m, scale.data_ptr(), mid.data_ptr(),
         None if bias is None else bias.data_ptr(), weight_sums.data_ptr(),
         None if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0),
+        0 if residual is None else residual.stride(0), FUSED_MULTIPLY_ADD,
     )  # fmt: skip
     return y
 

@@ -6,6 +6,10 @@ the same order (its fmaf calls are the fused multiply-adds of torch's addcmul ke
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from engine_helpers import engine_from
@@ -143,3 +147,39 @@ def test_diagnostics_name_the_row_kernels():
     torch.manual_seed(0)
     model = mha_engine.quantize_int8(engine_from(nn.MultiheadAttention(32, 4, batch_first=True)))
     assert "row passes compiled" in model.diagnostics()["engine_path"]
+
+
+SAME_BITS_SCRIPT = """
+import os
+import torch
+from mha_engine import int8_rows
+from mha_engine.quantize import Int8Linear
+assert int8_rows.kernel_status().startswith("compiled"), int8_rows.kernel_status()
+g = torch.Generator().manual_seed(2)
+for n, k, m, bias in ((29, 40, 67, True), (5, 384, 1152, False)):
+    b = torch.randn(m, generator=g) if bias else None
+    lin = Int8Linear(torch.randn(m, k, generator=g), b)
+    x, r = torch.randn(n, k, generator=g) * 3, torch.randn(n, m, generator=g)
+    os.environ["MHA_ENGINE_INT8_KERNEL"] = "auto"
+    compiled = lin(x, r)
+    os.environ["MHA_ENGINE_INT8_KERNEL"] = "eager"
+    print(torch.backends.cpu.get_cpu_capability(), torch.equal(compiled, lin(x, r)))
+"""
+
+
+@compiled
+@needs_int8
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_the_compiled_kernels_follow_torchs_other_cpu_kernels(capability):
+    """torch's DEFAULT kernels round y * scale before adding (its AVX2 / AVX-512 ones fuse
+    it): with ATEN_CPU_CAPABILITY forcing them, and the C built without AVX-512, the
+    compiled epilogue still gives the eager bits."""
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "CC": "cc -mno-avx512f"}
+    done = subprocess.run(
+        [sys.executable, "-c", SAME_BITS_SCRIPT], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [capability.upper(), "True"] * 2, done.stdout
