@@ -16,7 +16,7 @@ from engine_helpers import engine_from
 from torch import nn
 
 import mha_engine
-from mha_engine import int8_rows
+from mha_engine import fused, int8_rows
 from mha_engine.quantize import Int8Linear, int8_unsupported_reason
 
 STATUS = int8_rows.kernel_status()
@@ -152,7 +152,7 @@ def test_diagnostics_name_the_row_kernels():
 SAME_BITS_SCRIPT = """
 import os
 import torch
-from mha_engine import int8_rows
+from mha_engine import fused, int8_rows
 from mha_engine.quantize import Int8Linear
 assert int8_rows.kernel_status().startswith("compiled"), int8_rows.kernel_status()
 g = torch.Generator().manual_seed(2)
@@ -183,3 +183,18 @@ def test_the_compiled_kernels_follow_torchs_other_cpu_kernels(capability):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [capability.upper(), "True"] * 2, done.stdout
+
+
+@needs_int8
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_int8_activations_run_in_place_with_the_same_bits(activation, with_residual):
+    """fused.linear on an Int8Linear applies the activation to the linear's own output in
+    place, then adds the residual: the bits of the out-of-place ops."""
+    torch.manual_seed(0)
+    lin = Int8Linear(torch.randn(96, 40), torch.randn(96))
+    x = torch.randn(23, 40) * 2
+    r = torch.randn(23, 96) if with_residual else None
+    want = fused.ACTIVATIONS[activation](lin(x))
+    want = want if r is None else want + r
+    assert torch.equal(fused.linear(lin, x, activation, r), want)
