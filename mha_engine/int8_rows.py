@@ -57,24 +57,32 @@ def _compile() -> tuple[_Library | None, str]:
     """(library, how it was built) or (None, why not)."""
     if sys.platform == "win32":
         return None, "eager: no C build on Windows"
+    if not SOURCE.is_file():
+        return None, f"eager: {SOURCE.name} is not installed next to {Path(__file__).name}"
     compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+    try:
+        with tempfile.TemporaryDirectory(prefix="mha-int8-") as tmp:
+            return _build(compiler, str(Path(tmp) / "int8_rows.so"))
+    except OSError as exc:  # no writable temporary directory
+        return None, f"eager: no directory to build in ({exc})"
+
+
+def _build(compiler: list[str], target: str) -> tuple[_Library | None, str]:
     errors = []
-    with tempfile.TemporaryDirectory(prefix="mha-int8-") as tmp:
-        target = str(Path(tmp) / "int8_rows.so")
-        for arch in (["-march=native"], []):  # some compilers or targets lack -march=native
-            cmd = [*compiler, *FLAGS, *arch, "-o", target, str(SOURCE), "-lm"]
-            try:
-                done = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-                )
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})"
-            if done.returncode == 0:
-                try:  # the mapping outlives the file, which the directory's removal deletes
-                    return _Library(target), f"compiled ({' '.join([compiler[0], *arch])})"
-                except OSError as exc:
-                    return None, f"eager: the compiled kernels did not load ({exc})"
-            errors.append((done.stderr or done.stdout).strip().splitlines()[:1])
+    for arch in (["-march=native"], []):  # some compilers or targets lack -march=native
+        cmd = [*compiler, *FLAGS, *arch, "-o", target, str(SOURCE), "-lm"]
+        try:
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})"
+        if done.returncode == 0:
+            try:  # the mapping outlives the file, which the directory's removal deletes
+                return _Library(target), f"compiled ({' '.join([compiler[0], *arch])})"
+            except OSError as exc:  # e.g. a temporary directory mounted noexec
+                return None, f"eager: the compiled kernels did not load ({exc})"
+        errors.append((done.stderr or done.stdout).strip().splitlines()[:1])
     first = errors[0][0] if errors and errors[0] else "no output"
     return None, f"eager: {compiler[0]} failed to build int8_rows.c ({first})"
 

@@ -141,6 +141,13 @@ def test_without_a_working_compiler_the_eager_ops_run_and_say_why(monkeypatch, c
     assert status.startswith("eager: ") and why in status
 
 
+def test_without_a_writable_temporary_directory_the_eager_ops_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(int8_rows.tempfile, "tempdir", str(tmp_path / "missing"))
+    library, status = int8_rows._compile()
+    assert library is None
+    assert status.startswith("eager: no directory to build in")
+
+
 @compiled
 @needs_int8
 def test_diagnostics_name_the_row_kernels():
