@@ -113,7 +113,7 @@ def quantize_rows(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
     """Rows x (N, K) float32 as uint8 q in [1, 2 * levels + 1], scales (N,) and midpoints (N,):
     x ~ scale * (q - (levels + 1)) + mid per row. Compiled where available, else eager."""
     lib = _library()
-    if lib is None or not _f32_cpu(x) or x.dim() != 2:
+    if lib is None or not _f32_cpu(x) or x.dim() != 2 or x.shape[1] == 0:
         return _quantize_rows_eager(x, levels)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -135,11 +135,19 @@ def rescale_rows(
     residual: Tensor | None = None,
 ) -> Tensor:
     """In place on the GEMM output y (N, M): y * scale + bias + mid * weight_sums (+ residual),
-    per row, as two fused multiply-adds; returns y. Compiled where available, else eager (the
-    same bits)."""
+    per row; returns y. Compiled where available, else eager (the same bits)."""
     lib = _library()
     dense = (y, scale, mid, weight_sums) if bias is None else (y, scale, mid, weight_sums, bias)
-    if lib is None or not all(_f32_cpu(t) and t.is_contiguous() for t in dense):
+    if (
+        lib is None
+        or not all(_f32_cpu(t) and t.is_contiguous() for t in dense)
+        or y.dim() != 2
+        or scale.shape != (y.shape[0],)
+        or mid.shape != scale.shape
+        or weight_sums.shape != (y.shape[1],)
+        or (bias is not None and bias.shape != weight_sums.shape)
+        or (residual is not None and residual.shape != y.shape)
+    ):  # the C code reads exactly these extents: anything else (broadcasts) goes the eager way
         return _rescale_rows_eager(y, scale, mid, bias, weight_sums, residual)
     if residual is not None and not (_f32_cpu(residual) and residual.stride(-1) == 1):
         residual = residual.float().contiguous()

@@ -82,6 +82,19 @@ def test_rescale_rows_equals_the_eager_ops(with_bias, with_residual):
 
 
 @compiled
+def test_rescale_rows_takes_the_eager_way_for_shapes_the_c_code_does_not_read():
+    """A broadcast residual or bias (or mismatched scales) never reaches the C code, which
+    reads exact extents: the eager ops broadcast it, or raise as torch does."""
+    y, scale, mid = torch.randn(6, 8), torch.rand(6), torch.randn(6)
+    sums, row = torch.randn(8), torch.randn(8)
+    got = int8_rows.rescale_rows(y.clone(), scale, mid, None, sums, row)  # residual (M,)
+    want = int8_rows._rescale_rows_eager(y.clone(), scale, mid, None, sums, row)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError):
+        int8_rows.rescale_rows(y.clone(), scale[:4], mid[:4], None, sums)
+
+
+@compiled
 @needs_int8
 def test_a_non_finite_row_gives_a_non_finite_output_row_and_spares_the_others(monkeypatch):
     """NaN or Inf in a row, or a range past float32's: that row's output is not finite (the
