@@ -95,18 +95,19 @@ def _built() -> tuple[_Library | None, str]:
     return library, status
 
 
+def _forced_eager() -> bool:
+    """MHA_ENGINE_INT8_KERNEL=eager, read at each call (tests and benchmarks switch it)."""
+    return os.environ.get("MHA_ENGINE_INT8_KERNEL", "auto") == "eager"
+
+
 def _library() -> _Library | None:
     """The compiled kernels, or None where they are off or could not be built."""
-    if os.environ.get("MHA_ENGINE_INT8_KERNEL", "auto") == "eager":
-        return None
-    return _built()[0]
+    return None if _forced_eager() else _built()[0]
 
 
 def kernel_status() -> str:
     """'compiled (cc -march=native)', or 'eager: <why>' (diagnostics, benchmarks, logs)."""
-    if os.environ.get("MHA_ENGINE_INT8_KERNEL", "auto") == "eager":
-        return "eager: MHA_ENGINE_INT8_KERNEL=eager"
-    return _built()[1]
+    return "eager: MHA_ENGINE_INT8_KERNEL=eager" if _forced_eager() else _built()[1]
 
 
 def quantize_rows(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -34,7 +34,7 @@ def _rows(n: int, k: int, seed: int = 0) -> torch.Tensor:
         x[0] = torch.rand(k, generator=g)
         x[1] = 0.0
         x[2] = -2.5
-        x[3] *= 1e30  # max - min near float32's range
+        x[3] *= 1e30  # large magnitudes (still finite after max - min)
         x[4] *= 1e-30  # tiny values
     return x
 
