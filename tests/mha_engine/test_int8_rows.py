@@ -16,7 +16,7 @@ from engine_helpers import engine_from
 from torch import nn
 
 import mha_engine
-from mha_engine import fused, int8_rows
+from mha_engine import cbuild, fused, int8_rows
 from mha_engine.quantize import Int8Linear, int8_unsupported_reason
 
 STATUS = int8_rows.kernel_status()
@@ -155,7 +155,7 @@ def test_without_a_working_compiler_the_eager_ops_run_and_say_why(monkeypatch, c
 
 
 def test_without_a_writable_temporary_directory_the_eager_ops_run(monkeypatch, tmp_path):
-    monkeypatch.setattr(int8_rows.tempfile, "tempdir", str(tmp_path / "missing"))
+    monkeypatch.setattr(cbuild.tempfile, "tempdir", str(tmp_path / "missing"))
     library, status = int8_rows._compile()
     assert library is None
     assert status.startswith("eager: no directory to build in")

@@ -60,7 +60,8 @@ def test_mha_cross_attention_packed():
 
 
 def test_one_plan_per_call_reused_by_every_layer(monkeypatch):
-    """A 3-layer encoder plans once and makes (layers x groups) SDPA calls."""
+    """A 3-layer encoder plans once and makes (layers x groups) SDPA calls (grouped path)."""
+    monkeypatch.setenv("MHA_ENGINE_CPU_ATTENTION", "sdpa")
     model = engine_from(make_encoder(num_layers=3))
     plans, sdpa_calls = [], []
     real_plan, real_sdpa = varlen.make_plan, F.scaled_dot_product_attention

@@ -1,0 +1,139 @@
+"""Packed variable-length attention on the CPU in one call per layer (cpu_varlen.c), exact.
+
+The portable path runs one SDPA call per group of equal-length sequences, with a gather of
+each group's rows before it and a scatter after: on a batch of short sentences that is 16
+small calls per layer, each too small to use the threads (BENCHMARKS.md). cpu_varlen.c reads
+Q, K and V straight from the packed projections with cu_seqlens, one task per (sequence,
+head), spread over torch's OpenMP threads, and writes the merged heads in place. Each task
+runs the same float32 code whatever its batch-mates and thread, so batch invariance stays
+bit-exact; the numbers match PyTorch's SDPA to float32 rounding (about 1e-7), not bit for bit.
+
+Built at first use (cbuild.py). Without a compiler, or with MHA_ENGINE_CPU_ATTENTION=sdpa, the
+grouped SDPA calls run instead. `kernel_status()` says which, and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import cbuild
+
+SOURCE = Path(__file__).with_name("cpu_varlen.c")
+DTYPES = (torch.float32, torch.bfloat16)
+# Sequences with more queries or keys than this keep the grouped SDPA calls, whose GEMM-based
+# kernels are faster on long sequences (BENCHMARKS.md); like every part of the choice (`modes`),
+# it depends on the sequence alone, never on batch-mates.
+MAX_LEN = 64
+# below this many multiply-adds a batch runs on one thread (waking the others costs more)
+PARALLEL_MIN_MACS = 1 << 18
+
+log = logging.getLogger(__name__)
+
+
+class _Library:
+    """The C entry point, bound with ctypes (the call releases the GIL)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+        self.attention = lib.mha_varlen_attention
+        self.attention.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64]
+        self.attention.argtypes += [f32, p, i32, i32, i64, i64]
+        self.attention.restype = ctypes.c_int
+        self.openmp = bool(lib.mha_varlen_openmp())
+
+
+@functools.cache
+def _built() -> tuple[_Library | None, str]:
+    lib, status = cbuild.build(SOURCE, ("-ffp-contract=fast",), (("-fopenmp",), ()))
+    if lib is None:
+        log.warning("CPU varlen attention: %s (grouped SDPA calls instead)", status)
+        return None, status
+    return _Library(lib), status
+
+
+def _forced_off() -> bool:
+    """MHA_ENGINE_CPU_ATTENTION=sdpa, read at each call (tests and benchmarks switch it)."""
+    return os.environ.get("MHA_ENGINE_CPU_ATTENTION", "auto") == "sdpa"
+
+
+def kernel_status() -> str:
+    """'compiled (cc -march=native -fopenmp)', or 'eager: <why>' (diagnostics, benchmarks)."""
+    return "eager: MHA_ENGINE_CPU_ATTENTION=sdpa" if _forced_off() else _built()[1]
+
+
+def _library() -> _Library | None:
+    return None if _forced_off() else _built()[0]
+
+
+def modes(
+    q_lens: list[int], kv_lens: list[int], causal: list[bool], masked: list[bool]
+) -> list[int]:
+    """Per sequence: 1 (attend to all keys) or 2 (causal) where the kernel takes it, else 0:
+    more than MAX_LEN queries or keys, a key mask that hides something, causal with fewer or
+    more keys than queries, or queries without keys. Each depends on that sequence alone."""
+    return [
+        0 if t > MAX_LEN or s > MAX_LEN or m or (c and t != s) or (s == 0 and t > 0) else 1 + c
+        for t, s, c, m in zip(q_lens, kv_lens, causal, masked, strict=True)
+    ]
+
+
+def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """The kernel can read these projections: CPU, float32 or bfloat16, unit column stride
+    (and it was built)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and _library() is not None
+    )
+
+
+@torch.compiler.disable
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_k: Tensor | None,
+    seq_modes: Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> Tensor:
+    """softmax(Q K^T / sqrt(head_dim)) V per sequence, merged heads (N, H * head_dim), for the
+    sequences whose mode (`modes`: (B,) uint8) is 1 or 2 (causal, top-left aligned like SDPA's);
+    the rows of mode-0 sequences are left unset for the caller to fill.
+
+    q (N, H * hd), k and v (M, Hkv * hd): packed rows (views into one fused projection are
+    fine); cu_seqlens (B+1,) int32 of the queries, cu_seqlens_k of the keys (None: the same)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"CPU varlen attention is not available: {kernel_status()}")
+    cu_q = cu_seqlens.to(torch.int32).contiguous()
+    cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.to(torch.int32).contiguous()
+    out = q.new_empty(q.shape[0], num_heads * head_dim)  # (N, E) merged heads
+    taken = seq_modes.tolist()
+    pairs = [(t, s) for t, s, m in zip(q_lens, kv_lens, taken, strict=True) if m]
+    macs = num_heads * head_dim * sum(t * s for t, s in pairs)
+    threads = torch.get_num_threads() if lib.openmp and macs >= PARALLEL_MIN_MACS else 1
+    failed = lib.attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        out.data_ptr(), out.stride(0), cu_q.data_ptr(), cu_k.data_ptr(), len(q_lens),
+        num_heads, num_kv_heads, head_dim, head_dim**-0.5, seq_modes.data_ptr(),
+        int(q.dtype == torch.bfloat16), threads, max((t for t, _ in pairs), default=0),
+        max((s for _, s in pairs), default=0),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("CPU varlen attention: no memory for its scratch buffers")
+    return out
