@@ -77,6 +77,14 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); /* round to nearest even */
 }
 
+/* four rows' vectors, times `scale`, at dst, dst + ld, dst + 2 ld, dst + 3 ld */
+static inline void store_rows(float *dst, int64_t ld, vf r0, vf r1, vf r2, vf r3, float scale) {
+  vstore(dst, r0 * scale);
+  vstore(dst + ld, r1 * scale);
+  vstore(dst + 2 * ld, r2 * scale);
+  vstore(dst + 3 * ld, r3 * scale);
+}
+
 /* n floats of row `row` (row stride ld elements) from a float32 or bfloat16 tensor */
 static inline void read_row(const void *base, int bf16, int64_t row, int64_t ld, int64_t col, int64_t n, float *dst) {
   if (bf16) {
@@ -138,19 +146,26 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
     const int64_t keys = causal ? (i0 + 4 < S ? i0 + 4 : S) : S;
     const int64_t keys_p = round_up(keys, VL);
     const float *q = w->qs + i0 * D;
-    for (int64_t jb = 0; jb < keys_p; jb += VL) { /* scores of four rows, VL keys at a time */
+    /* scores of four rows, 2 x VL keys at a time (eight independent sums), then VL */
+    int64_t jb = 0;
+    for (; jb + 2 * VL <= keys_p; jb += 2 * VL) {
+      vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};
+      for (int64_t d = 0; d < D; ++d) {
+        const vf k0 = vload(w->kt + d * Sp + jb), k1 = vload(w->kt + d * Sp + jb + VL);
+        const float a0 = q[d], a1 = q[D + d], a2 = q[2 * D + d], a3 = q[3 * D + d];
+        s0 += a0 * k0, s1 += a1 * k0, s2 += a2 * k0, s3 += a3 * k0;
+        t0 += a0 * k1, t1 += a1 * k1, t2 += a2 * k1, t3 += a3 * k1;
+      }
+      store_rows(w->p + jb, Sp, s0, s1, s2, s3, a->scale);
+      store_rows(w->p + jb + VL, Sp, t0, t1, t2, t3, a->scale);
+    }
+    if (jb < keys_p) {
       vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
       for (int64_t d = 0; d < D; ++d) {
-        const vf kt = vload(w->kt + d * Sp + jb);
-        s0 += q[d] * kt;
-        s1 += q[D + d] * kt;
-        s2 += q[2 * D + d] * kt;
-        s3 += q[3 * D + d] * kt;
+        const vf k0 = vload(w->kt + d * Sp + jb);
+        s0 += q[d] * k0, s1 += q[D + d] * k0, s2 += q[2 * D + d] * k0, s3 += q[3 * D + d] * k0;
       }
-      vstore(w->p + jb, s0 * a->scale);
-      vstore(w->p + Sp + jb, s1 * a->scale);
-      vstore(w->p + 2 * Sp + jb, s2 * a->scale);
-      vstore(w->p + 3 * Sp + jb, s3 * a->scale);
+      store_rows(w->p + jb, Sp, s0, s1, s2, s3, a->scale);
     }
     float inv_sum[4];
     int nan_row[4];
@@ -175,20 +190,27 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
       nan_row[r] = any_nan || row_max != row_max;
       inv_sum[r] = 1.0f / hsum(sum);
     }
-    for (int64_t dc = 0; dc < Dp; dc += VL) { /* outputs: probabilities x values */
-      vf o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
-      const float *p = w->p;
+    /* outputs: probabilities x values, 2 x VL columns at a time, then VL */
+    const float *p = w->p;
+    int64_t dc = 0;
+    for (; dc + 2 * VL <= Dp; dc += 2 * VL) {
+      vf o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};
       for (int64_t j = 0; j < keys; ++j) {
-        const vf v = vload(w->vs + j * Dp + dc);
-        o0 += p[j] * v;
-        o1 += p[Sp + j] * v;
-        o2 += p[2 * Sp + j] * v;
-        o3 += p[3 * Sp + j] * v;
+        const vf v0 = vload(w->vs + j * Dp + dc), v1 = vload(w->vs + j * Dp + dc + VL);
+        const float a0 = p[j], a1 = p[Sp + j], a2 = p[2 * Sp + j], a3 = p[3 * Sp + j];
+        o0 += a0 * v0, o1 += a1 * v0, o2 += a2 * v0, o3 += a3 * v0;
+        u0 += a0 * v1, u1 += a1 * v1, u2 += a2 * v1, u3 += a3 * v1;
       }
-      vstore(w->o + dc, o0);
-      vstore(w->o + Dp + dc, o1);
-      vstore(w->o + 2 * Dp + dc, o2);
-      vstore(w->o + 3 * Dp + dc, o3);
+      store_rows(w->o + dc, Dp, o0, o1, o2, o3, 1.0f);
+      store_rows(w->o + dc + VL, Dp, u0, u1, u2, u3, 1.0f);
+    }
+    if (dc < Dp) {
+      vf o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+      for (int64_t j = 0; j < keys; ++j) {
+        const vf v0 = vload(w->vs + j * Dp + dc);
+        o0 += p[j] * v0, o1 += p[Sp + j] * v0, o2 += p[2 * Sp + j] * v0, o3 += p[3 * Sp + j] * v0;
+      }
+      store_rows(w->o + dc, Dp, o0, o1, o2, o3, 1.0f);
     }
     for (int r = 0; r < 4 && i0 + r < T; ++r) {
       const int64_t dst = (q0 + i0 + r) * a->ldo + h * D;

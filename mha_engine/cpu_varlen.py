@@ -26,11 +26,17 @@ from torch import Tensor
 from . import cbuild
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
-DTYPES = (torch.float32, torch.bfloat16)
-# Sequences with more queries or keys than this keep the grouped SDPA calls, whose GEMM-based
-# kernels are faster on long sequences (BENCHMARKS.md); like every part of the choice (`modes`),
-# it depends on the sequence alone, never on batch-mates.
-MAX_LEN = 64
+# Per dtype, sequences with more queries or keys than this keep the grouped SDPA calls, whose
+# GEMM-based kernels (AMX for bf16) are faster on long ones (docs/engine-cpu.md); like every part
+# of the choice (`modes`), it depends on the sequence alone, never on batch-mates.
+MAX_LEN = {torch.float32: 128, torch.bfloat16: 48}
+
+
+def max_len(dtype: torch.dtype) -> int:
+    """The longest sequence (queries or keys) the kernel takes in this dtype (0: none)."""
+    return MAX_LEN.get(dtype, 0)
+
+
 # below this many multiply-adds a batch runs on one thread (waking the others costs more)
 PARALLEL_MIN_MACS = 1 << 18
 
@@ -73,13 +79,13 @@ def _library() -> _Library | None:
 
 
 def modes(
-    q_lens: list[int], kv_lens: list[int], causal: list[bool], masked: list[bool]
+    q_lens: list[int], kv_lens: list[int], causal: list[bool], masked: list[bool], limit: int
 ) -> list[int]:
     """Per sequence: 1 (attend to all keys) or 2 (causal) where the kernel takes it, else 0:
-    more than MAX_LEN queries or keys, a key mask that hides something, causal with fewer or
+    more than `limit` queries or keys, a key mask that hides something, causal with fewer or
     more keys than queries, or queries without keys. Each depends on that sequence alone."""
     return [
-        0 if t > MAX_LEN or s > MAX_LEN or m or (c and t != s) or (s == 0 and t > 0) else 1 + c
+        0 if t > limit or s > limit or m or (c and t != s) or (s == 0 and t > 0) else 1 + c
         for t, s, c, m in zip(q_lens, kv_lens, causal, masked, strict=True)
     ]
 
@@ -89,7 +95,7 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
     (and it was built)."""
     return (
         q.device.type == "cpu"
-        and q.dtype in DTYPES
+        and q.dtype in MAX_LEN
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1

@@ -79,13 +79,13 @@ def engine_path(model: EngineModel) -> str:
         gemms = f"int8 oneDNN GEMMs (per-row activation scales; row passes {kernel_status()})"
     else:
         gemms = "fused in_proj GEMM"
-    if model.device.type != "cpu" or model.dtype not in cpu_varlen.DTYPES:
+    if model.device.type != "cpu" or not cpu_varlen.max_len(model.dtype):
         return f"{gemms} + scaled_dot_product_attention"
     attention = cpu_varlen.kernel_status()
     if attention.startswith("compiled"):
         attention = (
             f"varlen attention kernel {attention} for sequences of up to "
-            f"{cpu_varlen.MAX_LEN} tokens, scaled_dot_product_attention beyond"
+            f"{cpu_varlen.max_len(model.dtype)} tokens, scaled_dot_product_attention beyond"
         )
     else:
         attention = f"scaled_dot_product_attention (varlen attention kernel {attention})"

@@ -73,8 +73,7 @@ class Plan:
     seq_causal: list[bool] = field(default_factory=list)  # per sequence
     seq_masked: list[bool] = field(default_factory=list)  # per sequence: its mask hides keys
     _groups: list[Group] | None = field(default=None, repr=False)
-    _cpu_modes: Tensor | None = field(default=None, repr=False)
-    _long_groups: list[Group] | None = field(default=None, repr=False)
+    _cpu: dict[int, tuple[Tensor | None, list[Group]]] = field(default_factory=dict, repr=False)
 
     @property
     def groups(self) -> list[Group]:
@@ -84,21 +83,18 @@ class Plan:
             self._groups = self.build_groups(None)
         return self._groups
 
-    @property
-    def cpu_modes(self) -> Tensor:
-        """(B,) uint8: how cpu_varlen's kernel takes each sequence (0: it does not)."""
-        if self._cpu_modes is None:
-            modes = cpu_varlen.modes(self.q_lens, self.kv_lens, self.seq_causal, self.seq_masked)
-            self._cpu_modes = torch.tensor(modes, dtype=torch.uint8)
-        return self._cpu_modes
-
-    @property
-    def long_groups(self) -> list[Group]:
-        """SDPA groups of the sequences cpu_varlen's kernel does not take (mode 0)."""
-        if self._long_groups is None:
-            modes = self.cpu_modes.tolist()
-            self._long_groups = self.build_groups(lambda i: modes[i] == 0)
-        return self._long_groups
+    def cpu_split(self, limit: int) -> tuple[Tensor | None, list[Group]]:
+        """For cpu_varlen's kernel with this length limit: each sequence's mode, (B,) uint8
+        (0: not the kernel's; None when no sequence is), and the SDPA groups of the mode-0
+        sequences. Cached per limit."""
+        if limit not in self._cpu:
+            modes = cpu_varlen.modes(
+                self.q_lens, self.kv_lens, self.seq_causal, self.seq_masked, limit
+            )
+            groups = self.build_groups(lambda i: modes[i] == 0) if 0 in modes else []
+            taken = torch.tensor(modes, dtype=torch.uint8) if any(modes) else None
+            self._cpu[limit] = (taken, groups)
+        return self._cpu[limit]
 
     @property
     def num_sdpa_calls(self) -> int:
@@ -335,13 +331,16 @@ def cpu_or_grouped_attention(
 ) -> Tensor:
     """Merged heads (N, E): cpu_varlen's kernel for the sequences it takes (short, unmasked;
     decided per sequence, never by batch-mates), grouped SDPA calls for the rest."""
-    if attn.extra_keys == 0 and cpu_varlen.usable(q, k, v) and bool(plan.cpu_modes.any()):
+    if attn.extra_keys == 0 and cpu_varlen.usable(q, k, v):
+        modes, others = plan.cpu_split(cpu_varlen.max_len(q.dtype))
+        if modes is None:  # no sequence for the kernel
+            return grouped_attention(attn, plan, q=q, k=k, v=v, groups=others)
         merged = cpu_varlen.varlen_attention(
-            q, k, v, plan.cu_seqlens, plan.cu_seqlens_k, plan.cpu_modes, plan.q_lens,
-            plan.kv_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            q, k, v, plan.cu_seqlens, plan.cu_seqlens_k, modes, plan.q_lens, plan.kv_lens,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim,
         )  # fmt: skip
-        if plan.long_groups:
-            grouped_attention(attn, plan, q=q, k=k, v=v, groups=plan.long_groups, merged=merged)
+        if others:
+            grouped_attention(attn, plan, q=q, k=k, v=v, groups=others, merged=merged)
         return merged
     if qkv is not None:
         return grouped_attention(attn, plan, qkv=qkv)

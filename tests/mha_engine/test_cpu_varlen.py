@@ -42,7 +42,8 @@ def reference(q, k, v, q_lens, kv_lens, H, Hkv, D, causal):
 
 def run(q, k, v, q_lens, kv_lens, H, Hkv, D, causal):
     """The kernel on every sequence (each mode 1 or 2)."""
-    modes = torch.tensor(cpu_varlen.modes(q_lens, kv_lens, causal, [False] * len(q_lens)))
+    masked = [False] * len(q_lens)
+    modes = torch.tensor(cpu_varlen.modes(q_lens, kv_lens, causal, masked, 64))
     assert modes.all(), "the test's sequences must all be the kernel's"
     cu, cu_k = (torch.tensor(cumulative(n), dtype=torch.int32) for n in (q_lens, kv_lens))
     return cpu_varlen.varlen_attention(
@@ -101,12 +102,13 @@ def test_each_sequence_has_the_same_bits_alone_in_any_batch_and_on_any_thread_co
 
 
 def test_modes_decide_per_sequence():
-    M = cpu_varlen.MAX_LEN
+    M = 20
     got = cpu_varlen.modes(
         [3, M, M + 1, 4, 5, 5, 4, 0],
         [3, M, 3, 4, 6, 5, 0, 0],
         [False, True, False, False, True, False, False, False],
         [False, False, False, True, False, False, False, False],
+        M,
     )
     # long; masked; causal over a different key count; queries without keys -> grouped SDPA
     assert got == [1, 2, 0, 0, 0, 1, 0, 1]
@@ -119,7 +121,8 @@ def test_long_masked_and_short_sequences_together_match_each_alone(dtype):
     torch.manual_seed(5)
     torch_mha = nn.MultiheadAttention(48, 4, batch_first=True)
     model = engine_from(torch_mha, dtype)
-    lens = [7, cpu_varlen.MAX_LEN + 9, 12, 7, 1, cpu_varlen.MAX_LEN]
+    limit = cpu_varlen.max_len(dtype)
+    lens = [7, limit + 9, 12, 7, 1, limit]
     seqs = [torch.randn(n, 48).to(dtype) for n in lens]
     masks = [None] * len(lens)
     masks[3] = torch.tensor([False] * 5 + [True] * 2)  # hides keys: grouped SDPA
@@ -186,8 +189,10 @@ def test_without_a_compiler_the_build_says_why(monkeypatch):
 
 
 def test_a_plan_builds_groups_only_for_the_sequences_the_kernel_leaves():
-    lens = [5, 5, cpu_varlen.MAX_LEN + 1, 3]
-    plan = make_plan(lens)
-    assert plan.cpu_modes.tolist() == [1, 1, 0, 1]
-    assert [(g.tgt_len, g.size) for g in plan.long_groups] == [(cpu_varlen.MAX_LEN + 1, 1)]
+    plan = make_plan([5, 5, 30, 3])
+    modes, others = plan.cpu_split(20)
+    assert modes.tolist() == [1, 1, 0, 1]
+    assert [(g.tgt_len, g.size) for g in others] == [(30, 1)]
+    assert plan.cpu_split(2)[0] is None and len(plan.cpu_split(2)[1]) == 3
+    assert plan.cpu_split(64)[1] == []
     assert plan.num_sdpa_calls == 3  # the grouped path's plan is unchanged
