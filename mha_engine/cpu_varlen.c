@@ -214,10 +214,14 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
     }
     for (int r = 0; r < 4 && i0 + r < T; ++r) {
       const int64_t dst = (q0 + i0 + r) * a->ldo + h * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float y = nan_row[r] ? NAN : w->o[r * Dp + d] * inv_sum[r];
-        if (a->bf16) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(y);
-        else ((float *)a->out)[dst + d] = y;
+      float *o = w->o + r * Dp;
+      const float inv = nan_row[r] ? NAN : inv_sum[r]; /* NaN * anything: a NaN row */
+      if (a->bf16) {
+        uint16_t *out = (uint16_t *)a->out + dst;
+        for (int64_t d = 0; d < D; ++d) out[d] = f32_to_bf16(o[d] * inv);
+      } else {
+        float *out = (float *)a->out + dst;
+        for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inv;
       }
     }
   }

@@ -4,7 +4,9 @@
    over a row (in L1) instead of seven over the batch: the results are bit-identical to the
    eager path (tested), and each row depends only on itself (batch invariance).
    Build flags: -O3 -ffp-contract=off (no fused multiply-add beyond the explicit fmaf calls,
-   which mirror those of torch's addcmul kernel where it fuses them). */
+   which mirror those of torch's addcmul kernel where it fuses them), -fopenmp where the
+   compiler has it: rows are split over `threads` of torch's own OpenMP pool (the same
+   libgomp.so.1), each row computed the same way on any thread. */
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -87,11 +89,13 @@ static void row_range(const float *row, int64_t k, float *lo_out, float *hi_out,
    infinite scale or mid: either way its output row is not finite (nor is eager's), and its q
    is the zero point (no float -> int cast of a non-finite value). */
 void mha_int8_quantize_rows(const float *x, int64_t n, int64_t k, int64_t ldx, int32_t levels,
-                            uint8_t *q, float *scale, float *mid) {
+                            uint8_t *q, float *scale, float *mid, int32_t threads) {
   /* t + (1.5 * 2^23 + zero point) lands where float32's spacing is 1, so the add rounds t to
      the nearest integer, ties to even (the magic number is even), as torch.round does. */
   const float round_add = ROUND_MAGIC + (float)(levels + 1);
   const float steps = (float)(2 * levels);
+  (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t i = 0; i < n; ++i) {
     const float *row = x + i * ldx;
     uint8_t *qrow = q + i * k;
@@ -123,7 +127,9 @@ void mha_int8_quantize_rows(const float *x, int64_t n, int64_t k, int64_t ldx, i
    residual may be NULL; residual has row stride ldr. */
 void mha_int8_epilogue(float *y, int64_t n, int64_t m, const float *scale, const float *mid,
                        const float *bias, const float *weight_sums, const float *residual,
-                       int64_t ldr, int32_t fused) {
+                       int64_t ldr, int32_t fused, int32_t threads) {
+  (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t i = 0; i < n; ++i) {
     float *row = y + i * m;
     const float s = scale[i], md = mid[i];
@@ -141,4 +147,13 @@ void mha_int8_epilogue(float *y, int64_t n, int64_t m, const float *scale, const
       for (int64_t j = 0; j < m; ++j) row[j] += r[j];
     }
   }
+}
+
+/* 1 when built with OpenMP (the caller then passes threads > 1 for large batches). */
+int mha_int8_openmp(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
 }

@@ -30,6 +30,8 @@ FLAGS = ("-ffp-contract=off",)
 TINY = torch.finfo(torch.float32).tiny
 # torch's vectorised addcmul fuses y * scale + bias into one rounding on AVX2 / AVX-512; its
 # DEFAULT kernels round the product first. The C epilogue follows whichever runs here.
+# below this many elements a pass runs on one thread (waking the others costs more)
+PARALLEL_MIN = 1 << 16
 FUSED_MULTIPLY_ADD = int(torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 log = logging.getLogger(__name__)
@@ -41,16 +43,21 @@ class _Library:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         self.quantize_rows = lib.mha_int8_quantize_rows
-        self.quantize_rows.argtypes = [p, i64, i64, i64, i32, p, p, p]
+        self.quantize_rows.argtypes = [p, i64, i64, i64, i32, p, p, p, i32]
         self.quantize_rows.restype = None
         self.epilogue = lib.mha_int8_epilogue
-        self.epilogue.argtypes = [p, i64, i64, p, p, p, p, p, i64, i32]
+        self.epilogue.argtypes = [p, i64, i64, p, p, p, p, p, i64, i32, i32]
         self.epilogue.restype = None
+        self.openmp = bool(lib.mha_int8_openmp())
+
+    def threads(self, elements: int) -> int:
+        """Rows go to torch's intra-op threads when there are enough of them to share."""
+        return torch.get_num_threads() if self.openmp and elements >= PARALLEL_MIN else 1
 
 
 def _compile() -> tuple[_Library | None, str]:
     """(library, how it was built) or (None, why not)."""
-    lib, status = cbuild.build(SOURCE, FLAGS)
+    lib, status = cbuild.build(SOURCE, FLAGS, (("-fopenmp",), ()))
     return (None if lib is None else _Library(lib)), status
 
 
@@ -89,8 +96,9 @@ def quantize_rows(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
     q = torch.empty(n, k, dtype=torch.uint8)
     scale, mid = torch.empty(n), torch.empty(n)
     lib.quantize_rows(
-        x.data_ptr(), n, k, x.stride(0), levels, q.data_ptr(), scale.data_ptr(), mid.data_ptr()
-    )
+        x.data_ptr(), n, k, x.stride(0), levels, q.data_ptr(), scale.data_ptr(), mid.data_ptr(),
+        lib.threads(n * k),
+    )  # fmt: skip
     return q, scale, mid
 
 
@@ -124,7 +132,7 @@ def rescale_rows(
         y.data_ptr(), n, m, scale.data_ptr(), mid.data_ptr(),
         None if bias is None else bias.data_ptr(), weight_sums.data_ptr(),
         None if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0), FUSED_MULTIPLY_ADD,
+        0 if residual is None else residual.stride(0), FUSED_MULTIPLY_ADD, lib.threads(n * m),
     )  # fmt: skip
     return y
 

@@ -51,6 +51,31 @@ def test_quantize_rows_equals_the_eager_ops(k, levels):
 
 
 @compiled
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_spread_over_threads_keep_the_eager_bits(threads):
+    """Batches past int8_rows.PARALLEL_MIN elements split their rows over OpenMP threads:
+    every row still gets the eager ops' bits, whichever thread computed it."""
+    n, k, m = 301, 384, 1536
+    assert n * k >= int8_rows.PARALLEL_MIN
+    x = _rows(n, k, seed=4)
+    g = torch.Generator().manual_seed(5)
+    y, bias, sums = torch.randn(n, m, generator=g), torch.randn(m, generator=g), torch.randn(m)
+    residual = torch.randn(n, m, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = int8_rows.quantize_rows(x, 127)
+        _, scale, mid = got
+        out = int8_rows.rescale_rows(y.clone(), scale, mid, bias, sums, residual)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(got, int8_rows._quantize_rows_eager(x, 127), strict=True):
+        assert torch.equal(a, b)
+    want = int8_rows._rescale_rows_eager(y.clone(), scale, mid, bias, sums, residual)
+    assert torch.equal(out, want)
+
+
+@compiled
 def test_quantize_rows_reads_strided_rows():
     """Rows with a stride larger than K (a column slice) are read in place, same result."""
     wide = _rows(20, 40)
