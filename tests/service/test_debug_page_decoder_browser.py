@@ -35,7 +35,8 @@ def test_page_shows_self_and_cross_attention(browser, decoder_server) -> None:
     errors: list[str] = []
     page = _open_page(browser, decoder_server.url, errors)
     # the page connects by itself; the server wants a token, so that first fetch is a 401
-    page.wait_for_function("document.querySelector('#status').textContent.includes('401')")
+    # (a locator wait, not wait_for_function: the page's CSP bars eval, which that polls with)
+    page.locator("#status", has_text="401").wait_for()
     errors.clear()  # the browser logs the refused fetch itself
     _connect(page, TOKEN)
     assert "transformer_decoder" in page.text_content("#model-line")
