@@ -53,6 +53,12 @@ FROM base-${VARIANT} AS base
 
 # ---- build: a virtualenv with torch and mha-serve, nothing else -------------------------------
 FROM base AS build
+# A C compiler for the engine's kernels (built at the end of this stage; not in the runtime).
+# DL3008 (pin apt versions): the base image tag is the pin, as above.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 ARG TORCH_VERSION=2.13.0
 # Where torch comes from: the variant's index unless TORCH_INDEX_URL says otherwise, plus
 # TORCH_FIND_LINKS (a directory of wheels, as a URL) when set: a local `torch-X+cpu` wheel there
@@ -85,6 +91,13 @@ COPY service ./service
 RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation ".${EXTRAS:+[$EXTRAS]}" \
     && /opt/venv/bin/pip check \
     && /opt/venv/bin/python -c "import service, mha_engine"
+# The engine's C kernels (int8 row passes, packed CPU attention), prebuilt into the installed
+# package for each x86-64 level with the compiler installed above: the runtime image has none,
+# and mha_engine/cbuild.py loads the build that matches the CPU it runs on.
+COPY tools/build_kernels.py ./tools/
+# (-I: the installed package, not the /src copy the working directory would put first)
+RUN /opt/venv/bin/python tools/build_kernels.py \
+    && /opt/venv/bin/python -I -c "from mha_engine import cpu_varlen, int8_rows; assert cpu_varlen.kernel_status().startswith('prebuilt') and int8_rows.kernel_status().startswith('prebuilt')"
 
 # ---- loadtest: Locust workers/master for `docker compose --profile loadtest up` -----------------
 FROM ${PYTHON_IMAGE} AS loadtest

@@ -8,8 +8,9 @@ head), spread over torch's OpenMP threads, and writes the merged heads in place.
 runs the same float32 code whatever its batch-mates and thread, so batch invariance stays
 bit-exact; the numbers match PyTorch's SDPA to float32 rounding (about 1e-7), not bit for bit.
 
-Built at first use (cbuild.py). Without a compiler, or with MHA_ENGINE_CPU_ATTENTION=sdpa, the
-grouped SDPA calls run instead. `kernel_status()` says which, and why.
+Prebuilt or built at first use (cbuild.py). Without either, or with
+MHA_ENGINE_CPU_ATTENTION=sdpa, the grouped SDPA calls run instead. `kernel_status()` says which,
+and why.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 from . import cbuild
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
+FLAGS = ("-ffp-contract=fast",)  # fused multiply-adds wherever the compiler finds them
 # Per dtype, sequences with more queries or keys than this keep the grouped SDPA calls, whose
 # GEMM-based kernels (AMX for bf16) are faster on long ones (docs/engine-cpu.md); like every part
 # of the choice (`modes`), it depends on the sequence alone, never on batch-mates.
@@ -57,7 +59,7 @@ class _Library:
 
 @functools.cache
 def _built() -> tuple[_Library | None, str]:
-    lib, status = cbuild.build(SOURCE, ("-ffp-contract=fast",), (("-fopenmp",), ()))
+    lib, status = cbuild.build(SOURCE, FLAGS, (cbuild.OPENMP, ()))
     if lib is None:
         log.warning("CPU varlen attention: %s (grouped SDPA calls instead)", status)
         return None, status

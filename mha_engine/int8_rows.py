@@ -5,8 +5,8 @@ is about nine passes over the batch, and they took as long as the int8 GEMMs the
 MiniLM (BENCHMARKS.md, "int8 row kernels"). int8_rows.c does the same float32 operations in the
 same order, one row at a time while the row is in cache: bit-identical results, fewer passes.
 
-It is compiled at first use (cbuild.py: the host's `cc -march=native`, loaded with ctypes, about
-0.3 s per process, nothing cached on disk). Without a compiler, or with
+It is loaded prebuilt or compiled at first use (cbuild.py: the host's `cc -march=native`,
+about 0.3 s per process, nothing cached on disk). Without a compiler, or with
 MHA_ENGINE_INT8_KERNEL=eager, the eager torch ops run instead: same numbers, slower.
 `kernel_status()` says which, and why; model diagnostics report it.
 """
@@ -57,7 +57,7 @@ class _Library:
 
 def _compile() -> tuple[_Library | None, str]:
     """(library, how it was built) or (None, why not)."""
-    lib, status = cbuild.build(SOURCE, FLAGS, (("-fopenmp",), ()))
+    lib, status = cbuild.build(SOURCE, FLAGS, (cbuild.OPENMP, ()))
     return (None if lib is None else _Library(lib)), status
 
 

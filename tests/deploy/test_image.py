@@ -58,6 +58,20 @@ def test_runs_as_the_non_root_user(demo) -> None:
     assert "mha-serve" in cmdline, "mha-serve is PID 1 (it gets SIGTERM itself)"
 
 
+def test_the_engines_c_kernels_are_prebuilt(demo) -> None:
+    """The runtime image has no C compiler; the build stage prebuilt the kernels
+    (tools/build_kernels.py) and the engine loads the one for this CPU."""
+    container, _, _ = demo
+    compilers = docker("exec", container.name, "sh", "-c", "command -v cc gcc", check=False)
+    assert compilers.stdout == "", compilers.stdout
+    code = (
+        "from mha_engine import cpu_varlen, int8_rows; "
+        "print(cpu_varlen.kernel_status()); print(int8_rows.kernel_status())"
+    )
+    statuses = docker("exec", container.name, "python", "-c", code).stdout.splitlines()
+    assert len(statuses) == 2 and all(s.startswith("prebuilt (") for s in statuses), statuses
+
+
 def test_tritonclient_over_http_and_grpc(demo) -> None:
     _, url, grpc_address = demo
     x = np.random.default_rng(3).standard_normal((2, 16, 512), dtype=np.float32)  # (B, T, E)

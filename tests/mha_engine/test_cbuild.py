@@ -1,0 +1,77 @@
+"""Prebuilt C kernels (tools/build_kernels.py -> mha_engine/prebuilt/): built for every level,
+the one for this CPU loaded in place of a compile, with the same numbers; a missing or broken
+one falls back to compiling."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mha_engine import cbuild, cpu_varlen, int8_rows
+from tools.build_kernels import KERNELS, build_all
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("prebuilt")
+    written = build_all(dest, ["cc"])
+    levels = list(cbuild.LEVELS) if cbuild.is_x86_64() else ["generic"]
+    assert sorted(p.name for p in written) == sorted(
+        f"{source.stem}-{name.lower()}.so" for source in KERNELS for name in levels
+    )
+    return dest
+
+
+def test_the_library_for_this_cpu_is_loaded_instead_of_a_compile(prebuilt, monkeypatch):
+    monkeypatch.setattr(cbuild, "PREBUILT", prebuilt)
+    monkeypatch.setenv("CC", "false")  # a compile would fail: only the prebuilt one can load
+    lib, status = cbuild.build(int8_rows.SOURCE, int8_rows.FLAGS, (cbuild.OPENMP, ()))
+    assert status == f"prebuilt (int8_rows-{cbuild.level().lower()}.so)"
+    rows = int8_rows._Library(lib)
+    x = torch.randn(40, 384) * 3
+    q, scale, mid = torch.empty(40, 384, dtype=torch.uint8), torch.empty(40), torch.empty(40)
+    rows.quantize_rows(x.data_ptr(), 40, 384, 384, 127, q.data_ptr(), scale.data_ptr(),
+                       mid.data_ptr(), 1)  # fmt: skip
+    want = int8_rows._quantize_rows_eager(x, 127)
+    assert torch.equal(q, want[0]) and torch.equal(scale, want[1]) and torch.equal(mid, want[2])
+
+
+def test_the_prebuilt_attention_kernel_gives_sdpas_numbers(prebuilt, monkeypatch):
+    monkeypatch.setattr(cbuild, "PREBUILT", prebuilt)
+    lib, status = cbuild.build(cpu_varlen.SOURCE, cpu_varlen.FLAGS, (cbuild.OPENMP, ()))
+    assert status.startswith("prebuilt (cpu_varlen-")
+    kernel = cpu_varlen._Library(lib)
+    H, D, lens = 4, 16, [3, 9]
+    qkv = torch.randn(sum(lens), 3 * H * D)
+    out = torch.empty(sum(lens), H * D)
+    cu = torch.tensor([0, 3, 12], dtype=torch.int32)
+    modes = torch.ones(2, dtype=torch.uint8)
+    q, k, v = qkv.split(H * D, dim=1)
+    kernel.attention(q.data_ptr(), 3 * H * D, k.data_ptr(), 3 * H * D, v.data_ptr(), 3 * H * D,
+                     out.data_ptr(), H * D, cu.data_ptr(), cu.data_ptr(), 2, H, H, D, D**-0.5,
+                     modes.data_ptr(), 0, 1, 9, 9)  # fmt: skip
+    for a, b in ((0, 3), (3, 12)):
+        heads = [t[a:b].view(1, b - a, H, D).transpose(1, 2) for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(b - a, H * D)
+        torch.testing.assert_close(out[a:b], want, atol=1e-5, rtol=1.3e-6)
+
+
+def test_a_missing_or_broken_prebuilt_library_falls_back_to_compiling(tmp_path, monkeypatch):
+    monkeypatch.setattr(cbuild, "PREBUILT", tmp_path)
+    lib, status = cbuild.build(cpu_varlen.SOURCE, cpu_varlen.FLAGS)
+    assert isinstance(lib, ctypes.CDLL) and status.startswith("compiled (")
+    cbuild.prebuilt_path(cpu_varlen.SOURCE, tmp_path).write_bytes(b"not a library")
+    lib, status = cbuild.build(cpu_varlen.SOURCE, cpu_varlen.FLAGS)
+    assert isinstance(lib, ctypes.CDLL) and status.startswith("compiled (")
+
+
+def test_the_build_tool_says_why_it_failed(tmp_path):
+    with pytest.raises(RuntimeError, match=r"int8_rows\.c for"):
+        build_all(tmp_path, ["false"])
