@@ -91,9 +91,11 @@ class Plan:
             modes = cpu_varlen.modes(
                 self.q_lens, self.kv_lens, self.seq_causal, self.seq_masked, limit
             )
-            groups = self.build_groups(lambda i: modes[i] == 0) if 0 in modes else []
-            taken = torch.tensor(modes, dtype=torch.uint8) if any(modes) else None
-            self._cpu[limit] = (taken, groups)
+            if not any(modes):  # none for the kernel: all of them grouped, as without it
+                self._cpu[limit] = (None, self.groups)
+            else:
+                groups = self.build_groups(lambda i: modes[i] == 0) if 0 in modes else []
+                self._cpu[limit] = (torch.tensor(modes, dtype=torch.uint8), groups)
         return self._cpu[limit]
 
     @property
@@ -331,20 +333,18 @@ def cpu_or_grouped_attention(
 ) -> Tensor:
     """Merged heads (N, E): cpu_varlen's kernel for the sequences it takes (short, unmasked;
     decided per sequence, never by batch-mates), grouped SDPA calls for the rest."""
+    projections = {"qkv": qkv} if qkv is not None else {"q": q, "k": k, "v": v}
     if attn.extra_keys == 0 and cpu_varlen.usable(q, k, v):
         modes, others = plan.cpu_split(cpu_varlen.max_len(q.dtype))
-        if modes is None:  # no sequence for the kernel
-            return grouped_attention(attn, plan, q=q, k=k, v=v, groups=others)
-        merged = cpu_varlen.varlen_attention(
-            q, k, v, plan.cu_seqlens, plan.cu_seqlens_k, modes, plan.q_lens, plan.kv_lens,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim,
-        )  # fmt: skip
-        if others:
-            grouped_attention(attn, plan, q=q, k=k, v=v, groups=others, merged=merged)
-        return merged
-    if qkv is not None:
-        return grouped_attention(attn, plan, qkv=qkv)
-    return grouped_attention(attn, plan, q=q, k=k, v=v)
+        if modes is not None:  # some sequence for the kernel
+            merged = cpu_varlen.varlen_attention(
+                q, k, v, plan.cu_seqlens, plan.cu_seqlens_k, modes, plan.q_lens, plan.kv_lens,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            )  # fmt: skip
+            if others:
+                grouped_attention(attn, plan, groups=others, merged=merged, **projections)
+            return merged
+    return grouped_attention(attn, plan, **projections)
 
 
 @torch.compiler.disable
