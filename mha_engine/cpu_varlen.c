@@ -151,10 +151,10 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
     for (; jb + 2 * VL <= keys_p; jb += 2 * VL) {
       vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};
       for (int64_t d = 0; d < D; ++d) {
-        const vf k0 = vload(w->kt + d * Sp + jb), k1 = vload(w->kt + d * Sp + jb + VL);
+        const vf c0 = vload(w->kt + d * Sp + jb), c1 = vload(w->kt + d * Sp + jb + VL);
         const float a0 = q[d], a1 = q[D + d], a2 = q[2 * D + d], a3 = q[3 * D + d];
-        s0 += a0 * k0, s1 += a1 * k0, s2 += a2 * k0, s3 += a3 * k0;
-        t0 += a0 * k1, t1 += a1 * k1, t2 += a2 * k1, t3 += a3 * k1;
+        s0 += a0 * c0, s1 += a1 * c0, s2 += a2 * c0, s3 += a3 * c0;
+        t0 += a0 * c1, t1 += a1 * c1, t2 += a2 * c1, t3 += a3 * c1;
       }
       store_rows(w->p + jb, Sp, s0, s1, s2, s3, a->scale);
       store_rows(w->p + jb + VL, Sp, t0, t1, t2, t3, a->scale);
@@ -162,8 +162,8 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
     if (jb < keys_p) {
       vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
       for (int64_t d = 0; d < D; ++d) {
-        const vf k0 = vload(w->kt + d * Sp + jb);
-        s0 += q[d] * k0, s1 += q[D + d] * k0, s2 += q[2 * D + d] * k0, s3 += q[3 * D + d] * k0;
+        const vf c0 = vload(w->kt + d * Sp + jb);
+        s0 += q[d] * c0, s1 += q[D + d] * c0, s2 += q[2 * D + d] * c0, s3 += q[3 * D + d] * c0;
       }
       store_rows(w->p + jb, Sp, s0, s1, s2, s3, a->scale);
     }
@@ -174,15 +174,15 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
       const int64_t seen = causal ? (i0 + r + 1 < S ? i0 + r + 1 : S) : S;
       for (int64_t j = seen; j < keys_p; ++j) p[j] = -INFINITY;
       vf m = vsplat(-INFINITY);
-      for (int64_t jb = 0; jb < keys_p; jb += VL) m = vmax(vload(p + jb), m);
+      for (int64_t j = 0; j < keys_p; j += VL) m = vmax(vload(p + j), m);
       const float row_max = hmax(m);
       vf sum = {0};
       vi nan = {0};
-      for (int64_t jb = 0; jb < keys_p; jb += VL) {
-        const vf x = vload(p + jb) - row_max; /* NaN: a NaN score, or an infinite max */
+      for (int64_t j = 0; j < keys_p; j += VL) {
+        const vf x = vload(p + j) - row_max; /* NaN: a NaN score, or an infinite max */
         nan |= (x != x);
         const vf e = vexp(x);
-        vstore(p + jb, e);
+        vstore(p + j, e);
         sum += e;
       }
       int any_nan = 0;
