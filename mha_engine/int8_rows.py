@@ -28,10 +28,10 @@ SOURCE = Path(__file__).with_name("int8_rows.c")
 # no fused multiply-adds beyond the explicit fmaf calls (bit-exact with eager)
 FLAGS = ("-ffp-contract=off",)
 TINY = torch.finfo(torch.float32).tiny
-# torch's vectorised addcmul fuses y * scale + bias into one rounding on AVX2 / AVX-512; its
-# DEFAULT kernels round the product first. The C epilogue follows whichever runs here.
 # below this many elements a pass runs on one thread (waking the others costs more)
 PARALLEL_MIN = 1 << 16
+# torch's vectorised addcmul fuses y * scale + bias into one rounding on AVX2 / AVX-512; its
+# DEFAULT kernels round the product first. The C epilogue follows whichever runs here.
 FUSED_MULTIPLY_ADD = int(torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 log = logging.getLogger(__name__)
