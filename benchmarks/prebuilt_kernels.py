@@ -27,17 +27,14 @@ from tools.build_kernels import build_all
 def libraries(tmp: Path) -> dict[str, tuple[cpu_varlen._Library, int8_rows._Library]]:
     build_all(tmp, ["cc"])
     native = {}
-    for source, flags in (
-        (cpu_varlen.SOURCE, cpu_varlen.FLAGS),
-        (int8_rows.SOURCE, int8_rows.FLAGS),
-    ):
-        target = tmp / f"{source.stem}-native.so"
+    for kernel in (cpu_varlen.KERNEL, int8_rows.KERNEL):
+        target = tmp / f"{kernel.source.stem}-native.so"
         error = cbuild.compile_library(
-            ["cc"], source, [*flags, "-march=native", *cbuild.OPENMP], target
+            ["cc"], kernel.source, [*kernel.flags, "-march=native", *cbuild.OPENMP], target
         )
         if error:
-            raise SystemExit(f"{source.name}: {error}")
-        native[source] = ctypes.CDLL(str(target))
+            raise SystemExit(f"{kernel.source.name}: {error}")
+        native[kernel.source] = ctypes.CDLL(str(target))
     prebuilt = {s: ctypes.CDLL(str(cbuild.prebuilt_path(s, tmp))) for s in native}
     return {
         f"prebuilt ({cbuild.level()})": (

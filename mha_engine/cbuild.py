@@ -1,5 +1,9 @@
 """Load one of the engine's C files (int8_rows, cpu_varlen) with ctypes: prebuilt, or built now.
 
+`Kernel` is what a C file's Python module holds: the library, loaded once per process, an
+environment switch that turns it off, and a status line for diagnostics; `Bindings` binds the
+entry points and decides how many of torch's threads a call uses.
+
 Prebuilt: `tools/build_kernels.py` compiles each file once per x86-64 level into
 `mha_engine/prebuilt/` (the container image does this in its build stage, so the runtime image
 needs no compiler); the library for the level torch's kernels run at here (AVX512, AVX2 or
@@ -12,14 +16,17 @@ keep an eager torch fallback for hosts where both fail, and report the returned 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -30,6 +37,75 @@ PREBUILT = Path(__file__).with_name("prebuilt")
 # torch's CPU capability -> the x86-64 level a prebuilt library targets (each a superset of
 # what torch's kernels of that capability use, so the library runs wherever they do)
 LEVELS = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3", "DEFAULT": "x86-64"}
+
+log = logging.getLogger(__name__)
+
+
+class Bindings:
+    """A C file's entry points, bound with ctypes by a subclass (each call releases the GIL).
+
+    Every file exports `int <openmp_probe>(void)`: whether it was built with OpenMP (linking
+    torch's own libgomp.so.1, so `torch.set_num_threads` holds for it too)."""
+
+    openmp_probe: ClassVar[str]
+    parallel_min: ClassVar[int]  # below this much work a call runs on one thread
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.openmp = bool(getattr(lib, self.openmp_probe)())
+
+    def threads(self, work: int) -> int:
+        """torch's intra-op thread count where there is enough work to share, else 1 (waking
+        the other threads costs more than they save on small calls)."""
+        return torch.get_num_threads() if self.openmp and work >= self.parallel_min else 1
+
+
+B = TypeVar("B", bound=Bindings)
+
+
+class Kernel(Generic[B]):
+    """One C file of the engine: built or loaded at first use, once per process, with an eager
+    fallback the caller runs where it is off (`switch` set to `off`, read at each call, so
+    tests and benchmarks can flip it) or could not be built."""
+
+    def __init__(
+        self,
+        name: str,
+        source: Path,
+        flags: Sequence[str],
+        bindings: type[B],
+        switch: str,
+        off: str,
+        fallback: str,
+    ) -> None:
+        self.name, self.source, self.flags, self.bindings = name, source, tuple(flags), bindings
+        self.switch, self.off, self.fallback = switch, off, fallback
+        self._loaded: tuple[B | None, str] | None = None
+        self._lock = threading.Lock()
+
+    def compile(self) -> tuple[B | None, str]:
+        """Build (or load prebuilt) now, uncached: (bindings, how) or (None, 'eager: <why>')."""
+        lib, status = build(self.source, self.flags, (OPENMP, ()))
+        return (None if lib is None else self.bindings(lib)), status
+
+    def loaded(self) -> tuple[B | None, str]:
+        """`compile()`'s result, once per process; a failure is logged once, as a warning."""
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = self.compile()
+                if self._loaded[0] is None:
+                    log.warning("%s: %s (%s)", self.name, self._loaded[1], self.fallback)
+            return self._loaded
+
+    def forced_off(self) -> bool:
+        return os.environ.get(self.switch, "auto") == self.off
+
+    def library(self) -> B | None:
+        """The bound library, or None where it is switched off or could not be built."""
+        return None if self.forced_off() else self.loaded()[0]
+
+    def status(self) -> str:
+        """'prebuilt (...)', 'compiled (cc -march=native -fopenmp)' or 'eager: <why>'."""
+        return f"eager: {self.switch}={self.off}" if self.forced_off() else self.loaded()[1]
 
 
 def is_x86_64() -> bool:

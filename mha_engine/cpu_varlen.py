@@ -16,9 +16,6 @@ and why.
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -39,45 +36,35 @@ def max_len(dtype: torch.dtype) -> int:
     return MAX_LEN.get(dtype, 0)
 
 
-# below this many multiply-adds a batch runs on one thread (waking the others costs more)
-PARALLEL_MIN_MACS = 1 << 18
-
-log = logging.getLogger(__name__)
-
-
-class _Library:
+class _Library(cbuild.Bindings):
     """The C entry point, bound with ctypes (the call releases the GIL)."""
 
+    openmp_probe = "mha_varlen_openmp"
+    parallel_min = 1 << 18  # multiply-adds
+
     def __init__(self, lib: ctypes.CDLL) -> None:
+        super().__init__(lib)
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
         self.attention = lib.mha_varlen_attention
         self.attention.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64]
         self.attention.argtypes += [f32, p, i32, i32, i64, i64]
         self.attention.restype = ctypes.c_int
-        self.openmp = bool(lib.mha_varlen_openmp())
 
 
-@functools.cache
-def _built() -> tuple[_Library | None, str]:
-    lib, status = cbuild.build(SOURCE, FLAGS, (cbuild.OPENMP, ()))
-    if lib is None:
-        log.warning("CPU varlen attention: %s (grouped SDPA calls instead)", status)
-        return None, status
-    return _Library(lib), status
-
-
-def _forced_off() -> bool:
-    """MHA_ENGINE_CPU_ATTENTION=sdpa, read at each call (tests and benchmarks switch it)."""
-    return os.environ.get("MHA_ENGINE_CPU_ATTENTION", "auto") == "sdpa"
+KERNEL = cbuild.Kernel(
+    "CPU varlen attention",
+    SOURCE,
+    FLAGS,
+    _Library,
+    switch="MHA_ENGINE_CPU_ATTENTION",
+    off="sdpa",
+    fallback="grouped SDPA calls instead",
+)
 
 
 def kernel_status() -> str:
     """'compiled (cc -march=native -fopenmp)', or 'eager: <why>' (diagnostics, benchmarks)."""
-    return "eager: MHA_ENGINE_CPU_ATTENTION=sdpa" if _forced_off() else _built()[1]
-
-
-def _library() -> _Library | None:
-    return None if _forced_off() else _built()[0]
+    return KERNEL.status()
 
 
 def modes(
@@ -101,7 +88,7 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        and _library() is not None
+        and KERNEL.library() is not None
     )
 
 
@@ -125,7 +112,7 @@ def varlen_attention(
 
     q (N, H * hd), k and v (M, Hkv * hd): packed rows (views into one fused projection are
     fine); cu_seqlens (B+1,) int32 of the queries, cu_seqlens_k of the keys (None: the same)."""
-    lib = _library()
+    lib = KERNEL.library()
     if lib is None:
         raise RuntimeError(f"CPU varlen attention is not available: {kernel_status()}")
     cu_q = cu_seqlens.to(torch.int32).contiguous()
@@ -134,7 +121,7 @@ def varlen_attention(
     taken = seq_modes.tolist()
     pairs = [(t, s) for t, s, m in zip(q_lens, kv_lens, taken, strict=True) if m]
     macs = num_heads * head_dim * sum(t * s for t, s in pairs)
-    threads = torch.get_num_threads() if lib.openmp and macs >= PARALLEL_MIN_MACS else 1
+    threads = lib.threads(macs)
     failed = lib.attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         out.data_ptr(), out.stride(0), cu_q.data_ptr(), cu_k.data_ptr(), len(q_lens),

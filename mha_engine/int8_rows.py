@@ -14,9 +14,6 @@ MHA_ENGINE_INT8_KERNEL=eager, the eager torch ops run instead: same numbers, slo
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -28,19 +25,21 @@ SOURCE = Path(__file__).with_name("int8_rows.c")
 # no fused multiply-adds beyond the explicit fmaf calls (bit-exact with eager)
 FLAGS = ("-ffp-contract=off",)
 TINY = torch.finfo(torch.float32).tiny
-# below this many elements a pass runs on one thread (waking the others costs more)
+# below this many elements a pass runs on one thread
 PARALLEL_MIN = 1 << 16
 # torch's vectorised addcmul fuses y * scale + bias into one rounding on AVX2 / AVX-512; its
 # DEFAULT kernels round the product first. The C epilogue follows whichever runs here.
 FUSED_MULTIPLY_ADD = int(torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
-log = logging.getLogger(__name__)
 
-
-class _Library:
+class _Library(cbuild.Bindings):
     """The two C functions, bound with ctypes (each call releases the GIL)."""
 
+    openmp_probe = "mha_int8_openmp"
+    parallel_min = PARALLEL_MIN  # elements
+
     def __init__(self, lib: ctypes.CDLL) -> None:
+        super().__init__(lib)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         self.quantize_rows = lib.mha_int8_quantize_rows
         self.quantize_rows.argtypes = [p, i64, i64, i64, i32, p, p, p, i32]
@@ -48,46 +47,28 @@ class _Library:
         self.epilogue = lib.mha_int8_epilogue
         self.epilogue.argtypes = [p, i64, i64, p, p, p, p, p, i64, i32, i32]
         self.epilogue.restype = None
-        self.openmp = bool(lib.mha_int8_openmp())
-
-    def threads(self, elements: int) -> int:
-        """Rows go to torch's intra-op threads when there are enough of them to share."""
-        return torch.get_num_threads() if self.openmp and elements >= PARALLEL_MIN else 1
 
 
-def _compile() -> tuple[_Library | None, str]:
-    """(library, how it was built) or (None, why not)."""
-    lib, status = cbuild.build(SOURCE, FLAGS, (cbuild.OPENMP, ()))
-    return (None if lib is None else _Library(lib)), status
-
-
-@functools.cache
-def _built() -> tuple[_Library | None, str]:
-    library, status = _compile()
-    if library is None:
-        log.warning("int8 row kernels: %s (same numbers, slower int8)", status)
-    return library, status
-
-
-def _forced_eager() -> bool:
-    """MHA_ENGINE_INT8_KERNEL=eager, read at each call (tests and benchmarks switch it)."""
-    return os.environ.get("MHA_ENGINE_INT8_KERNEL", "auto") == "eager"
-
-
-def _library() -> _Library | None:
-    """The compiled kernels, or None where they are off or could not be built."""
-    return None if _forced_eager() else _built()[0]
+KERNEL = cbuild.Kernel(
+    "int8 row kernels",
+    SOURCE,
+    FLAGS,
+    _Library,
+    switch="MHA_ENGINE_INT8_KERNEL",
+    off="eager",
+    fallback="same numbers, slower int8",
+)
 
 
 def kernel_status() -> str:
     """'compiled (cc -march=native)', or 'eager: <why>' (diagnostics, benchmarks, logs)."""
-    return "eager: MHA_ENGINE_INT8_KERNEL=eager" if _forced_eager() else _built()[1]
+    return KERNEL.status()
 
 
 def quantize_rows(x: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
     """Rows x (N, K) float32 as uint8 q in [1, 2 * levels + 1], scales (N,) and midpoints (N,):
     x ~ scale * (q - (levels + 1)) + mid per row. Compiled where available, else eager."""
-    lib = _library()
+    lib = KERNEL.library()
     if lib is None or not _f32_cpu(x) or x.dim() != 2 or x.shape[1] == 0:
         return _quantize_rows_eager(x, levels)
     if x.stride(-1) != 1:
@@ -112,7 +93,7 @@ def rescale_rows(
 ) -> Tensor:
     """In place on the GEMM output y (N, M): y * scale + bias + mid * weight_sums (+ residual),
     per row; returns y. Compiled where available, else eager (the same bits)."""
-    lib = _library()
+    lib = KERNEL.library()
     dense = (y, scale, mid, weight_sums) if bias is None else (y, scale, mid, weight_sums, bias)
     if (
         lib is None

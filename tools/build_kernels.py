@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mha_engine import cbuild, cpu_varlen, int8_rows
 
-KERNELS = {int8_rows.SOURCE: int8_rows.FLAGS, cpu_varlen.SOURCE: cpu_varlen.FLAGS}
+KERNELS = (int8_rows.KERNEL, cpu_varlen.KERNEL)
 
 
 def build_all(dest: Path, compiler: list[str]) -> list[Path]:
@@ -27,13 +27,13 @@ def build_all(dest: Path, compiler: list[str]) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     names = list(cbuild.LEVELS) if cbuild.is_x86_64() else ["generic"]
     written = []
-    for source, flags in KERNELS.items():
+    for kernel in KERNELS:
         for name in names:
-            target = cbuild.prebuilt_path(source, dest, name)
-            extra = [*flags, *cbuild.target_flags(name), *cbuild.OPENMP]
-            error = cbuild.compile_library(compiler, source, extra, target)
+            target = cbuild.prebuilt_path(kernel.source, dest, name)
+            extra = [*kernel.flags, *cbuild.target_flags(name), *cbuild.OPENMP]
+            error = cbuild.compile_library(compiler, kernel.source, extra, target)
             if error is not None:
-                raise RuntimeError(f"{source.name} for {name}: {error}")
+                raise RuntimeError(f"{kernel.source.name} for {name}: {error}")
             written.append(target)
     return written
 

@@ -24,7 +24,7 @@ def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     written = build_all(dest, ["cc"])
     levels = list(cbuild.LEVELS) if cbuild.is_x86_64() else ["generic"]
     assert sorted(p.name for p in written) == sorted(
-        f"{source.stem}-{name.lower()}.so" for source in KERNELS for name in levels
+        f"{kernel.source.stem}-{name.lower()}.so" for kernel in KERNELS for name in levels
     )
     return dest
 
@@ -32,9 +32,8 @@ def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_library_for_this_cpu_is_loaded_instead_of_a_compile(prebuilt, monkeypatch):
     monkeypatch.setattr(cbuild, "PREBUILT", prebuilt)
     monkeypatch.setenv("CC", "false")  # a compile would fail: only the prebuilt one can load
-    lib, status = cbuild.build(int8_rows.SOURCE, int8_rows.FLAGS, (cbuild.OPENMP, ()))
+    rows, status = int8_rows.KERNEL.compile()
     assert status == f"prebuilt (int8_rows-{cbuild.level().lower()}.so)"
-    rows = int8_rows._Library(lib)
     x = torch.randn(40, 384) * 3
     q, scale, mid = torch.empty(40, 384, dtype=torch.uint8), torch.empty(40), torch.empty(40)
     rows.quantize_rows(x.data_ptr(), 40, 384, 384, 127, q.data_ptr(), scale.data_ptr(),
@@ -45,9 +44,8 @@ def test_the_library_for_this_cpu_is_loaded_instead_of_a_compile(prebuilt, monke
 
 def test_the_prebuilt_attention_kernel_gives_sdpas_numbers(prebuilt, monkeypatch):
     monkeypatch.setattr(cbuild, "PREBUILT", prebuilt)
-    lib, status = cbuild.build(cpu_varlen.SOURCE, cpu_varlen.FLAGS, (cbuild.OPENMP, ()))
+    kernel, status = cpu_varlen.KERNEL.compile()
     assert status.startswith("prebuilt (cpu_varlen-")
-    kernel = cpu_varlen._Library(lib)
     H, D, lens = 4, 16, [3, 9]
     qkv = torch.randn(sum(lens), 3 * H * D)
     out = torch.empty(sum(lens), H * D)
@@ -75,3 +73,22 @@ def test_a_missing_or_broken_prebuilt_library_falls_back_to_compiling(tmp_path, 
 def test_the_build_tool_says_why_it_failed(tmp_path):
     with pytest.raises(RuntimeError, match=r"int8_rows\.c for"):
         build_all(tmp_path, ["false"])
+
+
+def test_a_kernel_that_cannot_build_warns_once_and_its_switch_turns_it_off(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(cbuild, "PREBUILT", tmp_path)  # nothing prebuilt: it must compile
+    monkeypatch.setenv("CC", "false")
+    kernel = cbuild.Kernel(
+        "test kernel", cpu_varlen.SOURCE, cpu_varlen.FLAGS, cpu_varlen._Library,
+        switch="MHA_TEST_KERNEL", off="no", fallback="the eager path instead",
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="mha_engine.cbuild"):
+        assert kernel.library() is None and kernel.library() is None
+    assert kernel.status().startswith("eager: false failed to build cpu_varlen.c")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"test kernel: {kernel.status()} (the eager path instead)"
+    ]
+    monkeypatch.setenv("MHA_TEST_KERNEL", "no")
+    assert kernel.status() == "eager: MHA_TEST_KERNEL=no"

@@ -174,14 +174,14 @@ def test_the_int8_residual_is_added_in_the_epilogue_with_the_same_bits():
 )
 def test_without_a_working_compiler_the_eager_ops_run_and_say_why(monkeypatch, cc, why):
     monkeypatch.setenv("CC", cc)
-    library, status = int8_rows._compile()
+    library, status = int8_rows.KERNEL.compile()
     assert library is None
     assert status.startswith("eager: ") and why in status
 
 
 def test_without_a_writable_temporary_directory_the_eager_ops_run(monkeypatch, tmp_path):
     monkeypatch.setattr(cbuild.tempfile, "tempdir", str(tmp_path / "missing"))
-    library, status = int8_rows._compile()
+    library, status = int8_rows.KERNEL.compile()
     assert library is None
     assert status.startswith("eager: no directory to build in")
 
