@@ -277,7 +277,8 @@ class DynamicBatcher:
                 self._report_depth()
                 item.started_at = time.monotonic()
                 return item
-            flush_at = self._queue[0].enqueued_at + self.max_batch_delay_s
+            head = self._queue[0]
+            flush_at = head.enqueued_at + (self.max_batch_delay_s if head.wait_for_batch else 0.0)
             while not self._stopping:
                 seqs = tokens = 0
                 full = False

@@ -73,7 +73,7 @@ def model_info(model: ServedModel, name: str) -> dict[str, Any]:
 
 
 async def warm_up_model(entry: ModelEntry) -> None:
-    """Run real batches through the model's batcher once."""
+    """Run real batches through the model's batcher once, each without the batch delay."""
     rng = np.random.default_rng(0)
     limits = entry.limits
     seq_len = min(128, limits.max_seq_len)
@@ -89,7 +89,11 @@ async def warm_up_model(entry: ModelEntry) -> None:
         if limits.needs_key_value:
             payload.value = rng.standard_normal((rows, limits.vdim), np.float32)
         work = Work(
-            payload=payload, runner=hidden_states, deadline=time.monotonic() + 600, loop=loop
+            payload=payload,
+            runner=hidden_states,
+            deadline=time.monotonic() + 600,
+            loop=loop,
+            wait_for_batch=False,  # no batch-mates to wait for: ready sooner by the batch delay
         )
         entry.batcher.submit(work)
         await work.future

@@ -71,3 +71,27 @@ def test_constructor_arguments_are_validated() -> None:
         DynamicBatcher(
             model, max_batch_size=1, max_batch_tokens=1, max_batch_delay_s=-1, max_queue=1
         )
+
+
+def test_work_that_does_not_wait_for_batch_mates_starts_at_once() -> None:
+    """The warm-up's work (wait_for_batch=False) skips the batch delay; client work waits it."""
+    model = mha_engine.build_demo_model(device="cpu")
+    batcher = DynamicBatcher(
+        model, max_batch_size=16, max_batch_tokens=4096, max_batch_delay_s=0.5, max_queue=64
+    )
+    x = np.random.default_rng(0).standard_normal((1, 4, 512)).astype(np.float32)
+
+    async def queued_for(wait_for_batch: bool) -> float:
+        work = make_work(x, asyncio.get_running_loop())
+        work.wait_for_batch = wait_for_batch
+        batcher.submit(work)
+        await work.future
+        return work.queue_s
+
+    batcher.start()
+    try:
+        at_once = asyncio.run(queued_for(False))
+        waited = asyncio.run(queued_for(True))
+    finally:
+        batcher.stop(timeout=10)
+    assert waited >= 0.5 > 0.25 > at_once

@@ -172,8 +172,8 @@ def test_aio_stream_infer_with_an_error_among_good_requests(server, module) -> N
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory, module) -> Iterator[GrpcServer]:
     """A server whose batches wait 10 s for batch-mates: what a test queues stays queued
-    (never computed) while the test cancels it, within milliseconds (its warm-up's one-sequence
-    batch waits the 10 s once, at start)."""
+    (never computed) while the test cancels it, within milliseconds (the warm-up does not wait:
+    the server is ready as fast as with no delay)."""
     hold = ("--max-seq-len", "64", "--max-batch-delay-ms", "10000", "--request-timeout-s", "120")
     bound = ("--grpc-stream-in-flight", str(IN_FLIGHT))
     with serving(tmp_path_factory.mktemp("held"), module, *hold, *bound) as grpc_server:
