@@ -225,15 +225,23 @@ def test_bad_device_at_start_is_one_line_and_exit_2(tmp_path: Path):
         (["--device", "cuda", "--dtype", "int8"], "--device / --dtype"),
         (["--model-repository", str(repo)], "model 'm' mha-serve.json (device): cuda:3"),
     ]
-    for args, expected in cases:
-        done = subprocess.run(
+    starts = [  # all at once: each spends seconds importing torch
+        subprocess.Popen(
             [sys.executable, "-m", "service", "--port", "0", "--grpc-port", "0", *args],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=60,
             cwd=ROOT,
         )
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2, (args, done.stderr)
-        assert len(lines) == 1 and lines[0].startswith("mha-serve: error: "), done.stderr
+        for args, _ in cases
+    ]
+    try:
+        ends = [start.communicate(timeout=90) for start in starts]
+    finally:
+        for start in starts:
+            start.kill()  # a no-op for those that exited
+    for (args, expected), start, (_, stderr) in zip(cases, starts, ends, strict=True):
+        lines = stderr.strip().splitlines()
+        assert start.returncode == 2, (args, stderr)
+        assert len(lines) == 1 and lines[0].startswith("mha-serve: error: "), stderr
         assert expected in lines[0], (expected, lines[0])
