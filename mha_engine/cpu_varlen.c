@@ -85,15 +85,42 @@ static inline void store_rows(float *dst, int64_t ld, vf r0, vf r1, vf r2, vf r3
   vstore(dst + 3 * ld, r3 * scale);
 }
 
-/* n floats of row `row` (row stride ld elements) from a float32 or bfloat16 tensor */
+/* n floats of row `row` (row stride ld elements) from a float32 or bfloat16 tensor; whole
+   vectors first (built with -fno-tree-loop-distribute-patterns: no memcpy call per row) */
 static inline void read_row(const void *base, int bf16, int64_t row, int64_t ld, int64_t col, int64_t n, float *dst) {
+  int64_t d = 0;
   if (bf16) {
     const uint16_t *s = (const uint16_t *)base + row * ld + col;
-    for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_f32(s[d]);
+    for (; d < n; ++d) dst[d] = bf16_to_f32(s[d]);
   } else {
     const float *s = (const float *)base + row * ld + col;
-    for (int64_t d = 0; d < n; ++d) dst[d] = s[d]; /* short rows: a loop beats a memcpy call */
+    for (; d + VL <= n; d += VL) vstore(dst + d, vload(s + d));
+    for (; d < n; ++d) dst[d] = s[d];
   }
+}
+
+/* Rows r and r + w (r without bit w) of a 16 x 16 block: their off-diagonal w-wide blocks
+   swap places. Steps w = 8, 4, 2, 1 transpose the block in registers. */
+static inline __attribute__((always_inline)) void transpose_step(vf *m, int w) {
+  vi lo, hi; /* __builtin_shuffle's indices: 0-15 from a, 16-31 from b */
+  for (int c = 0; c < VL; ++c) {
+    lo[c] = c & w ? VL + c - w : c;
+    hi[c] = c & w ? VL + c : c + w;
+  }
+  for (int r = 0; r < VL; ++r) {
+    if (r & w) continue;
+    const vf a = m[r], b = m[r + w];
+    m[r] = __builtin_shuffle(a, b, lo);
+    m[r + w] = __builtin_shuffle(a, b, hi);
+  }
+}
+
+/* kt[d * ld + j] = rows[j * n + d] for 16 rows j and 16 columns d (rows: row-major, n wide) */
+static inline __attribute__((always_inline)) void transpose16(const float *rows, int64_t n, float *kt, int64_t ld) {
+  vf m[VL];
+  for (int j = 0; j < VL; ++j) m[j] = vload(rows + j * n);
+  for (int w = VL / 2; w > 0; w /= 2) transpose_step(m, w);
+  for (int d = 0; d < VL; ++d) vstore(kt + d * ld, m[d]);
 }
 
 typedef struct {
@@ -115,130 +142,135 @@ static inline void seq_lens(const Args *a, int64_t b, int64_t *t, int64_t *s) {
 }
 
 typedef struct {
-  float *qs;  /* (T4, D) this head's queries; T4 = T rounded up to 4 (zero rows) */
-  float *kt;  /* (D, Sp) keys transposed; Sp = S rounded up to VL (zero columns) */
-  float *vs;  /* (S, Dp) values; Dp = D rounded up to VL (zero columns) */
-  float *p;   /* (4, Sp) scores, then probabilities, of four query rows */
+  float *ks;  /* (S, D) this head's keys */
+  float *vs;  /* (S, Dp) its values; Dp = D rounded up to VL (zero columns) */
+  float *qb;  /* (VL, D) a block of up to VL query rows (zero rows past T) */
+  float *qt;  /* (D, VL) the block transposed: one query per vector lane */
+  float *p;   /* (S, VL) per key, the block's scores, then probabilities */
   float *o;   /* (4, Dp) unnormalised outputs of four query rows */
 } Scratch;
 
-/* One (sequence, head): T queries over S keys. */
+/* scores of the block's queries (qt) against `n` keys (n x D, row-major) from key j on, into p:
+   n = 8 or 4 independent sums per step, each over d in order */
+#define SCORES(n)                                                                  \
+  for (; j + (n) <= keys; j += (n)) {                                              \
+    const float *k = w->ks + j * D;                                                \
+    vf s[n] = {{0}};                                                               \
+    for (int64_t d = 0; d < D; ++d) {                                              \
+      const vf c = vload(w->qt + d * VL);                                          \
+      for (int u = 0; u < (n); ++u) s[u] += k[u * D + d] * c;                      \
+    }                                                                              \
+    for (int u = 0; u < (n); ++u) vstore(w->p + (j + u) * VL, s[u] * a->scale);   \
+  }
+
+/* One (sequence, head): T queries over S keys. Queries go VL at a time, one per vector lane,
+   so the softmax over keys is lane by lane across the keys' vectors (no horizontal steps). */
 static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
-  const int64_t D = a->head_dim, q0 = a->cu_q[b], k0 = a->cu_k[b];
+  const int64_t D = a->head_dim, Dp = round_up(D, VL), q0 = a->cu_q[b], k0 = a->cu_k[b];
   int64_t T, S;
   seq_lens(a, b, &T, &S);
-  const int64_t Sp = round_up(S, VL), Dp = round_up(D, VL), T4 = round_up(T, 4);
   const int64_t kh = h / (a->num_heads / a->num_kv_heads); /* K/V head (GQA) */
   const int causal = a->mode[b] == 2;
   if (T == 0) return;
-  float row[D > 0 ? D : 1];
-  for (int64_t i = 0; i < T; ++i) read_row(a->q, a->bf16, q0 + i, a->ldq, h * D, D, w->qs + i * D);
-  memset(w->qs + T * D, 0, (T4 - T) * D * sizeof(float));
-  memset(w->kt, 0, D * Sp * sizeof(float));
-  memset(w->vs, 0, S * Dp * sizeof(float));
+  if (Dp != D) memset(w->vs, 0, S * Dp * sizeof(float));
   for (int64_t j = 0; j < S; ++j) {
-    read_row(a->k, a->bf16, k0 + j, a->ldk, kh * D, D, row);
-    for (int64_t d = 0; d < D; ++d) w->kt[d * Sp + j] = row[d];
+    read_row(a->k, a->bf16, k0 + j, a->ldk, kh * D, D, w->ks + j * D);
     read_row(a->v, a->bf16, k0 + j, a->ldv, kh * D, D, w->vs + j * Dp);
   }
-  for (int64_t i0 = 0; i0 < T; i0 += 4) {
-    /* keys any of the four rows may see: all, or up to the last row's own (causal) */
-    const int64_t keys = causal ? (i0 + 4 < S ? i0 + 4 : S) : S;
-    const int64_t keys_p = round_up(keys, VL);
-    const float *q = w->qs + i0 * D;
-    /* scores of four rows, 2 x VL keys at a time (eight independent sums), then VL */
-    int64_t jb = 0;
-    for (; jb + 2 * VL <= keys_p; jb += 2 * VL) {
-      vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};
-      for (int64_t d = 0; d < D; ++d) {
-        const vf c0 = vload(w->kt + d * Sp + jb), c1 = vload(w->kt + d * Sp + jb + VL);
-        const float a0 = q[d], a1 = q[D + d], a2 = q[2 * D + d], a3 = q[3 * D + d];
-        s0 += a0 * c0, s1 += a1 * c0, s2 += a2 * c0, s3 += a3 * c0;
-        t0 += a0 * c1, t1 += a1 * c1, t2 += a2 * c1, t3 += a3 * c1;
-      }
-      store_rows(w->p + jb, Sp, s0, s1, s2, s3, a->scale);
-      store_rows(w->p + jb + VL, Sp, t0, t1, t2, t3, a->scale);
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf neg_inf = vsplat(-INFINITY);
+  for (int64_t i0 = 0; i0 < T; i0 += VL) {
+    const int64_t rows = T - i0 < VL ? T - i0 : VL;
+    /* keys any row of the block may see: all, or up to its last row's own (causal) */
+    const int64_t keys = causal ? (i0 + VL < S ? i0 + VL : S) : S;
+    for (int64_t i = 0; i < VL; ++i) {
+      if (i < rows) read_row(a->q, a->bf16, q0 + i0 + i, a->ldq, h * D, D, w->qb + i * D);
+      else memset(w->qb + i * D, 0, D * sizeof(float));
     }
-    if (jb < keys_p) {
-      vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-      for (int64_t d = 0; d < D; ++d) {
-        const vf c0 = vload(w->kt + d * Sp + jb);
-        s0 += q[d] * c0, s1 += q[D + d] * c0, s2 += q[2 * D + d] * c0, s3 += q[3 * D + d] * c0;
-      }
-      store_rows(w->p + jb, Sp, s0, s1, s2, s3, a->scale);
+    if (D % VL == 0) {
+      for (int64_t d = 0; d < D; d += VL) transpose16(w->qb + d, D, w->qt + d * VL, VL);
+    } else {
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t i = 0; i < VL; ++i) w->qt[d * VL + i] = w->qb[i * D + d];
     }
-    float inv_sum[4];
-    int nan_row[4];
-    for (int r = 0; r < 4; ++r) { /* softmax of each row over the keys it sees */
-      float *p = w->p + r * Sp;
-      const int64_t seen = causal ? (i0 + r + 1 < S ? i0 + r + 1 : S) : S;
-      for (int64_t j = seen; j < keys_p; ++j) p[j] = -INFINITY;
-      vf m = vsplat(-INFINITY);
-      for (int64_t j = 0; j < keys_p; j += VL) m = vmax(vload(p + j), m);
-      const float row_max = hmax(m);
-      vf sum = {0};
-      vi nan = {0};
-      for (int64_t j = 0; j < keys_p; j += VL) {
-        const vf x = vload(p + j) - row_max; /* NaN: a NaN score, or an infinite max */
-        nan |= (x != x);
-        const vf e = vexp(x);
-        vstore(p + j, e);
-        sum += e;
+    int64_t j = 0;
+    SCORES(8)
+    SCORES(4)
+    SCORES(1)
+    /* softmax per lane: a NaN score, or an infinite max (inf - inf), gives a NaN that vexp
+       keeps, so that query's sum and whole output row are NaN */
+    vf m = neg_inf;
+    for (j = 0; j < keys; ++j) {
+      vf x = vload(w->p + j * VL);
+      if (causal) { /* lane i (query i0 + i) sees keys up to its own position */
+        x = vselect(lane + (int32_t)i0 >= (int32_t)j, x, neg_inf);
+        vstore(w->p + j * VL, x);
       }
-      int any_nan = 0;
-      for (int l = 0; l < VL; ++l) any_nan |= nan[l] != 0;
-      nan_row[r] = any_nan || row_max != row_max;
-      inv_sum[r] = 1.0f / hsum(sum);
+      m = vmax(x, m);
     }
-    /* outputs: probabilities x values, 2 x VL columns at a time, then VL */
-    const float *p = w->p;
-    int64_t dc = 0;
-    for (; dc + 2 * VL <= Dp; dc += 2 * VL) {
-      vf o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};
-      for (int64_t j = 0; j < keys; ++j) {
-        const vf v0 = vload(w->vs + j * Dp + dc), v1 = vload(w->vs + j * Dp + dc + VL);
-        const float a0 = p[j], a1 = p[Sp + j], a2 = p[2 * Sp + j], a3 = p[3 * Sp + j];
-        o0 += a0 * v0, o1 += a1 * v0, o2 += a2 * v0, o3 += a3 * v0;
-        u0 += a0 * v1, u1 += a1 * v1, u2 += a2 * v1, u3 += a3 * v1;
+    vf sum = {0};
+    for (j = 0; j < keys; ++j) {
+      const vf e = vexp(vload(w->p + j * VL) - m);
+      vstore(w->p + j * VL, e);
+      sum += e;
+    }
+    float inv[VL];
+    vstore(inv, vsplat(1.0f) / sum);
+    /* outputs of four rows at a time: probabilities x values, 2 x VL columns, then VL */
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const float *p = w->p + r0; /* p[j * VL + r]: row r0 + r, key j */
+      int64_t dc = 0;
+      for (; dc + 2 * VL <= Dp; dc += 2 * VL) {
+        vf o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0}, u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};
+        for (j = 0; j < keys; ++j) {
+          const vf v0 = vload(w->vs + j * Dp + dc), v1 = vload(w->vs + j * Dp + dc + VL);
+          const float *pj = p + j * VL;
+          const float a0 = pj[0], a1 = pj[1], a2 = pj[2], a3 = pj[3];
+          o0 += a0 * v0, o1 += a1 * v0, o2 += a2 * v0, o3 += a3 * v0;
+          u0 += a0 * v1, u1 += a1 * v1, u2 += a2 * v1, u3 += a3 * v1;
+        }
+        store_rows(w->o + dc, Dp, o0, o1, o2, o3, 1.0f);
+        store_rows(w->o + dc + VL, Dp, u0, u1, u2, u3, 1.0f);
       }
-      store_rows(w->o + dc, Dp, o0, o1, o2, o3, 1.0f);
-      store_rows(w->o + dc + VL, Dp, u0, u1, u2, u3, 1.0f);
-    }
-    if (dc < Dp) {
-      vf o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
-      for (int64_t j = 0; j < keys; ++j) {
-        const vf v0 = vload(w->vs + j * Dp + dc);
-        o0 += p[j] * v0, o1 += p[Sp + j] * v0, o2 += p[2 * Sp + j] * v0, o3 += p[3 * Sp + j] * v0;
+      if (dc < Dp) {
+        vf o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+        for (j = 0; j < keys; ++j) {
+          const vf v0 = vload(w->vs + j * Dp + dc);
+          const float *pj = p + j * VL;
+          o0 += pj[0] * v0, o1 += pj[1] * v0, o2 += pj[2] * v0, o3 += pj[3] * v0;
+        }
+        store_rows(w->o + dc, Dp, o0, o1, o2, o3, 1.0f);
       }
-      store_rows(w->o + dc, Dp, o0, o1, o2, o3, 1.0f);
-    }
-    for (int r = 0; r < 4 && i0 + r < T; ++r) {
-      const int64_t dst = (q0 + i0 + r) * a->ldo + h * D;
-      float *o = w->o + r * Dp;
-      const float inv = nan_row[r] ? NAN : inv_sum[r]; /* NaN * anything: a NaN row */
-      if (a->bf16) {
-        uint16_t *out = (uint16_t *)a->out + dst;
-        for (int64_t d = 0; d < D; ++d) out[d] = f32_to_bf16(o[d] * inv);
-      } else {
-        float *out = (float *)a->out + dst;
-        for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inv;
+      for (int r = 0; r < 4 && r0 + r < rows; ++r) {
+        const int64_t dst = (q0 + i0 + r0 + r) * a->ldo + h * D;
+        const float *o = w->o + r * Dp, scale = inv[r0 + r];
+        if (a->bf16) {
+          uint16_t *out = (uint16_t *)a->out + dst;
+          for (int64_t d = 0; d < D; ++d) out[d] = f32_to_bf16(o[d] * scale);
+        } else {
+          float *out = (float *)a->out + dst;
+          for (int64_t d = 0; d < D; ++d) out[d] = o[d] * scale;
+        }
       }
     }
   }
 }
+#undef SCORES
 
 /* Tasks [first, last) of the (sequence, head) list, sequence-major. 0, or -1 if out of memory. */
 static int run_tasks(const Args *a, int64_t first, int64_t last, int64_t max_t, int64_t max_s) {
   if (first >= last) return 0;
-  const int64_t D = a->head_dim, Dp = round_up(D, VL), Sp = round_up(max_s, VL);
-  const int64_t floats = round_up(max_t, 4) * D + D * Sp + max_s * Dp + 4 * Sp + 4 * Dp;
+  const int64_t D = a->head_dim, Dp = round_up(D, VL);
+  const int64_t floats = max_s * D + max_s * Dp + 2 * VL * D + max_s * VL + 4 * Dp;
   float *mem = malloc((size_t)(floats > 0 ? floats : 1) * sizeof(float));
   if (mem == NULL) return -1;
-  Scratch w = {mem, 0, 0, 0, 0};
-  w.kt = w.qs + round_up(max_t, 4) * D;
-  w.vs = w.kt + D * Sp;
-  w.p = w.vs + max_s * Dp;
-  w.o = w.p + 4 * Sp;
+  Scratch w;
+  w.ks = mem;
+  w.vs = w.ks + max_s * D;
+  w.qb = w.vs + max_s * Dp;
+  w.qt = w.qb + VL * D;
+  w.p = w.qt + D * VL;
+  w.o = w.p + max_s * VL;
   for (int64_t t = first; t < last; ++t) attend(a, t / a->num_heads, t % a->num_heads, &w);
   free(mem);
   return 0;

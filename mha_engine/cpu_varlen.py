@@ -24,7 +24,8 @@ from torch import Tensor
 from . import cbuild
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
-FLAGS = ("-ffp-contract=fast",)  # fused multiply-adds wherever the compiler finds them
+# fused multiply-adds wherever the compiler finds them; copy loops stay loops (no memcpy calls)
+FLAGS = ("-ffp-contract=fast", "-fno-tree-loop-distribute-patterns")
 # Per dtype, sequences with more queries or keys than this keep the grouped SDPA calls, whose
 # GEMM-based kernels (AMX for bf16) are faster on long ones (docs/engine-cpu.md); like every part
 # of the choice (`modes`), it depends on the sequence alone, never on batch-mates.
