@@ -29,7 +29,7 @@ FLAGS = ("-ffp-contract=fast", "-fno-tree-loop-distribute-patterns")
 # Per dtype, sequences with more queries or keys than this keep the grouped SDPA calls, whose
 # GEMM-based kernels (AMX for bf16) are faster on long ones (docs/engine-cpu.md); like every part
 # of the choice (`modes`), it depends on the sequence alone, never on batch-mates.
-MAX_LEN = {torch.float32: 96, torch.bfloat16: 48}
+MAX_LEN = {torch.float32: 128, torch.bfloat16: 48}
 
 
 def max_len(dtype: torch.dtype) -> int:
