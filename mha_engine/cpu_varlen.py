@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import cbuild
+from .eager import eager_only
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
 # fused multiply-adds wherever the compiler finds them; copy loops stay loops (no memcpy calls)
@@ -93,7 +94,7 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
-@torch.compiler.disable
+@eager_only
 def varlen_attention(
     q: Tensor,
     k: Tensor,

@@ -34,6 +34,7 @@ from torch import Tensor
 from . import cpu_varlen
 from .cuda_varlen import varlen_attention
 from .devices import upload
+from .eager import eager_only
 from .fused import MIN_ROWS as MIN_GEMM_ROWS  # noqa: F401 (re-exported)
 from .fused import linear, pad_rows  # noqa: F401 (pad_rows re-exported)
 
@@ -327,7 +328,7 @@ def packed_attention(
     return linear(attn.out_proj, merged, residual=residual)  # (N, E)
 
 
-@torch.compiler.disable
+@eager_only
 def cpu_or_grouped_attention(
     attn: FusedAttention, plan: Plan, q: Tensor, k: Tensor, v: Tensor, qkv: Tensor | None
 ) -> Tensor:
@@ -347,7 +348,7 @@ def cpu_or_grouped_attention(
     return grouped_attention(attn, plan, **projections)
 
 
-@torch.compiler.disable
+@eager_only
 def grouped_attention(
     attn: FusedAttention,
     plan: Plan,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,3 +70,24 @@ def test_compiled_packed_forward_does_not_recompile_for_new_lengths():
     with torch._dynamo.config.patch(error_on_recompile=True):
         run([4, 4, 11, 2, 7])  # other lengths, other groups, other token count
         run([30, 17])
+
+
+NO_DYNAMO_SCRIPT = """
+import sys
+import torch
+import mha_engine
+import service.app  # noqa: F401 (the server's whole import graph)
+model = mha_engine.build_demo_model(device="cpu")
+with torch.inference_mode():
+    model.forward_varlen([torch.randn(5, 512), torch.randn(9, 512), torch.randn(300, 512)])
+assert "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
+"""
+
+
+def test_starting_and_running_does_not_import_dynamo():
+    """The compile guards (mha_engine.eager.eager_only) leave torch._dynamo, ~1.7 s of import,
+    out of every process that does not compile: the kernel and the grouped SDPA path both ran."""
+    done = subprocess.run(
+        [sys.executable, "-c", NO_DYNAMO_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
