@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import torch
 import mha_engine
 from benchmarks import scrape
 from benchmarks.client import LoadResult, run_load
+from benchmarks.server import free_port
 from service.text.tokenizer import TextTokenizer, minilm_path
 
 HOST = "127.0.0.1"
@@ -84,15 +84,9 @@ CASES = [  # (label, dtype, batching, extra server args)
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _server(model_dir: str, dtype: str, extra: tuple[str, ...]) -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"]
     cmd += ["--model-dir", model_dir, "--model-name", NAME, "--dtype", dtype, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -73,7 +73,7 @@ def main() -> None:
     def attention(lib: cpu_varlen._Library) -> None:
         lib.attention(q.data_ptr(), 3 * E, k.data_ptr(), 3 * E, v.data_ptr(), 3 * E,
                       out.data_ptr(), E, cu.data_ptr(), cu.data_ptr(), len(lens), H, H, D,
-                      D**-0.5, modes.data_ptr(), 0, 1, max(lens), max(lens))  # fmt: skip
+                      D**-0.5, modes.data_ptr(), 0, 1, max(lens))  # fmt: skip
 
     def quantize(lib: int8_rows._Library) -> None:
         lib.quantize_rows(x.data_ptr(), 446, 1536, 1536, 127, codes.data_ptr(),

@@ -19,10 +19,20 @@ HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing listens on now, never the same one twice in this process: two
+    sockets bound to port 0 one after the other can get the same number (a test once got its
+    gRPC and HTTP ports equal, and the server could not bind both)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass

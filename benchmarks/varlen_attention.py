@@ -6,7 +6,7 @@ Attention alone (the Q/K/V projections done beforehand), ms per batch, best of `
 interleaved rounds, for uniform batches of B sequences of T tokens (B = 1: one small SDPA call;
 B = 8: one SDPA call over eight sequences, SDPA's best case) and for MiniLM-like mixed batches
 (32 sentences of 5-30 tokens: 16+ groups). The kernel's length limit is lifted here to show
-where SDPA overtakes it, which is what sets `cpu_varlen.MAX_LEN`.
+where SDPA overtakes it, which is what sets `cpu_varlen.MAX_LEN` (per CPU capability).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    limits = {str(dt)[6:]: cpu_varlen.max_len(dt) for dt in (torch.float32, torch.bfloat16)}
     print(
         f"CPU capability {fused.cpu_capability()}, torch {torch.__version__}, "
-        f"{args.threads} threads, kernel {cpu_varlen.kernel_status()}, "
-        f"limits { ({str(k)[6:]: v for k, v in cpu_varlen.MAX_LEN.items()}) }\n"
+        f"{args.threads} threads, kernel {cpu_varlen.kernel_status()}, limits {limits}\n"
     )
     print("| head_dim | batch | dtype | grouped SDPA ms | kernel ms | kernel speed-up |")
     print("|---:|---|---|---:|---:|---:|")

@@ -89,6 +89,8 @@ class Kernel(Generic[B]):
 
     def loaded(self) -> tuple[B | None, str]:
         """`compile()`'s result, once per process; a failure is logged once, as a warning."""
+        if self._loaded is not None:
+            return self._loaded
         with self._lock:
             if self._loaded is None:
                 self._loaded = self.compile()

@@ -9,9 +9,12 @@
    Tasks are spread over OpenMP threads (the same libgomp as torch's, so the same thread
    pool) in ranges the caller balances; without OpenMP they run one after another.
 
-   Vectors are GCC vector extensions (16 floats): the compiler maps them to AVX-512, AVX2 or
-   SSE for the CPU it builds for. Inputs and outputs are float32 or bfloat16 (read as float32,
-   written rounded to nearest even); all arithmetic is float32. */
+   Vectors are GCC vector extensions of the target's register width (VL floats: 16 with
+   AVX-512, 8 with AVX/AVX2, 4 with SSE; wider generic vectors than the registers spill, and
+   ran 12x slower in an x86-64-v3 build). Every sum runs in the same order whatever VL, so
+   builds of each width give the same bits where they share FMA. Inputs and outputs are
+   float32 or bfloat16 (read as float32, written rounded to nearest even); all arithmetic is
+   float32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,7 +23,13 @@
 #include <omp.h>
 #endif
 
+#if defined(__AVX512F__)
 #define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
@@ -52,22 +61,7 @@ static inline vf vexp(vf x) {
   return p * (vf)bits;
 }
 
-/* horizontal max and sum: halve the vector four times */
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
-static inline float hmax(vf v) {
-  v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
-  v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
-  v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
-  return v[0];
-}
-static inline float hsum(vf v) {
-  v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-  v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-  v += __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
-  return v[0];
-}
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f32_to_bf16(float f) {
@@ -99,10 +93,10 @@ static inline void read_row(const void *base, int bf16, int64_t row, int64_t ld,
   }
 }
 
-/* Rows r and r + w (r without bit w) of a 16 x 16 block: their off-diagonal w-wide blocks
-   swap places. Steps w = 8, 4, 2, 1 transpose the block in registers. */
+/* Rows r and r + w (r without bit w) of a VL x VL block: their off-diagonal w-wide blocks
+   swap places. Steps w = VL / 2, ..., 2, 1 transpose the block in registers. */
 static inline __attribute__((always_inline)) void transpose_step(vf *m, int w) {
-  vi lo, hi; /* __builtin_shuffle's indices: 0-15 from a, 16-31 from b */
+  vi lo, hi; /* __builtin_shuffle's indices: below VL from a, from VL on from b */
   for (int c = 0; c < VL; ++c) {
     lo[c] = c & w ? VL + c - w : c;
     hi[c] = c & w ? VL + c : c + w;
@@ -115,8 +109,8 @@ static inline __attribute__((always_inline)) void transpose_step(vf *m, int w) {
   }
 }
 
-/* kt[d * ld + j] = rows[j * n + d] for 16 rows j and 16 columns d (rows: row-major, n wide) */
-static inline __attribute__((always_inline)) void transpose16(const float *rows, int64_t n, float *kt, int64_t ld) {
+/* kt[d * ld + j] = rows[j * n + d] for VL rows j and VL columns d (rows: row-major, n wide) */
+static inline __attribute__((always_inline)) void transpose_block(const float *rows, int64_t n, float *kt, int64_t ld) {
   vf m[VL];
   for (int j = 0; j < VL; ++j) m[j] = vload(rows + j * n);
   for (int w = VL / 2; w > 0; w /= 2) transpose_step(m, w);
@@ -177,7 +171,8 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
     read_row(a->k, a->bf16, k0 + j, a->ldk, kh * D, D, w->ks + j * D);
     read_row(a->v, a->bf16, k0 + j, a->ldv, kh * D, D, w->vs + j * Dp);
   }
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vi lane;
+  for (int i = 0; i < VL; ++i) lane[i] = i;
   const vf neg_inf = vsplat(-INFINITY);
   for (int64_t i0 = 0; i0 < T; i0 += VL) {
     const int64_t rows = T - i0 < VL ? T - i0 : VL;
@@ -188,7 +183,7 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
       else memset(w->qb + i * D, 0, D * sizeof(float));
     }
     if (D % VL == 0) {
-      for (int64_t d = 0; d < D; d += VL) transpose16(w->qb + d, D, w->qt + d * VL, VL);
+      for (int64_t d = 0; d < D; d += VL) transpose_block(w->qb + d, D, w->qt + d * VL, VL);
     } else {
       for (int64_t d = 0; d < D; ++d)
         for (int64_t i = 0; i < VL; ++i) w->qt[d * VL + i] = w->qb[i * D + d];
@@ -258,7 +253,7 @@ static void attend(const Args *a, int64_t b, int64_t h, Scratch *w) {
 #undef SCORES
 
 /* Tasks [first, last) of the (sequence, head) list, sequence-major. 0, or -1 if out of memory. */
-static int run_tasks(const Args *a, int64_t first, int64_t last, int64_t max_t, int64_t max_s) {
+static int run_tasks(const Args *a, int64_t first, int64_t last, int64_t max_s) {
   if (first >= last) return 0;
   const int64_t D = a->head_dim, Dp = round_up(D, VL);
   const int64_t floats = max_s * D + max_s * Dp + 2 * VL * D + max_s * VL + 4 * Dp;
@@ -302,14 +297,13 @@ static void task_range(const Args *a, int64_t batch, int n, int threads, int64_t
 
 /* Attention of every (sequence, head) of `batch` sequences whose mode is not 0, over
    `threads` OpenMP threads; the rows of `out` of mode-0 sequences are not touched.
-   max_t / max_s: the longest query / key sequence computed here (scratch sizes).
+   max_s: the longest key sequence computed here (scratch sizes).
    0, or -1 out of memory. */
 int mha_varlen_attention(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v,
                          int64_t ldv, void *out, int64_t ldo, const int32_t *cu_q,
                          const int32_t *cu_k, int64_t batch, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, float scale,
-                         const uint8_t *mode, int32_t bf16, int32_t threads, int64_t max_t,
-                         int64_t max_s) {
+                         const uint8_t *mode, int32_t bf16, int32_t threads, int64_t max_s) {
   const Args a = {q, k, v, out, ldq, ldk, ldv, ldo, cu_q, cu_k, num_heads, num_kv_heads,
                   head_dim, scale, mode, bf16};
   int failed = 0;
@@ -319,12 +313,12 @@ int mha_varlen_attention(const void *q, int64_t ldq, const void *k, int64_t ldk,
     {
       int64_t first, last;
       task_range(&a, batch, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
-      failed |= run_tasks(&a, first, last, max_t, max_s) != 0;
+      failed |= run_tasks(&a, first, last, max_s) != 0;
     }
     return failed ? -1 : 0;
   }
 #endif
-  return run_tasks(&a, 0, batch * num_heads, max_t, max_s);
+  return run_tasks(&a, 0, batch * num_heads, max_s);
 }
 
 /* 1 when built with OpenMP (the caller then asks for several threads). */

@@ -27,15 +27,22 @@ from .eager import eager_only
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
 # fused multiply-adds wherever the compiler finds them; copy loops stay loops (no memcpy calls)
 FLAGS = ("-ffp-contract=fast", "-fno-tree-loop-distribute-patterns")
-# Per dtype, sequences with more queries or keys than this keep the grouped SDPA calls, whose
-# GEMM-based kernels (AMX for bf16) are faster on long ones (docs/engine-cpu.md); like every part
-# of the choice (`modes`), it depends on the sequence alone, never on batch-mates.
-MAX_LEN = {torch.float32: 128, torch.bfloat16: 48}
+# Per CPU capability and dtype, sequences with more queries or keys than this keep the grouped
+# SDPA calls, whose GEMM-based kernels (AMX for bf16) are faster on long ones. Measured with
+# `python -m benchmarks.varlen_attention` (docs/benchmarks.md): with AVX-512 the kernel wins up
+# to 128 tokens in fp32 and 48 in bf16; in an AVX2 build against torch's AVX2 kernels only to
+# about 32. Like every part of the choice (`modes`), it depends on the sequence alone, never on
+# batch-mates.
+MAX_LEN = {
+    "AVX512": {torch.float32: 128, torch.bfloat16: 48},
+    "other": {torch.float32: 32, torch.bfloat16: 32},
+}
 
 
 def max_len(dtype: torch.dtype) -> int:
-    """The longest sequence (queries or keys) the kernel takes in this dtype (0: none)."""
-    return MAX_LEN.get(dtype, 0)
+    """The longest sequence (queries or keys) the kernel takes in this dtype on this CPU
+    (0: none)."""
+    return MAX_LEN["AVX512" if cbuild.level() == "AVX512" else "other"].get(dtype, 0)
 
 
 class _Library(cbuild.Bindings):
@@ -49,7 +56,7 @@ class _Library(cbuild.Bindings):
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
         self.attention = lib.mha_varlen_attention
         self.attention.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64]
-        self.attention.argtypes += [f32, p, i32, i32, i64, i64]
+        self.attention.argtypes += [f32, p, i32, i32, i64]
         self.attention.restype = ctypes.c_int
 
 
@@ -86,7 +93,7 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
     (and it was built)."""
     return (
         q.device.type == "cpu"
-        and q.dtype in MAX_LEN
+        and max_len(q.dtype) > 0
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
@@ -128,8 +135,7 @@ def varlen_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         out.data_ptr(), out.stride(0), cu_q.data_ptr(), cu_k.data_ptr(), len(q_lens),
         num_heads, num_kv_heads, head_dim, head_dim**-0.5, seq_modes.data_ptr(),
-        int(q.dtype == torch.bfloat16), threads, max((t for t, _ in pairs), default=0),
-        max((s for _, s in pairs), default=0),
+        int(q.dtype == torch.bfloat16), threads, max((s for _, s in pairs), default=0),
     )  # fmt: skip
     if failed:
         raise MemoryError("CPU varlen attention: no memory for its scratch buffers")

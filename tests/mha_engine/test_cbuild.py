@@ -54,7 +54,7 @@ def test_the_prebuilt_attention_kernel_gives_sdpas_numbers(prebuilt, monkeypatch
     q, k, v = qkv.split(H * D, dim=1)
     kernel.attention(q.data_ptr(), 3 * H * D, k.data_ptr(), 3 * H * D, v.data_ptr(), 3 * H * D,
                      out.data_ptr(), H * D, cu.data_ptr(), cu.data_ptr(), 2, H, H, D, D**-0.5,
-                     modes.data_ptr(), 0, 1, 9, 9)  # fmt: skip
+                     modes.data_ptr(), 0, 1, 9)  # fmt: skip
     for a, b in ((0, 3), (3, 12)):
         heads = [t[a:b].view(1, b - a, H, D).transpose(1, 2) for t in (q, k, v)]
         want = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(b - a, H * D)
@@ -92,3 +92,33 @@ def test_a_kernel_that_cannot_build_warns_once_and_its_switch_turns_it_off(
     ]
     monkeypatch.setenv("MHA_TEST_KERNEL", "no")
     assert kernel.status() == "eager: MHA_TEST_KERNEL=no"
+
+
+def _attend(lib: cpu_varlen._Library, lens: list[int], causal: bool) -> torch.Tensor:
+    H, D = 4, 32
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(sum(lens), 3 * H * D, generator=g) * 2).split(H * D, dim=1)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    modes = torch.full((len(lens),), 1 + causal, dtype=torch.uint8)
+    out = torch.empty(sum(lens), H * D)
+    lib.attention(q.data_ptr(), 3 * H * D, k.data_ptr(), 3 * H * D, v.data_ptr(), 3 * H * D,
+                  out.data_ptr(), H * D, cu.data_ptr(), cu.data_ptr(), len(lens), H, H, D,
+                  D**-0.5, modes.data_ptr(), 0, 1, max(lens))  # fmt: skip
+    return out
+
+
+@pytest.mark.skipif(
+    cbuild.level() not in ("AVX2", "AVX512"), reason="needs a CPU that runs x86-64-v3 code"
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_avx2_and_native_attention_builds_give_the_same_bits(prebuilt, causal):
+    """cpu_varlen.c's vectors follow the target's register width (8 floats for AVX2, 16 for
+    AVX-512) and every sum keeps its order, so the x86-64-v3 library and this CPU's own build
+    agree bit for bit."""
+    avx2 = cpu_varlen._Library(
+        ctypes.CDLL(str(cbuild.prebuilt_path(cpu_varlen.SOURCE, prebuilt, "AVX2")))
+    )
+    native, status = cpu_varlen.KERNEL.loaded()
+    assert native is not None, status
+    lens = [1, 5, 17, 33, 64, 3, 16, 40]
+    assert torch.equal(_attend(avx2, lens, causal), _attend(native, lens, causal))

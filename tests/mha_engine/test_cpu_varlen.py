@@ -196,3 +196,13 @@ def test_a_plan_builds_groups_only_for_the_sequences_the_kernel_leaves():
     assert plan.cpu_split(2)[0] is None and len(plan.cpu_split(2)[1]) == 3
     assert plan.cpu_split(64)[1] == []
     assert plan.num_sdpa_calls == 3  # the grouped path's plan is unchanged
+
+
+def test_the_length_limits_follow_the_cpu_capability(monkeypatch):
+    """AVX-512 builds take longer sequences than AVX2 / SSE builds (benchmarks.varlen_attention
+    measured where SDPA overtakes each); float16 never goes to the kernel."""
+    monkeypatch.setattr(cbuild, "level", lambda: "AVX512")
+    assert [cpu_varlen.max_len(t) for t in (torch.float32, torch.bfloat16)] == [128, 48]
+    monkeypatch.setattr(cbuild, "level", lambda: "AVX2")
+    assert [cpu_varlen.max_len(t) for t in (torch.float32, torch.bfloat16)] == [32, 32]
+    assert cpu_varlen.max_len(torch.float16) == 0
