@@ -1,10 +1,12 @@
 """The prebuilt C kernels (tools/build_kernels.py, what the container image runs) against the same
-C built with -march=native (what a host with a compiler runs), interleaved, 1 thread.
+C built with -march=native (what a host with a compiler runs), interleaved, 1 thread: every
+prebuilt level this CPU can run (on AVX-512: the AVX2 and plain x86-64 ones too, what hosts
+without AVX-512 get).
 
     python -m benchmarks.prebuilt_kernels [--rounds 7]
 
-Cases: cpu_varlen's attention on MiniLM-like 32 mixed sentences (12 heads of 32, fp32) and
-int8_rows' quantize pass on 446 x 1536 rows. Best and median microseconds per call.
+Cases: cpu_varlen's attention on MiniLM-like 32 mixed sentences (12 heads of 32, fp32), and
+int8_rows' quantize pass and epilogue on 446 x 1536 rows. Best and median microseconds per call.
 """
 
 from __future__ import annotations
@@ -23,28 +25,29 @@ import torch
 from mha_engine import cbuild, cpu_varlen, fused, int8_rows, varlen
 from tools.build_kernels import build_all
 
+# the prebuilt levels a CPU of each capability can run (each level a superset of the next)
+RUNNABLE = {"AVX512": ["AVX512", "AVX2", "DEFAULT"], "AVX2": ["AVX2", "DEFAULT"]}
+
 
 def libraries(tmp: Path) -> dict[str, tuple[cpu_varlen._Library, int8_rows._Library]]:
+    """Every prebuilt library this CPU can run, and the -march=native build, by name."""
     build_all(tmp, ["cc"])
-    native = {}
-    for kernel in (cpu_varlen.KERNEL, int8_rows.KERNEL):
-        target = tmp / f"{kernel.source.stem}-native.so"
+    kernels = (cpu_varlen.KERNEL, int8_rows.KERNEL)
+    builds = {}
+    for name in RUNNABLE.get(cbuild.level(), [cbuild.level()]):
+        paths = [cbuild.prebuilt_path(k.source, tmp, name) for k in kernels]
+        builds[f"prebuilt {name} ({cbuild.LEVELS.get(name, 'no -march')})"] = paths
+    native = [tmp / f"{k.source.stem}-native.so" for k in kernels]
+    for kernel, target in zip(kernels, native, strict=True):
         error = cbuild.compile_library(
             ["cc"], kernel.source, [*kernel.flags, "-march=native", *cbuild.OPENMP], target
         )
         if error:
             raise SystemExit(f"{kernel.source.name}: {error}")
-        native[kernel.source] = ctypes.CDLL(str(target))
-    prebuilt = {s: ctypes.CDLL(str(cbuild.prebuilt_path(s, tmp))) for s in native}
+    builds["-march=native"] = native
     return {
-        f"prebuilt ({cbuild.level()})": (
-            cpu_varlen._Library(prebuilt[cpu_varlen.SOURCE]),
-            int8_rows._Library(prebuilt[int8_rows.SOURCE]),
-        ),
-        "-march=native": (
-            cpu_varlen._Library(native[cpu_varlen.SOURCE]),
-            int8_rows._Library(native[int8_rows.SOURCE]),
-        ),
+        name: (cpu_varlen._Library(ctypes.CDLL(str(a))), int8_rows._Library(ctypes.CDLL(str(r))))
+        for name, (a, r) in builds.items()
     }
 
 
@@ -79,12 +82,20 @@ def main() -> None:
         lib.quantize_rows(x.data_ptr(), 446, 1536, 1536, 127, codes.data_ptr(),
                           scale.data_ptr(), mid.data_ptr(), 1)  # fmt: skip
 
+    y, bias, sums = torch.randn(446, 1536), torch.randn(1536), torch.randn(1536)
+
+    def epilogue(lib: int8_rows._Library, fused_madd: int) -> None:
+        lib.epilogue(y.data_ptr(), 446, 1536, scale.data_ptr(), mid.data_ptr(),
+                     bias.data_ptr(), sums.data_ptr(), None, 0, fused_madd, 1)  # fmt: skip
+
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):  # interleaved
         for name, (attn_lib, rows_lib) in libs.items():
             for case, call in (
                 ("attention", partial(attention, attn_lib)),
                 ("quantize", partial(quantize, rows_lib)),
+                # fused multiply-adds as int8_rows asks on a CPU of that level (none on DEFAULT)
+                ("epilogue", partial(epilogue, rows_lib, int("DEFAULT" not in name))),
             ):
                 start = time.perf_counter()
                 for _ in range(args.calls):
