@@ -25,16 +25,13 @@ import torch
 from mha_engine import cbuild, cpu_varlen, fused, int8_rows, varlen
 from tools.build_kernels import build_all
 
-# the prebuilt levels a CPU of each capability can run (each level a superset of the next)
-RUNNABLE = {"AVX512": ["AVX512", "AVX2", "DEFAULT"], "AVX2": ["AVX2", "DEFAULT"]}
-
 
 def libraries(tmp: Path) -> dict[str, tuple[cpu_varlen._Library, int8_rows._Library]]:
     """Every prebuilt library this CPU can run, and the -march=native build, by name."""
     build_all(tmp, ["cc"])
     kernels = (cpu_varlen.KERNEL, int8_rows.KERNEL)
     builds = {}
-    for name in RUNNABLE.get(cbuild.level(), [cbuild.level()]):
+    for name in cbuild.runnable_levels():
         paths = [cbuild.prebuilt_path(k.source, tmp, name) for k in kernels]
         builds[f"prebuilt {name} ({cbuild.LEVELS.get(name, 'no -march')})"] = paths
     native = [tmp / f"{k.source.stem}-native.so" for k in kernels]

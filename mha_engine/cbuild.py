@@ -120,6 +120,23 @@ def level() -> str:
     return torch.backends.cpu.get_cpu_capability() if is_x86_64() else "generic"
 
 
+def prebuilt_levels() -> list[str]:
+    """Every level tools/build_kernels.py builds here: the x86-64 ones, widest first, or
+    'generic' off x86-64."""
+    return list(LEVELS) if is_x86_64() else ["generic"]
+
+
+def runnable_levels() -> list[str]:
+    """The prebuilt levels this CPU can run: its own and every narrower one."""
+    levels = prebuilt_levels()
+    return levels[levels.index(level()) :] if level() in levels else [level()]
+
+
+def compiler() -> list[str]:
+    """The C compiler command: `$CC`, else `cc`."""
+    return shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+
+
 def target_flags(name: str) -> list[str]:
     """-march for a prebuilt level (none for 'generic')."""
     return [f"-march={LEVELS[name]}"] if name in LEVELS else []
@@ -148,10 +165,9 @@ def build(
         return None, "eager: no C build on Windows"
     if not source.is_file():
         return None, f"eager: {source.name} is not installed in {source.parent}"
-    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
     try:
         with tempfile.TemporaryDirectory(prefix="mha-engine-") as tmp:
-            return _build(compiler, source, list(flags), variants, tmp)
+            return _build(compiler(), source, list(flags), variants, tmp)
     except OSError as exc:  # no writable temporary directory
         return None, f"eager: no directory to build in ({exc})"
 

@@ -109,12 +109,12 @@ static inline __attribute__((always_inline)) void transpose_step(vf *m, int w) {
   }
 }
 
-/* kt[d * ld + j] = rows[j * n + d] for VL rows j and VL columns d (rows: row-major, n wide) */
-static inline __attribute__((always_inline)) void transpose_block(const float *rows, int64_t n, float *kt, int64_t ld) {
+/* dst[d * ld + j] = rows[j * n + d] for VL rows j and VL columns d (rows: row-major, n wide) */
+static inline __attribute__((always_inline)) void transpose_block(const float *rows, int64_t n, float *dst, int64_t ld) {
   vf m[VL];
   for (int j = 0; j < VL; ++j) m[j] = vload(rows + j * n);
   for (int w = VL / 2; w > 0; w /= 2) transpose_step(m, w);
-  for (int d = 0; d < VL; ++d) vstore(kt + d * ld, m[d]);
+  for (int d = 0; d < VL; ++d) vstore(dst + d * ld, m[d]);
 }
 
 typedef struct {
@@ -144,8 +144,8 @@ typedef struct {
   float *o;   /* (4, Dp) unnormalised outputs of four query rows */
 } Scratch;
 
-/* scores of the block's queries (qt) against `n` keys (n x D, row-major) from key j on, into p:
-   n = 8 or 4 independent sums per step, each over d in order */
+/* scores of the block's queries (qt) against keys j, j + 1, ... (ks: row-major) into p, n keys
+   (n independent sums) per step while n are left, each sum over d in order */
 #define SCORES(n)                                                                  \
   for (; j + (n) <= keys; j += (n)) {                                              \
     const float *k = w->ks + j * D;                                                \

@@ -11,8 +11,6 @@ torch's own libgomp.so.1 when loaded. Exits non-zero, saying why, if any build f
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -25,10 +23,9 @@ def build_all(dest: Path, compiler: list[str]) -> list[Path]:
     """Every kernel at every level into dest; the paths written. Raises RuntimeError on the
     first failure."""
     dest.mkdir(parents=True, exist_ok=True)
-    names = list(cbuild.LEVELS) if cbuild.is_x86_64() else ["generic"]
     written = []
     for kernel in KERNELS:
-        for name in names:
+        for name in cbuild.prebuilt_levels():
             target = cbuild.prebuilt_path(kernel.source, dest, name)
             extra = [*kernel.flags, *cbuild.target_flags(name), *cbuild.OPENMP]
             error = cbuild.compile_library(compiler, kernel.source, extra, target)
@@ -42,9 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dest", nargs="?", type=Path, default=cbuild.PREBUILT)
     args = parser.parse_args()
-    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
     try:
-        for path in build_all(args.dest, compiler):
+        for path in build_all(args.dest, cbuild.compiler()):
             print(path)
     except (RuntimeError, OSError) as exc:
         sys.exit(f"build_kernels: {exc}")
