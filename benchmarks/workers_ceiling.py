@@ -27,10 +27,14 @@ def copy_gb_s(nbytes: int) -> float:
     return nbytes / float(np.median(times)) / 1e9
 
 
-def channel_ms(seq_len: int, embed_dim: int, repeats: int = 2000) -> tuple[float, float]:
+def channel_ms(
+    seq_len: int, embed_dim: int, repeats: int = 2000, batch: int = 1
+) -> tuple[float, float]:
     """(front-end ms, engine ms) per request spent on the channel alone: the submit message
     and the reply pickled, framed and parsed, tensors through a slab, as service.workers does
-    it, in one process (no syscalls, wake-ups or batching); median wall time per phase."""
+    it, in one process (no syscalls, wake-ups or batching); median wall time per phase.
+    `batch` requests share a frame each way, as a loaded loop turn's submits and a batch's
+    replies do (1: a frame per message, the channel before frames carried several)."""
     from service.oip.inputs import Payload
     from service.runtime.forward import hidden_states
     from service.workers.channel import FrameBuffer, frame
@@ -47,25 +51,31 @@ def channel_ms(seq_len: int, embed_dim: int, repeats: int = 2000) -> tuple[float
     x = np.ones((seq_len, embed_dim), np.float32)
     fronts, engines = [], []
     clock = time.perf_counter  # process_time is a syscall here, dearer than what it would time
-    for i in range(repeats):
+    for i in range(0, repeats * batch, batch):
         t0 = clock()
         regions: list[tuple[int, int]] = []
-        out = (slab.alloc(x.nbytes), x.nbytes)
-        regions.append(out)
-        wire = payload_to_wire(Payload(x, [seq_len]), slab, regions)
-        data = frame(Submit(i, ("mha", "1"), hidden_states, 1e9, wire, out))
+        submits = []
+        for ident in range(i, i + batch):
+            out = (slab.alloc(x.nbytes), x.nbytes)
+            regions.append(out)
+            wire = payload_to_wire(Payload(x, [seq_len]), slab, regions)
+            submits.append(Submit(ident, ("mha", "1"), hidden_states, 1e9, wire, out))
+        data = b"".join(frame(m) for m in submits) if batch == 1 else frame(*submits)
         t1 = clock()
-        (message,) = FrameBuffer().feed(data)
-        payload = payload_from_wire(message.wire, slab)
-        reply = frame(Done(i, result_to_wire(slab, message.out, payload.query), 0.0, 0.0))
+        replies = []
+        for message in FrameBuffer().feed(data):
+            payload = payload_from_wire(message.wire, slab)
+            result = result_to_wire(slab, message.out, payload.query)
+            replies.append(Done(message.ident, result, 0.0, 0.0))
+        reply = frame(*replies)
         t2 = clock()
-        (done,) = FrameBuffer().feed(reply)
-        result_from_wire(slab, out, done.result)
+        for done, submit in zip(FrameBuffer().feed(reply), submits, strict=True):
+            result_from_wire(slab, submit.out, done.result)
         for offset, nbytes in regions:
             slab.free(offset, nbytes)
         t3 = clock()
-        fronts.append((t1 - t0) + (t3 - t2))
-        engines.append(t2 - t1)
+        fronts.append(((t1 - t0) + (t3 - t2)) / batch)
+        engines.append((t2 - t1) / batch)
     slab.close()
     return float(np.median(fronts)) * 1e3, float(np.median(engines)) * 1e3  # median: not preempted
 

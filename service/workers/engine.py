@@ -31,7 +31,7 @@ from service.runtime.settings import Settings
 from service.runtime.startup import StartupError
 from service.runtime.state import ModelEntry, ServiceState
 from service.runtime.work import Exclusive, QueueItem, Work
-from service.workers.channel import FrameBuffer, frame, recv_message
+from service.workers.channel import FrameBuffer, frame_all, recv_message
 from service.workers.messages import (
     Cancel,
     Cancelled,
@@ -75,27 +75,36 @@ class Connection:
         self._writer.start()
 
     def send(self, message: Any) -> None:
-        """Queue a reply (any thread); dropped once the front-end is gone."""
+        """Queue a reply (any thread); dropped once the front-end is gone. The writer thread
+        pickles what is queued together (a batch's replies: one frame)."""
         if self.alive:
-            self._outbox.put(frame(message))
+            self._outbox.put(message)
 
     def _write(self) -> None:
         while True:
-            data = self._outbox.get()
-            if data is None:
+            message = self._outbox.get()
+            if message is None:
                 return
-            parts = [data]
+            messages = [message]
             with contextlib.suppress(queue.Empty):  # coalesce what a batch resolved at once
-                while len(parts) < 256:
+                while len(messages) < 256:
                     more = self._outbox.get_nowait()
                     if more is None:
                         self._outbox.put(None)
                         break
-                    parts.append(more)
+                    messages.append(more)
             try:
-                self.sock.sendall(b"".join(parts))
+                self.sock.sendall(frame_all(messages, self._unsendable))
             except OSError:
                 self.alive = False
+
+    def _unsendable(self, message: Any) -> Any | None:
+        """A reply that does not pickle: its request fails alone (an Error in its place)."""
+        name = type(message).__name__
+        log.exception("could not send a %s to front-end %d", name, self.index)
+        if isinstance(message, (Done, Error)):
+            return Error(message.ident, InferenceError("inference failed for this request"))
+        return None
 
     def close(self) -> None:
         """The front-end is gone: its queued work leaves the queue, its slots are released; work
@@ -136,7 +145,7 @@ class _Remote:
             else:
                 wire = result_to_wire(self.conn.slab, self.out, result)
                 self.conn.send(Done(self.ident, wire, self.queue_s, self.infer_s))
-        except Exception:  # e.g. a result that does not pickle: the request fails, not the batch
+        except Exception:  # a result that cannot be written: the request fails, not the batch
             log.exception("could not send a result to front-end %d", self.conn.index)
             failed = InferenceError("inference failed for this request")
             self.conn.send(Error(self.ident, failed))

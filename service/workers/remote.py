@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.oip.datatypes import DATATYPES
-from service.pipeline.errors import NotReady
+from service.pipeline.errors import InferenceError, NotReady
 from service.runtime.batcher import SHUTTING_DOWN
 from service.runtime.forward import hidden_states
 from service.runtime.statistics import ModelStats, Timing
 from service.runtime.work import QueueItem, Work
-from service.workers.channel import FrameBuffer, frame
+from service.workers.channel import FrameBuffer, frame, frame_all
 from service.workers.messages import (
     Cancel,
     Cancelled,
@@ -110,7 +110,7 @@ class EngineLink:
         self._welcome: asyncio.Future | None = None
         self._closed: asyncio.Future | None = None
         self._stopping = False
-        self._out: list[bytes] = []  # frames to write at the end of this loop turn
+        self._out: list[Any] = []  # messages to write at the end of this loop turn, one frame
 
     @property
     def connected(self) -> bool:
@@ -222,18 +222,31 @@ class EngineLink:
 
     # -- requests ---------------------------------------------------------------------------
     def send(self, message: Any) -> None:
-        """Queue `message`; what one turn of the event loop sends goes out in one write (under
-        load many requests' submits and statistics share a syscall)."""
+        """Queue `message`; what one turn of the event loop sends goes out as one frame in one
+        write (under load many requests' submits and statistics share a pickle and a syscall)."""
         if self.transport is None:
             raise _down()
-        self._out.append(frame(message))
+        self._out.append(message)
         if len(self._out) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         out, self._out = self._out, []
         if self.transport is not None and out:
-            self.transport.write(b"".join(out))
+            self.transport.write(frame_all(out, self._unsendable))
+
+    def _unsendable(self, message: Any) -> None:
+        """A message that does not pickle (a bug): what waits on it fails now, not at its
+        deadline; nothing is sent in its place."""
+        log.exception("front-end %d: cannot send %s", self.index, type(message).__name__)
+        failed = InferenceError("inference failed for this request")
+        pending = self.pending.pop(getattr(message, "ident", None), None)
+        if pending is not None:
+            self._free(pending)
+            pending.item.deliver(None, failed)
+        future = self.replies.pop(getattr(message, "reply_to", None), None)
+        if future is not None and not future.done():
+            future.set_exception(failed)
 
     async def ask(self, question: Callable[..., Any], *fields: Any) -> Any:
         """Send `question(reply_to, *fields)` with a fresh reply id; await the engine's answer."""

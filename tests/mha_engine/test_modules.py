@@ -204,6 +204,24 @@ def test_to_dtype_equals_loading_in_that_dtype(tmp_path):
     assert model(torch.randn(2, 3, 16)).dtype == torch.float32
 
 
+def test_dtype_follows_a_replaced_weight_or_module():
+    """device/dtype are read from a cached weight: replacing that weight, or a module on its
+    path, is noticed (the cache is checked per call, not trusted)."""
+    model = engine_from(make_mha(16, 2))
+    assert model.dtype == torch.float32
+    first = next(name for name, t in model.core.named_parameters() if t.is_floating_point())
+    *path, attr = first.split(".")
+    owner = model.core.get_submodule(".".join(path))
+    setattr(owner, attr, nn.Parameter(owner._parameters[attr].detach().to(torch.float16)))
+    assert model.dtype == torch.float16  # the weight object was replaced
+    parent = model.core.get_submodule(".".join(path[:-1])) if len(path) > 1 else model.core
+    replacement = type(owner)(owner.in_features, owner.out_features).to(torch.bfloat16)
+    setattr(parent, path[-1], replacement)
+    assert model.dtype == torch.bfloat16  # a module on the path was replaced
+    model.to(torch.float32)  # in place: the same objects, the cached weight shows the change
+    assert model.dtype == torch.float32
+
+
 def test_text_model_to_dtype_keeps_float32_embeddings(tmp_path):
     source = save_hf(make_hf("bert"), tmp_path)
     model = load_model(source, device="cpu").to(dtype=torch.bfloat16)

@@ -3,9 +3,11 @@ payloads and results crossing as slab regions or inline, and the model view."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import random
+import socket
 
 import numpy as np
 import pytest
@@ -13,9 +15,14 @@ import pytest
 import mha_engine
 from service.__main__ import parse_settings
 from service.oip.inputs import Payload
+from service.pipeline.errors import InferenceError
 from service.runtime.forward import hidden_states
+from service.runtime.work import Work
 from service.text.tokenizer import Encoded, typed_payload
-from service.workers.channel import FrameBuffer, frame
+from service.workers.channel import FrameBuffer, frame, frame_all
+from service.workers.engine import Connection
+from service.workers.messages import Done, Error, Submit
+from service.workers.remote import EngineLink
 from service.workers.slab import ALIGN, Slab
 from service.workers.wire import (
     ModelView,
@@ -72,9 +79,13 @@ def test_a_second_mapping_of_the_fd_sees_the_same_memory() -> None:
     slab.close()
 
 
-def test_frames_cut_anywhere_come_out_whole() -> None:
+@pytest.mark.parametrize("per_frame", [1, 7])
+def test_frames_cut_anywhere_come_out_whole(per_frame: int) -> None:
+    """One message a frame, or several (a loop turn's, pickled together): the same messages
+    come out, in order, wherever the stream is cut."""
     messages = [("submit", i, ("m", "1"), np.arange(i), {"x": "y" * i}) for i in range(30)]
-    stream = b"".join(frame(m) for m in messages)
+    groups = [messages[i : i + per_frame] for i in range(0, len(messages), per_frame)]
+    stream = b"".join(frame(*group) for group in groups)
     rng = random.Random(1)
     buffer, got, pos = FrameBuffer(), [], 0
     while pos < len(stream):
@@ -85,6 +96,68 @@ def test_frames_cut_anywhere_come_out_whole() -> None:
     for sent, received in zip(messages, got, strict=True):
         assert sent[:3] == received[:3] and sent[4] == received[4]
         np.testing.assert_array_equal(sent[3], received[3])
+
+
+def test_a_message_that_does_not_pickle_fails_alone() -> None:
+    """frame_all: the frame-mates of a message that cannot be pickled still go, in order, and
+    the failing one is replaced by what on_failure gives (or left out for None)."""
+    failed = []
+
+    def on_failure(message):
+        failed.append(message[0])
+        return ("error", message[0]) if message[0] == 1 else None
+
+    messages = [(0, "ok"), (1, lambda: None), (2, "ok"), (3, lambda: None), (4, "ok")]
+    got = FrameBuffer().feed(frame_all(messages, on_failure))
+    assert failed == [1, 3]
+    assert got == [(0, "ok"), ("error", 1), (2, "ok"), (4, "ok")]
+    assert FrameBuffer().feed(frame_all([(5, "ok")], on_failure)) == [(5, "ok")]
+
+
+def test_engine_replies_that_do_not_pickle_fail_their_request_alone() -> None:
+    """The engine's writer pickles a batch's replies together; a result that cannot travel
+    becomes an Error for its request, and the other replies of its frame arrive as sent."""
+    mine, theirs = socket.socketpair()
+    conn = Connection(mine, Slab(1 << 16), 0)
+    try:
+        conn.send(Done(1, ("obj", lambda: None), 0.0, 0.0))  # a result that does not pickle
+        conn.send(Done(2, ("obj", "fine"), 0.0, 0.0))
+        theirs.settimeout(10)
+        buffer, got = FrameBuffer(), []
+        while len(got) < 2:
+            got += buffer.feed(theirs.recv(1 << 16))
+    finally:
+        conn.close()
+        theirs.close()
+    assert isinstance(got[0], Error) and got[0].ident == 1
+    assert isinstance(got[0].error, InferenceError)
+    assert got[1] == Done(2, ("obj", "fine"), 0.0, 0.0)
+
+
+@pytest.mark.anyio
+async def test_front_end_messages_that_do_not_pickle_fail_their_request_alone() -> None:
+    """A front-end's loop turn goes out as one frame; a submit that cannot be pickled fails its
+    own request at once, and the turn's other messages still reach the engine."""
+    loop = asyncio.get_running_loop()
+    mine, theirs = socket.socketpair()
+    link = EngineLink("unused", 0, 1 << 16)
+    link.transport, _ = await loop.create_unix_connection(lambda: asyncio.Protocol(), sock=mine)
+    payload = Payload(np.zeros((2, 4), np.float32), [2])
+    bad = Work(payload=payload, runner=hidden_states, deadline=1e9, loop=loop)
+    good = Work(payload=payload, runner=hidden_states, deadline=1e9, loop=loop)
+    try:
+        link.submit(bad, Submit(1, ("m", "1"), lambda: None, 1e9, {}, None), [], None)
+        link.submit(good, Submit(2, ("m", "1"), hidden_states, 1e9, {}, None), [], None)
+        await asyncio.sleep(0)  # the turn ends: its frame is written
+        with pytest.raises(InferenceError):
+            await asyncio.wait_for(bad.future, 5)
+        theirs.setblocking(False)
+        received = FrameBuffer().feed(await loop.sock_recv(theirs, 1 << 16))
+    finally:
+        link.transport.close()
+        theirs.close()
+    assert [m.ident for m in received] == [2]
+    assert not good.future.done() and list(link.pending) == [2]  # still waiting on its reply
 
 
 def _payload(rng: np.random.Generator) -> Payload:
