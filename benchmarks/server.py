@@ -60,6 +60,26 @@ class Proc:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def tree_cpu_seconds(self) -> float:
+        """utime + stime of the process and every process below it (`--workers`: the engine
+        and the front-ends, which the supervisor's own figure leaves out)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                    stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in stats.items():
+            children.setdefault(parent, []).append(pid)
+        todo, total = [self.process.pid], 0
+        while todo:
+            pid = todo.pop()
+            total += stats.get(pid, (0, 0))[1]
+            todo += children.get(pid, [])
+        return total / tick
+
     def main_thread_cpu_seconds(self) -> float:
         """utime + stime of the main thread alone (the event loop of `python -m service`)."""
         pid = self.process.pid
