@@ -117,7 +117,7 @@ def run_frontend(settings: Settings, listener: socket.socket, path: str, index: 
     torch.set_num_threads(1)  # a front-end never computes: no OpenMP pool per front-end
     from service.app import create_app
     from service.http.server import run_uvicorn
-    from service.workers.remote import EngineLink
+    from service.workers.link import EngineLink
 
     link = EngineLink(path, index, settings.worker_slab_bytes)
     run_uvicorn(settings, create_app(settings, engine=link), sock=listener)

@@ -42,7 +42,7 @@ from service.runtime.model_control import ModelControl
 from service.runtime.settings import Settings
 from service.runtime.state import ServiceState
 from service.workers.frontend import frontend_lifespan
-from service.workers.remote import EngineLink
+from service.workers.link import EngineLink
 
 log = logging.getLogger("service")
 

@@ -239,7 +239,7 @@ _kinds: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
 def text_kind(model: Any) -> str | None:
     """embedding | classifier | reranker (one label) for a text model, else None. A worker
-    front-end's ModelView (service.workers.remote) carries what its engine process answered.
+    front-end's ModelView (service.workers.wire) carries what its engine process answered.
 
     Worked out once per model object: the runtime Protocol checks call every member of the
     protocol (properties such as `precision` walk the modules), ~0.3 ms per text request."""

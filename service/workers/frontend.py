@@ -1,7 +1,8 @@
 """A front-end process's lifespan (`--workers N > 1`): no model is loaded here. The engine
 process's hello describes the served models; each becomes a ModelEntry whose batcher and
-statistics forward to the engine (service.workers.remote), with the tokenizer loaded locally,
-so tokenizing, decoding and encoding run on the front-ends' cores.
+statistics forward to the engine (service.workers.remote, over service.workers.link), with
+the tokenizer loaded locally, so tokenizing, decoding and encoding run on the front-ends'
+cores.
 
 Ready only while connected to a warmed-up engine: when the engine process dies, readiness
 drops and requests get 503 until the supervisor's new engine says hello again.
@@ -26,7 +27,8 @@ from service.runtime.model_control import ModelControl
 from service.runtime.repository import model_settings, model_sources
 from service.runtime.settings import Settings
 from service.runtime.state import ModelEntry, ServiceState
-from service.workers.remote import EngineLink, RemoteBatcher, RemoteStats
+from service.workers.link import EngineLink
+from service.workers.remote import RemoteBatcher, RemoteStats
 from service.workers.wire import EntryInfo
 
 FIRST_HELLO_WAIT_S = 5.0  # how long a starting front-end waits for the engine before accepting

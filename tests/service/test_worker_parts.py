@@ -21,8 +21,8 @@ from service.runtime.work import Work
 from service.text.tokenizer import Encoded, typed_payload
 from service.workers.channel import FrameBuffer, frame, frame_all
 from service.workers.engine import Connection
+from service.workers.link import EngineLink
 from service.workers.messages import Done, Error, Submit
-from service.workers.remote import EngineLink
 from service.workers.slab import ALIGN, Slab
 from service.workers.wire import (
     ModelView,
