@@ -8,6 +8,7 @@ directory, so unpickling is between trusted peers.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import socket
 import struct
@@ -29,7 +30,8 @@ def frame(*messages: Any) -> bytes:
 def frame_all(messages: list[Any], on_failure: Callable[[Any], Any | None]) -> bytes:
     """frame(*messages); if one of them does not pickle (a bug, or a result object that cannot
     travel), each in a frame of its own, a failing one replaced by `on_failure(message)` (what
-    to send instead, or None): one bad message never takes its frame-mates with it."""
+    to send instead, or None; left out if that fails too): one bad message never takes its
+    frame-mates, or the thread writing them, down with it."""
     try:
         return frame(*messages)
     except Exception:
@@ -41,7 +43,8 @@ def frame_all(messages: list[Any], on_failure: Callable[[Any], Any | None]) -> b
         except Exception:
             instead = on_failure(message)
             if instead is not None:
-                frames.append(frame(instead))
+                with contextlib.suppress(Exception):  # never take the writer down with it
+                    frames.append(frame(instead))
     return b"".join(frames)
 
 

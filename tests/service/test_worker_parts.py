@@ -112,6 +112,9 @@ def test_a_message_that_does_not_pickle_fails_alone() -> None:
     assert failed == [1, 3]
     assert got == [(0, "ok"), ("error", 1), (2, "ok"), (4, "ok")]
     assert FrameBuffer().feed(frame_all([(5, "ok")], on_failure)) == [(5, "ok")]
+    # a replacement that cannot be pickled either is left out; the rest still go
+    both_bad = frame_all([(6, lambda: None), (7, "ok")], lambda m: (m[0], lambda: None))
+    assert FrameBuffer().feed(both_bad) == [(7, "ok")]
 
 
 def test_engine_replies_that_do_not_pickle_fail_their_request_alone() -> None:
