@@ -20,15 +20,11 @@ import time
 from pathlib import Path
 
 from benchmarks import scrape
-from benchmarks.client import build_request, run_load, run_open_loop
+from benchmarks.client import build_request, percentile, run_load, run_open_loop
 from benchmarks.server import HOST, running
 from benchmarks.serving import MHA_PATH, request, save_mha
 
 LOADS = (("closed", 1), ("open", 250), ("open", 500), ("open", 1000), ("closed", 32))
-
-
-def _quantile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
 
 
 def one_load(server, kind: str, amount: int, seconds: float) -> tuple[float, ...]:
@@ -56,8 +52,8 @@ def one_load(server, kind: str, amount: int, seconds: float) -> tuple[float, ...
     batch = delta("mha_batch_size_sequences_sum") / max(delta("mha_batch_size_sequences_count"), 1)
     return (
         len(latencies) / seconds,
-        _quantile(latencies, 0.5),
-        _quantile(latencies, 0.99),
+        percentile(latencies, 50) * 1e3,
+        percentile(latencies, 99) * 1e3,
         cpu / done * 1e3,
         batch,
     )

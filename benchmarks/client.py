@@ -32,10 +32,15 @@ class LoadResult:
         return self.completed / self.seconds if self.seconds else 0.0
 
     def percentile(self, q: float) -> float:
-        if not self.latencies:
-            return float("nan")
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+        return percentile(self.latencies, q)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`, nearest rank below; NaN when there are none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def binary_infer_body(x: np.ndarray, **parameters: object) -> tuple[bytes, dict[str, str]]:

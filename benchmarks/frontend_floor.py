@@ -42,7 +42,7 @@ from pathlib import Path
 
 from benchmarks import scrape
 from benchmarks.client import run_load
-from benchmarks.server import HOST, ROOT, free_port, running
+from benchmarks.server import HOST, ROOT, free_port, proc_cpu, running
 from benchmarks.serving import MHA_PATH, request, save_mha
 
 SIZES = (  # name, embed_dim, num_heads, tokens
@@ -51,7 +51,6 @@ SIZES = (  # name, embed_dim, num_heads, tokens
     ("MHA(512, 8) T=128", 512, 8, 128),
 )
 SERVERS = ("raw", "uvicorn", "mha-serve", "in process")
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 class RawProtocol(asyncio.Protocol):
@@ -117,14 +116,6 @@ def serve_uvicorn(port: int, reply_bytes: int) -> None:
                 log_level="warning", access_log=False)  # fmt: skip
 
 
-def cpu(pid: int | str, thread: int | None = None) -> tuple[float, float]:
-    """(user, sys) seconds of a process (all threads), or of one of its threads."""
-    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
-    with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICK, int(fields[12]) / TICK
-
-
 def batches(before: str, after: str) -> dict:
     """Mean batch (sequences) and mean batch wall time (ms) between two /metrics texts."""
 
@@ -143,10 +134,10 @@ def measure(pid: int, port: int, body: bytes, headers: dict, args, metrics: bool
     url = f"http://{HOST}:{port}"
     asyncio.run(run_load(HOST, port, MHA_PATH, body, headers, args.clients, 1.0, 0.0))  # warm
     text = scrape.scrape(url) if metrics else ""
-    before, loop = cpu(pid), sum(cpu(pid, pid))
+    before, loop = proc_cpu(pid), sum(proc_cpu(pid, pid))
     result = asyncio.run(run_load(HOST, port, MHA_PATH, body, headers, args.clients,
                                   args.seconds, 0.0))  # fmt: skip
-    after, loop = cpu(pid), sum(cpu(pid, pid)) - loop
+    after, loop = proc_cpu(pid), sum(proc_cpu(pid, pid)) - loop
     n = max(result.completed, 1)
     got = {
         "req_s": result.rps,
@@ -218,11 +209,12 @@ def in_process(model_dir: str, tokens: int, embed_dim: int, clients: int, second
             await asyncio.gather(*(caller(warm) for _ in range(clients)))
             metrics = app.state.service.metrics
             text, loop_id = metrics.exposition()[0].decode(), threading.get_native_id()
-            process, loop, started = cpu("self"), sum(cpu("self", loop_id)), time.perf_counter()
+            process, loop = proc_cpu("self"), sum(proc_cpu("self", loop_id))
+            started = time.perf_counter()
             end = started + seconds
             done = sum(await asyncio.gather(*(caller(end) for _ in range(clients))))
             elapsed = time.perf_counter() - started
-            process2, loop2 = cpu("self"), sum(cpu("self", loop_id))
+            process2, loop2 = proc_cpu("self"), sum(proc_cpu("self", loop_id))
             got = {
                 "req_s": done / elapsed,
                 "user_ms": (process2[0] - process[0]) / done * 1e3,

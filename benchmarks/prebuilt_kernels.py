@@ -28,7 +28,7 @@ from tools.build_kernels import build_all
 
 def libraries(tmp: Path) -> dict[str, tuple[cpu_varlen._Library, int8_rows._Library]]:
     """Every prebuilt library this CPU can run, and the -march=native build, by name."""
-    build_all(tmp, ["cc"])
+    build_all(tmp, cbuild.compiler())
     kernels = (cpu_varlen.KERNEL, int8_rows.KERNEL)
     builds = {}
     for name in cbuild.runnable_levels():
@@ -36,9 +36,8 @@ def libraries(tmp: Path) -> dict[str, tuple[cpu_varlen._Library, int8_rows._Libr
         builds[f"prebuilt {name} ({cbuild.LEVELS.get(name, 'no -march')})"] = paths
     native = [tmp / f"{k.source.stem}-native.so" for k in kernels]
     for kernel, target in zip(kernels, native, strict=True):
-        error = cbuild.compile_library(
-            ["cc"], kernel.source, [*kernel.flags, "-march=native", *cbuild.OPENMP], target
-        )
+        flags = [*kernel.flags, "-march=native", *cbuild.OPENMP]
+        error = cbuild.compile_library(cbuild.compiler(), kernel.source, flags, target)
         if error:
             raise SystemExit(f"{kernel.source.name}: {error}")
     builds["-march=native"] = native

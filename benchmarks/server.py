@@ -20,6 +20,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 _handed_out: set[int] = set()
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int | str, thread: int | None = None) -> tuple[float, float]:
+    """(user, sys) CPU seconds of process `pid` (all its threads; "self" for this one), or of
+    one of its threads, from /proc."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def tree_cpu(root: int) -> dict[int, float]:
+    """pid -> CPU seconds of `root` and every live descendant (a scan of /proc by parent pid,
+    so no psutil is needed and nothing depends on CONFIG_PROC_CHILDREN)."""
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                stats[int(name)] = int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    out, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in stats:
+            out[pid] = stats[pid][1]
+            frontier += children.get(pid, [])
+    return out
 
 
 def free_port() -> int:
@@ -56,36 +87,16 @@ class Proc:
 
     def cpu_seconds(self) -> float:
         """utime + stime of the process (all threads), from /proc."""
-        with open(f"/proc/{self.process.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return sum(proc_cpu(self.process.pid))
 
     def tree_cpu_seconds(self) -> float:
         """utime + stime of the process and every process below it (`--workers`: the engine
         and the front-ends, which the supervisor's own figure leaves out)."""
-        tick = os.sysconf("SC_CLK_TCK")
-        stats = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                    stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-        children: dict[int, list[int]] = {}
-        for pid, (parent, _) in stats.items():
-            children.setdefault(parent, []).append(pid)
-        todo, total = [self.process.pid], 0
-        while todo:
-            pid = todo.pop()
-            total += stats.get(pid, (0, 0))[1]
-            todo += children.get(pid, [])
-        return total / tick
+        return sum(tree_cpu(self.process.pid).values())
 
     def main_thread_cpu_seconds(self) -> float:
         """utime + stime of the main thread alone (the event loop of `python -m service`)."""
-        pid = self.process.pid
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return sum(proc_cpu(self.process.pid, self.process.pid))
 
     def status(self, key: str) -> int:
         """A numeric field of /proc/<pid>/status, e.g. VmRSS (kB) or Threads."""

@@ -30,44 +30,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import scrape
-from benchmarks.server import running
+from benchmarks.server import proc_cpu, running, tree_cpu
 from benchmarks.serving import MHA_PATH, _many, request, save_mha
 
-CLK = os.sysconf("SC_CLK_TCK")
 STARTED = re.compile(r"started (mha-engine|mha-frontend-\d+) \(pid (\d+)\)")
 SUITES = {"tiny": ((16, 2), (1, 16)), "mha": ((512, 8), (16, 128))}  # (D, heads), T values
-
-
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of `pid` from /proc/<pid>/stat; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK
-
-
-def tree(root: int) -> dict[int, float]:
-    """pid -> CPU seconds of `root` and every live descendant (a scan of /proc by parent pid,
-    so no psutil is needed and nothing depends on CONFIG_PROC_CHILDREN)."""
-    stats = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (s := _stat(int(name))) is not None:
-            stats[int(name)] = s
-    out, frontier = {}, [root]
-    while frontier:
-        pid = frontier.pop()
-        if pid in stats:
-            out[pid] = stats[pid][1]
-            frontier += [p for p, (ppid, _) in stats.items() if ppid == pid]
-    return out
-
-
-def thread_cpu(pid: int, tid: int) -> float:
-    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 def rss_mib(pid: int) -> float:
@@ -107,7 +74,7 @@ def roles(server, workers: int) -> dict[int, str]:
         return {server.process.pid: "single process"}
     named = {int(pid): name for name, pid in STARTED.findall(server.log())}
     out = {}
-    for pid in tree(server.process.pid):
+    for pid in tree_cpu(server.process.pid):
         name = named.get(pid)
         if pid == server.process.pid:
             out[pid] = "supervisor"
@@ -132,18 +99,18 @@ def measure(server, workers: int, fn) -> tuple[object, Window]:
     """Run `fn()` (the load) and the CPU every server process and the client spent meanwhile."""
     who = roles(server, workers)
     pid = server.process.pid
-    before = tree(pid)
-    loop_before = thread_cpu(pid, pid) if workers == 1 else 0.0
+    before = tree_cpu(pid)
+    loop_before = sum(proc_cpu(pid, pid)) if workers == 1 else 0.0
     client_before = time.process_time()
     result = fn()
     client = time.process_time() - client_before
-    after = tree(pid)
+    after = tree_cpu(pid)
     window = Window(client=client)
     for p, cpu in after.items():
         role = who.get(p, "other")
         window.by_role[role] = window.by_role.get(role, 0.0) + cpu - before.get(p, 0.0)
     if workers == 1:  # the main thread is the event loop: the front-end's share of the process
-        loop = thread_cpu(pid, pid) - loop_before
+        loop = sum(proc_cpu(pid, pid)) - loop_before
         window.by_role = {"front-end 0": loop, "engine": window.by_role["single process"] - loop}
     return result, window
 
