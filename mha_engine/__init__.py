@@ -26,9 +26,10 @@ from .decoder_blocks import DecoderLayer, DecoderStack
 from .decoder_models import TransformerDecoderModel
 from .demo import build_demo_model, demo_module
 from .devices import check_device
+from .engine_model import EngineModel
 from .errors import DeviceError
 from .heads import ClassifierInfo, TextClassifierModel
-from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
+from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .protocol import ServedClassifierModel, ServedModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .save import save_model

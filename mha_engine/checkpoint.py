@@ -31,10 +31,11 @@ from .config import (
 )
 from .decoder_models import TransformerDecoderModel
 from .devices import resolve_device, resolve_precision
+from .engine_model import EngineModel
 from .errors import CheckpointError, check_state
 from .fused import prepack
 from .heads import TextClassifierModel
-from .models import EngineModel, MultiheadAttentionModel, TransformerEncoderModel
+from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .quantize import quantize_int8
 from .text_model import TextEncoderModel, read_text_settings
 from .transformer_model import TransformerModel

@@ -19,7 +19,7 @@ from . import introspect
 from .attention import FusedAttention
 from .config import TransformerDecoderConfig
 from .decoder_blocks import DecoderMasks, DecoderPlans, DecoderStack
-from .models import EngineModel
+from .engine_model import EngineModel
 from .packing import check_packed
 from .varlen import cumulative, lengths, make_plan, pad_rows
 

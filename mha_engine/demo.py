@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .checkpoint import model_from_state_dict
-from .models import EngineModel
+from .engine_model import EngineModel
 from .save import module_config, module_state
 
 DEMO_D_MODEL, DEMO_NHEAD, DEMO_DIM_FEEDFORWARD = 512, 8, 2048

@@ -12,7 +12,7 @@ from .int8_rows import kernel_status
 
 if TYPE_CHECKING:
     from .attention import FusedAttention
-    from .models import EngineModel
+    from .engine_model import EngineModel
 
 
 def sdpa_backend(

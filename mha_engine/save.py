@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from . import hf_bert
 from .config import MultiheadAttentionConfig
-from .models import EngineModel
+from .engine_model import EngineModel
 from .text_model import TextEncoderModel, write_text_settings
 
 
