@@ -5,7 +5,10 @@ and feed-forward. On CPU, for float32 and bfloat16 nn.Linear weights, it runs on
 (`torch.ops.mkldnn._linear_pointwise`, the op Inductor lowers CPU linears to) on a weight
 reordered once into oneDNN's blocked layout, with GELU/ReLU or the residual add fused into the
 GEMM. Measured on torch 2.13 (BENCHMARKS.md, "CPU engine"): the fused GELU gives the same bits
-as F.gelu on the linear's output, the fused add the same bits as a separate add.
+as F.gelu on the linear's output, the fused add the same bits as a separate add. Small float32
+weights (at most PLAIN_FP32_WEIGHT elements) take the plain call instead: oneDNN's ~20-40 us
+per call costs more than the GEMM there. The choice depends on the weight alone, never on the
+batch.
 
 Batch invariance: a GEMM kernel may pick another code path for very few rows (MKL's fp32 sgemm
 gives other bits for 1-3 rows on AMD EPYC, 1-15 on an AMX Xeon; oneDNN's for 1 row at
@@ -45,7 +48,12 @@ MIN_ROWS = 16
 # bf16 GEMMs there run in blocks of exactly AMX_BF16_BLOCK rows, the last padded: as fast as
 # one call for MiniLM at 446 rows (0.94-1.01x; blocks of 32 were 0.48x).
 AMX_BF16_BLOCK = 128
-PACKABLE = (torch.float32, torch.bfloat16)
+# float32 weights up to this many elements run as a plain F.linear (MKL): oneDNN's linear costs
+# ~20-40 us per call beyond its GEMM; F.linear took 0.27-0.67x its time at 16 rows up to
+# 128 x 384, 1.0-1.15x at 256 x 768 and more past it (`python -m benchmarks.small_layers`,
+# docs/benchmarks.md "Small layers"). bf16 always prepacks: its plain call was 1.3-2x slower
+# at every size measured. A per-module choice: every batch through a layer takes one path.
+PLAIN_FP32_WEIGHT = 2**16
 AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 # engine activation name -> (oneDNN post-op, its algorithm argument)
 POST_OPS = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
@@ -99,12 +107,20 @@ def cpu_capability() -> str:
     return f"{cap} ({', '.join(extras)})" if extras else cap
 
 
+def worth_packing(weight: Tensor) -> bool:
+    """A CPU weight oneDNN runs faster than the plain call: bf16, or float32 past
+    PLAIN_FP32_WEIGHT elements."""
+    return weight.device.type == "cpu" and (
+        weight.dtype == torch.bfloat16
+        or (weight.dtype == torch.float32 and weight.numel() > PLAIN_FP32_WEIGHT)
+    )
+
+
 def _packable(module: nn.Linear, x: Tensor) -> bool:
     w = module.weight
     return (
         x.device.type == "cpu"
-        and w.device.type == "cpu"
-        and w.dtype in PACKABLE
+        and worth_packing(w)
         and x.dtype == w.dtype
         and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
         and not torch.compiler.is_compiling()
@@ -133,7 +149,7 @@ def prepack(model: nn.Module) -> nn.Module:
     if fused_cpu_enabled():
         for module in model.modules():
             w = getattr(module, "weight", None)
-            if isinstance(module, nn.Linear) and w.device.type == "cpu" and w.dtype in PACKABLE:
+            if isinstance(module, nn.Linear) and worth_packing(w):
                 packed_weight(module)
     return model
 

@@ -124,3 +124,29 @@ def test_sequences_alone_match_a_large_batch(precision, threads):
     batch = model.forward_varlen(seqs)  # 902 rows
     for i, (seq, want) in enumerate(zip(seqs, batch, strict=True)):
         assert torch.equal(model.forward_varlen([seq])[0], want), f"sequence {i}"
+
+
+def test_small_float32_weights_take_the_plain_call_and_large_ones_prepack():
+    """The path is chosen by the weight alone: a small float32 weight runs as F.linear (oneDNN's
+    per-call cost exceeds its GEMM there), a large one and any bf16 one prepack."""
+    small, large = nn.Linear(64, 192), nn.Linear(E, FFN)
+    assert not fused.worth_packing(small.weight)
+    assert fused.worth_packing(large.weight)
+    assert fused.worth_packing(small.to(torch.bfloat16).weight)
+    assert not fused.worth_packing(nn.Linear(128, 512).weight)  # 2**16 elements: plain
+    assert fused.worth_packing(nn.Linear(128, 513).weight)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_tiny_batches_of_a_small_model_match_a_large_batch(precision, threads):
+    """A small encoder (E=64: its float32 linears take the plain call) on the default path:
+    1..16 packed rows, alone, give the bits they get inside a large batch."""
+    torch.manual_seed(8)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, 0.0, "gelu", batch_first=True)
+    model = engine_from(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval())
+    dtype = getattr(torch, precision)
+    model = model.to(dtype=dtype)
+    seqs = [torch.randn(n, 64, dtype=dtype) for n in range(1, 17)]
+    large = model.forward_varlen([torch.randn(300, 64, dtype=dtype), *seqs])[1:]
+    for seq, want in zip(seqs, large, strict=True):
+        assert torch.equal(model.forward_varlen([seq])[0], want), f"{len(seq)} rows"
