@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import cpu_varlen
-from .fused import cpu_capability, fused_cpu_enabled
+from .fused import cpu_capability, fused_cpu_enabled, worth_packing
 from .int8_rows import kernel_status
 
 if TYPE_CHECKING:
@@ -73,8 +73,14 @@ def engine_path(model: EngineModel) -> str:
         and model.precision in ("float32", "bfloat16")
         and fused_cpu_enabled()
     )
-    if fused_cpu:
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    plain = sum(not worth_packing(w) for w in weights)
+    if fused_cpu and plain == len(weights):
+        gemms = "plain F.linear GEMMs (weights too small for oneDNN's per-call cost)"
+    elif fused_cpu:
         gemms = "prepacked oneDNN in_proj / out_proj+residual / FFN (GELU, residual fused)"
+        if plain:
+            gemms += f"; {plain} small linear(s) as plain F.linear"
     elif model.precision == "int8":
         gemms = f"int8 oneDNN GEMMs (per-row activation scales; row passes {kernel_status()})"
     else:

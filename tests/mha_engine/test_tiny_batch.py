@@ -135,6 +135,9 @@ def test_small_float32_weights_take_the_plain_call_and_large_ones_prepack():
     assert fused.worth_packing(small.to(torch.bfloat16).weight)
     assert not fused.worth_packing(nn.Linear(128, 512).weight)  # 2**16 elements: plain
     assert fused.worth_packing(nn.Linear(128, 513).weight)
+    small_model = engine_from(make_mha(64, 4))
+    assert small_model.diagnostics()["engine_path"].startswith("plain F.linear GEMMs")
+    assert engine_from(make_mha(E, HEADS)).diagnostics()["engine_path"].startswith("prepacked")
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
