@@ -3,6 +3,10 @@ collect-a-batch, forward, hand results back. The event loop never runs a forward
 
 A batch closes when it holds `max_batch_size` sequences or `max_batch_tokens` tokens, or
 `max_batch_delay_s` after its first request was queued. Requests stay whole and keep FIFO order.
+
+With `overlap` (--cuda-overlap, CUDA models) a batch is launched on the engine thread and
+finished on a completer thread (service.runtime.completer), so the next batch is staged and
+queued on the GPU while the previous one computes and comes down (unverified on a GPU).
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from service.pipeline.errors import (
     Overloaded,
     ServiceError,
 )
-from service.runtime.forward import run_batch
-from service.runtime.work import Exclusive, QueueItem, Work
+from service.runtime.completer import Completer
+from service.runtime.device_copies import DeviceCopies
+from service.runtime.forward import Finish, launch_batch
+from service.runtime.statistics import BatchObserver
+from service.runtime.work import Exclusive, QueueItem, Work, resolve_all
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +68,6 @@ class Batcher(Protocol):
     def reserve(self, sequences: int) -> contextlib.AbstractAsyncContextManager[None]: ...
 
 
-class BatchObserver(Protocol):
-    """What the batcher reports (implemented by service.runtime.metrics)."""
-
-    def queue_depth(self, sequences: int) -> None: ...
-    def batch_started(self, works: list[Work]) -> None: ...
-    def expired(self, work: Work) -> None: ...
-    def batch_done(self, works: list[Work], compute_s: float, ok: bool) -> None: ...
-
-
 class DynamicBatcher:
     """Bounded queue + one engine worker thread running `model.forward_packed` on batches."""
 
@@ -83,6 +81,7 @@ class DynamicBatcher:
         max_queue: int,
         observer: BatchObserver | None = None,
         threads: int | None = None,
+        overlap: bool = False,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_queue < 1:
             raise ValueError(
@@ -98,6 +97,9 @@ class DynamicBatcher:
         self.max_queue = max_queue
         self.observer = observer
         self.threads = threads  # intra-op threads of the engine thread; None: torch's default
+        self.overlap = overlap  # finish batches on a completer thread (see the module's doc)
+        self._completer: Completer | None = None
+        self._copies: DeviceCopies | None = None
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._queued_sequences = 0
         self._queued_tokens = 0
@@ -248,14 +250,22 @@ class DynamicBatcher:
     def _run(self) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # this thread starts the engine's parallel work
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            if isinstance(batch, Exclusive):
-                self._run_exclusive(batch)
-            elif batch:
-                self._execute(batch)
+        if self.overlap:
+            self._completer = Completer(self._finish)
+            if self.model.device.type == "cuda":
+                self._copies = DeviceCopies(self.model.device)
+        try:
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                if isinstance(batch, Exclusive):
+                    self._run_exclusive(batch)
+                elif batch:
+                    self._execute(batch)
+        finally:
+            if self._completer is not None:
+                self._completer.close()  # every launched batch is answered before the end
 
     def _fits(self, seqs: int, tokens: int, work: QueueItem) -> bool:
         # An Exclusive never joins a batch: it closes the batch before it.
@@ -333,9 +343,15 @@ class DynamicBatcher:
         if self.observer is not None:
             self.observer.batch_started(works)
         started = time.perf_counter()
+        completer = self._completer
+        if completer is not None:
+            completer.reserve()
         try:
-            results = run_batch(self.model, works)
+            finish = launch_batch(self.model, works, self._copies)
+            results = finish() if completer is None else None
         except Exception:
+            if completer is not None:
+                completer.unreserve()
             log.exception("forward failed for a batch of %d requests", len(works))
             self._report_batch(works, time.perf_counter() - started, ok=False)
             if len(works) > 1:
@@ -345,6 +361,26 @@ class DynamicBatcher:
             else:
                 works[0].resolve(error=InferenceError("inference failed for this request"))
             return
+        if completer is not None:
+            completer.put(works, finish, started)
+        else:
+            self._complete(works, results, started)
+
+    def _finish(self, works: list[Work], finish: Finish, started: float) -> None:
+        """On the completer thread: wait for a launched batch and answer it. A failure here
+        is the device's (a bad input fails at launch, where its batch-mates are retried
+        alone), so the batch's requests each get the error."""
+        try:
+            results = finish()
+        except Exception:
+            log.exception("a batch of %d requests failed on the device", len(works))
+            self._report_batch(works, time.perf_counter() - started, ok=False)
+            for work in works:
+                work.resolve(error=InferenceError("inference failed for this request"))
+            return
+        self._complete(works, results, started)
+
+    def _complete(self, works: list[Work], results: list[Any], started: float) -> None:
         compute_s = time.perf_counter() - started
         self._report_batch(works, compute_s, ok=True)
         self._update_drain_rate(works)
@@ -353,7 +389,7 @@ class DynamicBatcher:
             work.infer_s = compute_s
             error = result if isinstance(result, ServiceError) else None
             outcomes.append((work, None if error is not None else result, error))
-        _resolve_all(outcomes)
+        resolve_all(outcomes)
 
     def _update_drain_rate(self, works: list[Work]) -> None:
         """Tokens/s the queue drains at, over the wall time since the previous batch ended (or
@@ -368,20 +404,3 @@ class DynamicBatcher:
     def _report_batch(self, works: list[Work], compute_s: float, ok: bool) -> None:
         if self.observer is not None:
             self.observer.batch_done(works, compute_s, ok)
-
-
-def _resolve_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> None:
-    """Hand a batch's outcomes to the event loop in one call (one wake-up of the loop, not one
-    per request) when they are plain items of one loop; else each its own way."""
-    loops = {work.loop for work, _, _ in outcomes}
-    plain = all(type(work).resolve is QueueItem.resolve for work, _, _ in outcomes)
-    if len(loops) == 1 and plain and None not in loops:
-        loops.pop().call_soon_threadsafe(_deliver_all, outcomes)
-        return
-    for work, result, error in outcomes:
-        work.resolve(result, error)
-
-
-def _deliver_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> None:
-    for work, result, error in outcomes:
-        work.deliver(result, error)

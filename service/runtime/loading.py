@@ -139,6 +139,7 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
         max_queue=settings.max_queue,
         observer=Observers(model_metrics, stats),
         threads=settings.threads,
+        overlap=settings.cuda_overlap and model.device.type == "cuda",
     )
     limits = ModelLimits.from_config(
         model.config,

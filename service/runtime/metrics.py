@@ -172,7 +172,7 @@ class Metrics:
         # Only the engine process runs forwards (one engine thread per model version): summed.
         self.engine_busy = Gauge(
             "mha_engine_busy",
-            "1 while the engine thread runs a forward.",
+            "Batches the engine is running: 0 or 1 (up to 2 with --cuda-overlap).",
             ["model", "version"],
             registry=r,
             multiprocess_mode="livesum",
@@ -333,14 +333,14 @@ class Metrics:
         self.child(self.queue_depth_gauge, self.model, self.version).set(sequences)
 
     def batch_started(self, works: list[Any]) -> None:
-        self.child(self.engine_busy, self.model, self.version).set(1)
+        self.child(self.engine_busy, self.model, self.version).inc()
 
     def expired(self, work: Any) -> None:
         wait = self.child(self.queue_wait, self.model, self.version)
         wait.observe(time.monotonic() - work.enqueued_at)
 
     def batch_done(self, works: list[Any], compute_s: float, ok: bool) -> None:
-        self.child(self.engine_busy, self.model, self.version).set(0)
+        self.child(self.engine_busy, self.model, self.version).dec()
         self.child(self.batches, self.model, self.version, "ok" if ok else "error").inc()
         wait = self.child(self.queue_wait, self.model, self.version)
         if not ok:

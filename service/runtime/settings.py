@@ -91,6 +91,12 @@ class Settings(BaseSettings):
         description="On CUDA, replay plain packed self-attention batches (no masks, not "
         "causal) from CUDA graphs captured at load, one per (tokens, longest sequence) bucket.",
     )
+    cuda_overlap: bool = Field(
+        False,
+        description="On CUDA, finish each batch on a second engine thread: the next batch is "
+        "staged and queued while the previous one computes, its copies on their own streams "
+        "(at most 2 batches in flight). Off by default until verified on a GPU.",
+    )
     cuda_graph_max_tokens: int = Field(
         16384,
         ge=16,

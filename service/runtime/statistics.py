@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from service.runtime.work import Work
 
 
 class Timing(NamedTuple):
@@ -114,6 +117,15 @@ class ModelStats:
                     for size, d in sorted(self._batches.items())
                 ],
             }
+
+
+class BatchObserver(Protocol):
+    """What the batcher reports (implemented by service.runtime.metrics and ModelStats)."""
+
+    def queue_depth(self, sequences: int) -> None: ...
+    def batch_started(self, works: list[Work]) -> None: ...
+    def expired(self, work: Work) -> None: ...
+    def batch_done(self, works: list[Work], compute_s: float, ok: bool) -> None: ...
 
 
 class Observers:

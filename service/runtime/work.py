@@ -97,3 +97,20 @@ class Exclusive(QueueItem):
     @property
     def sequences(self) -> int:
         return self.slots
+
+
+def resolve_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> None:
+    """Hand a batch's outcomes to the event loop in one call (one wake-up of the loop, not one
+    per request) when they are plain items of one loop; else each its own way."""
+    loops = {work.loop for work, _, _ in outcomes}
+    plain = all(type(work).resolve is QueueItem.resolve for work, _, _ in outcomes)
+    if len(loops) == 1 and plain and None not in loops:
+        loops.pop().call_soon_threadsafe(deliver_all, outcomes)
+        return
+    for work, result, error in outcomes:
+        work.resolve(result, error)
+
+
+def deliver_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> None:
+    for work, result, error in outcomes:
+        work.deliver(result, error)

@@ -5,8 +5,9 @@ transformers computed on the same device in the same dtype.
 
 Skipped, saying why, without CUDA. `MHA_TEST_DEVICE=cpu` runs the same checks on the CPU: that is
 how this script itself is checked on machines without a GPU (the CUDA gauges are then expected
-absent). Tolerances for fp16/bf16 are first estimates, unverified on a GPU (an H100 run measured
-4.2e-3 max error for bf16 OIP infer); the first GPU run records the measured ones here.
+absent). `MHA_TEST_CUDA_OVERLAP=1` serves with `--cuda-overlap`. Tolerances for fp16/bf16
+are first estimates, unverified on a GPU (an H100 run measured 4.2e-3 max error for bf16 OIP
+infer); the first GPU run records the measured ones here.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def served(
     args = ["--model-dir", str(tmp / "attn"), "--model-dir", str(_minilm_dir())]
     args += ["--device", DEVICE, "--dtype", dtype, "--grpc-port", str(grpc_port)]
     args += ["--debug-endpoint", "--debug-token", TOKEN]
+    if os.environ.get("MHA_TEST_CUDA_OVERLAP") == "1":
+        args.append("--cuda-overlap")
     with run_server(tmp, *args) as server:
         yield server, grpc_port, dtype
 
