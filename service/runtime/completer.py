@@ -4,10 +4,13 @@ launched and not yet finished."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class Completer:
@@ -41,5 +44,7 @@ class Completer:
         while (item := self._items.get()) is not None:
             try:
                 self._finish(*item)
+            except Exception:  # `finish` answers its own errors; this thread must not die
+                log.exception("finishing a batch failed")
             finally:
                 self._slots.release()

@@ -121,7 +121,7 @@ def test_the_completer_holds_at_most_depth_batches_and_finishes_them_in_order():
 
     def finish(n: int) -> None:
         gate.wait(10)
-        done.append(n)
+        done.append(n + 0)
 
     completer = Completer(finish, depth=2)
     for n in range(2):
@@ -135,8 +135,10 @@ def test_the_completer_holds_at_most_depth_batches_and_finishes_them_in_order():
     third.join(10)
     assert not third.is_alive()
     completer.put(2)
+    completer.put("not a number")  # finish raises: logged, the thread goes on
+    completer.put(3)
     completer.close()
-    assert done == [0, 1, 2]
+    assert done == [0, 1, 2, 3]
 
 
 def test_stop_answers_every_launched_batch():
