@@ -1,11 +1,13 @@
-"""What `--max-batch-delay-ms` buys and costs at a few loads: latency, server CPU, batch size.
+"""What `--max-batch-delay-ms` and `--batch-delay-policy` buy and cost at a few loads: latency,
+server CPU, batch size.
 
-`python -m benchmarks.batch_delay [--delays 2,0] [--rounds 2] [--seconds 4]` (under `flock
-/work/bench.lock`): MHA(512, 8), T=16 binary requests, one server per delay and round (order
-reversed every other round), each driven in turn by one closed-loop client, open-loop
-(Poisson-free, evenly scheduled) offers of 250, 500 and 1,000 requests/s, and 32 closed-loop
-clients. Medians over rounds of requests/s, p50 / p99 latency of 200s, server CPU per request
-(all threads, /proc) and the mean batch (`mha_batch_size_sequences`).
+`python -m benchmarks.batch_delay [--configs 2:fixed,0:fixed,2:adaptive] [--rounds 2]
+[--seconds 4]` (under `flock /work/bench.lock`): MHA(512, 8), T=16 binary requests, one server
+per configuration (delay ms:policy) and round (order reversed every other round), each driven
+in turn by one closed-loop client, open-loop (Poisson-free, evenly scheduled) offers of 250,
+500 and 1,000 requests/s, and 32 closed-loop clients. Medians over rounds of requests/s, p50 /
+p99 latency of 200s, server CPU per request (all threads, /proc) and the mean batch
+(`mha_batch_size_sequences`).
 """
 
 from __future__ import annotations
@@ -61,26 +63,32 @@ def one_load(server, kind: str, amount: int, seconds: float) -> tuple[float, ...
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--delays", default="2,0", help="comma-separated --max-batch-delay-ms")
+    parser.add_argument(
+        "--configs",
+        default="2:fixed,0:fixed,2:adaptive",
+        help="comma-separated --max-batch-delay-ms:--batch-delay-policy",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=4.0)
     args = parser.parse_args()
-    delays = args.delays.split(",")
+    delays = args.configs.split(",")
     rows: dict[tuple[str, str], list[tuple[float, ...]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = save_mha(Path(tmp))
         for round_ in range(args.rounds):
             for delay in delays if round_ % 2 == 0 else delays[::-1]:
-                with running("--model-dir", str(model), "--max-batch-delay-ms", delay) as server:
+                ms, policy = delay.split(":")
+                flags = ["--max-batch-delay-ms", ms, "--batch-delay-policy", policy]
+                with running("--model-dir", str(model), *flags) as server:
                     for kind, amount in LOADS:
                         load = f"{kind} {amount}"
                         got = one_load(server, kind, amount, args.seconds)
                         rows.setdefault((load, delay), []).append(got)
-                        print(f"round {round_} delay {delay} ms, {load}: " +
+                        print(f"round {round_} {delay}, {load}: " +
                               ", ".join(f"{v:.3f}" for v in got), flush=True)  # fmt: skip
     print(f"\ndate: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
           f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print("\n| load | delay ms | req/s | p50 ms | p99 ms | server CPU ms/req | mean batch |")
+    print("\n| load | delay ms:policy | req/s | p50 ms | p99 ms | server CPU ms/req | mean batch |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for kind, amount in LOADS:
         for delay in delays:

@@ -3,6 +3,8 @@ collect-a-batch, forward, hand results back. The event loop never runs a forward
 
 A batch closes when it holds `max_batch_size` sequences or `max_batch_tokens` tokens, or
 `max_batch_delay_s` after its first request was queued. Requests stay whole and keep FIFO order.
+With `adaptive_delay` a batch waits only while batch-mates are likely (service.runtime.arrivals);
+otherwise it starts with what is queued.
 
 With `overlap` (--cuda-overlap, CUDA models) a batch is launched on the engine thread and
 finished on a completer thread (service.runtime.completer), so the next batch is staged and
@@ -32,6 +34,7 @@ from service.pipeline.errors import (
     Overloaded,
     ServiceError,
 )
+from service.runtime.arrivals import Arrivals
 from service.runtime.completer import Completer
 from service.runtime.device_copies import DeviceCopies
 from service.runtime.forward import Finish, launch_batch
@@ -82,6 +85,7 @@ class DynamicBatcher:
         observer: BatchObserver | None = None,
         threads: int | None = None,
         overlap: bool = False,
+        adaptive_delay: bool = False,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_queue < 1:
             raise ValueError(
@@ -99,6 +103,8 @@ class DynamicBatcher:
         self.threads = threads  # intra-op threads of the engine thread; None: torch's default
         self.overlap = overlap  # finish batches on a completer thread (see the module's doc)
         self._completer: Completer | None = None
+        self._arrivals = Arrivals(max_batch_delay_s) if adaptive_delay else None
+        self._running = 0  # batches started and not yet reported done
         self._copies: DeviceCopies | None = None
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._queued_sequences = 0
@@ -172,6 +178,8 @@ class DynamicBatcher:
                         headers={"Retry-After": str(max(1, math.ceil(wait - budget)))},
                     )
             first = not self._queue
+            if self._arrivals is not None and work.wait_for_batch:
+                self._arrivals.arrived(time.monotonic(), not first or self._running > 0)
             self._queue.append(work)
             self._queued_sequences += size
             self._queued_tokens += work.tokens
@@ -288,7 +296,10 @@ class DynamicBatcher:
                 item.started_at = time.monotonic()
                 return item
             head = self._queue[0]
-            flush_at = head.enqueued_at + (self.max_batch_delay_s if head.wait_for_batch else 0.0)
+            wait = head.wait_for_batch and (
+                self._arrivals is None or self._arrivals.worth_waiting()
+            )
+            flush_at = head.enqueued_at + (self.max_batch_delay_s if wait else 0.0)
             while not self._stopping:
                 seqs = tokens = 0
                 full = False
@@ -340,6 +351,8 @@ class DynamicBatcher:
             self.observer.expired(work)
 
     def _execute(self, works: list[Work]) -> None:
+        with self._cond:
+            self._running += 1
         if self.observer is not None:
             self.observer.batch_started(works)
         started = time.perf_counter()
@@ -402,5 +415,7 @@ class DynamicBatcher:
         self._last_done = now
 
     def _report_batch(self, works: list[Work], compute_s: float, ok: bool) -> None:
+        with self._cond:
+            self._running -= 1
         if self.observer is not None:
             self.observer.batch_done(works, compute_s, ok)

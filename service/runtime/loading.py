@@ -140,6 +140,7 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
         observer=Observers(model_metrics, stats),
         threads=settings.threads,
         overlap=settings.cuda_overlap and model.device.type == "cuda",
+        adaptive_delay=settings.batch_delay_policy == "adaptive",
     )
     limits = ModelLimits.from_config(
         model.config,

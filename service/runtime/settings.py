@@ -109,6 +109,13 @@ class Settings(BaseSettings):
     max_batch_delay_ms: float = Field(
         2.0, ge=0, description="How long the first queued sequence waits for batch-mates."
     )
+    batch_delay_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="fixed: a batch waits up to --max-batch-delay-ms for batch-mates (Triton's "
+        "max_queue_delay). adaptive: it waits only while recent requests overlap (found others "
+        "queued or running) and come at least one per delay on average; else it starts at once, "
+        "so a lone client never waits.",
+    )
     max_queue: int = Field(
         1024, ge=1, description="Most sequences waiting; beyond it requests get 429."
     )
