@@ -3,7 +3,7 @@ collect-a-batch, forward, hand results back. The event loop never runs a forward
 
 A batch closes when it holds `max_batch_size` sequences or `max_batch_tokens` tokens, or
 `max_batch_delay_s` after its first request was queued. Requests stay whole and keep FIFO order.
-With `adaptive_delay` a batch waits only while batch-mates are likely (service.runtime.arrivals);
+With `adaptive_delay` a batch waits only while batch-mates are likely (service.runtime.rates);
 otherwise it starts with what is queued.
 
 With `overlap` (--cuda-overlap, CUDA models) a batch is launched on the engine thread and
@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -34,41 +34,16 @@ from service.pipeline.errors import (
     Overloaded,
     ServiceError,
 )
-from service.runtime.arrivals import Arrivals
 from service.runtime.completer import Completer
 from service.runtime.device_copies import DeviceCopies
 from service.runtime.forward import Finish, launch_batch
+from service.runtime.rates import Arrivals, DrainRate
 from service.runtime.statistics import BatchObserver
 from service.runtime.work import Exclusive, QueueItem, Work, resolve_all
 
 log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "server is shutting down; retry on another replica"
-
-
-class Batcher(Protocol):
-    """What the routes and the pipeline use of a model's batcher: the DynamicBatcher here, or
-    with --workers a front-end's RemoteBatcher (service.workers.remote) forwarding to the
-    engine process's."""
-
-    model: Any
-    max_batch_size: int
-    max_batch_delay_s: float
-    max_queue: int
-
-    @property
-    def queued_sequences(self) -> int: ...
-    def start(self) -> None: ...
-    def stop(self, timeout: float | None = None) -> None: ...
-    def check_open(self) -> None: ...
-    def close(self) -> int: ...
-    def submit(self, work: QueueItem) -> None: ...
-    def run_exclusive(
-        self, fn: Callable[..., Any], args: tuple = (), *, sequences: int, deadline: float
-    ) -> QueueItem: ...
-    def cancel(self, work: QueueItem) -> bool: ...
-    async def withdraw(self, items: list[QueueItem]) -> bool: ...
-    def reserve(self, sequences: int) -> contextlib.AbstractAsyncContextManager[None]: ...
 
 
 class DynamicBatcher:
@@ -111,8 +86,7 @@ class DynamicBatcher:
         self._queued_tokens = 0
         self._reserved = 0  # slots held by requests still being prepared (e.g. tokenizing)
         self._closed = False  # the drain grace ended: nothing more is queued
-        self._tokens_per_s: float | None = None  # moving average of the drain rate
-        self._last_done = 0.0
+        self._drain = DrainRate()
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
@@ -168,8 +142,8 @@ class DynamicBatcher:
         size = work.sequences
         with self._cond:
             self._check_room(size)
-            if self._tokens_per_s and self._queued_tokens:
-                wait = self._queued_tokens / self._tokens_per_s
+            wait = self._drain.wait_s(self._queued_tokens)
+            if wait:
                 budget = work.deadline - time.monotonic()
                 if wait > budget:
                     raise Overloaded(
@@ -396,23 +370,13 @@ class DynamicBatcher:
     def _complete(self, works: list[Work], results: list[Any], started: float) -> None:
         compute_s = time.perf_counter() - started
         self._report_batch(works, compute_s, ok=True)
-        self._update_drain_rate(works)
+        self._drain.batch_done(works, time.monotonic())
         outcomes = []
         for work, result in zip(works, results, strict=True):
             work.infer_s = compute_s
             error = result if isinstance(result, ServiceError) else None
             outcomes.append((work, None if error is not None else result, error))
         resolve_all(outcomes)
-
-    def _update_drain_rate(self, works: list[Work]) -> None:
-        """Tokens/s the queue drains at, over the wall time since the previous batch ended (or
-        since this batch's first arrival), so event-loop and copy overheads count too."""
-        now = time.monotonic()
-        since = max(self._last_done, min(w.enqueued_at for w in works))
-        rate = sum(w.tokens for w in works) / max(now - since, 1e-6)
-        old = self._tokens_per_s
-        self._tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
-        self._last_done = now
 
     def _report_batch(self, works: list[Work], compute_s: float, ok: bool) -> None:
         with self._cond:

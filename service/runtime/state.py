@@ -13,11 +13,11 @@ from typing import Any
 from mha_engine import ServedModel
 from service.oip.inputs import ModelLimits
 from service.pipeline.errors import ModelNotFound
-from service.runtime.batcher import Batcher
 from service.runtime.log_settings import LogControl
 from service.runtime.metrics import Metrics
 from service.runtime.settings import Settings
 from service.runtime.statistics import ModelStats
+from service.runtime.work import Batcher
 from service.shm.regions import Regions
 from service.text.tokenizer import CharLimits, TextTokenizer
 

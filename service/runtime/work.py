@@ -1,9 +1,12 @@
 """What the batcher queues: a request's `Work` (its payload and the runner that computes it) or
-an `Exclusive` callable the engine thread runs alone; both resolve a future on the event loop."""
+an `Exclusive` callable the engine thread runs alone; both resolve a future on the event loop.
+`Batcher` is what routes queue them through (the DynamicBatcher, or a worker front-end's
+RemoteBatcher)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,3 +117,28 @@ def resolve_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> 
 def deliver_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> None:
     for work, result, error in outcomes:
         work.deliver(result, error)
+
+
+class Batcher(Protocol):
+    """What the routes and the pipeline use of a model's batcher: the DynamicBatcher here, or
+    with --workers a front-end's RemoteBatcher (service.workers.remote) forwarding to the
+    engine process's."""
+
+    model: Any
+    max_batch_size: int
+    max_batch_delay_s: float
+    max_queue: int
+
+    @property
+    def queued_sequences(self) -> int: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float | None = None) -> None: ...
+    def check_open(self) -> None: ...
+    def close(self) -> int: ...
+    def submit(self, work: QueueItem) -> None: ...
+    def run_exclusive(
+        self, fn: Callable[..., Any], args: tuple = (), *, sequences: int, deadline: float
+    ) -> QueueItem: ...
+    def cancel(self, work: QueueItem) -> bool: ...
+    async def withdraw(self, items: list[QueueItem]) -> bool: ...
+    def reserve(self, sequences: int) -> contextlib.AbstractAsyncContextManager[None]: ...

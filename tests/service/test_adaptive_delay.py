@@ -10,8 +10,8 @@ import time
 import numpy as np
 
 import mha_engine
-from service.runtime.arrivals import MIN_OVERLAP, Arrivals
 from service.runtime.batcher import DynamicBatcher
+from service.runtime.rates import MIN_OVERLAP, Arrivals
 from tests.service.test_batcher import make_work
 
 
@@ -41,9 +41,21 @@ def test_overlapping_arrivals_within_the_delay_wait_and_sparse_ones_do_not():
     for i in range(40):
         sparse.arrived(i * 0.01, busy=True)  # 100/s: no batch-mate expected within 2 ms
     assert not sparse.worth_waiting()
-    for i in range(40):  # the rate rises: it waits again
+    for i in range(30):  # the rate rises: it waits again (after 26 arrivals, 13 ms here)
         sparse.arrived(0.4 + i * 0.0005, busy=True)
     assert sparse.worth_waiting()
+
+
+def test_an_idle_spell_counts_as_a_few_delays():
+    """A burst after a minute of silence: the long gap is capped, so the estimate still expects
+    batch-mates after a handful of fast arrivals."""
+    arrivals = Arrivals(0.002)
+    for i in range(40):
+        arrivals.arrived(i * 0.0005, busy=True)
+    arrivals.arrived(60.0, busy=False)
+    for i in range(1, 4):
+        arrivals.arrived(60.0 + i * 0.0002, busy=True)
+    assert arrivals.worth_waiting()
 
 
 def _batcher(delay_s: float) -> DynamicBatcher:

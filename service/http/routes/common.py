@@ -22,9 +22,9 @@ from service.pipeline.waiting import await_queued as pipeline_await
 log = logging.getLogger("service")  # the app's logger: the same lines from every path
 
 if TYPE_CHECKING:
-    from service.runtime.batcher import Batcher
     from service.runtime.metrics import Metrics
     from service.runtime.state import ServiceState
+    from service.runtime.work import Batcher
 
 
 class LeanRoute(APIRoute):
