@@ -152,7 +152,7 @@ class DynamicBatcher:
                         headers={"Retry-After": str(max(1, math.ceil(wait - budget)))},
                     )
             first = not self._queue
-            if self._arrivals is not None and work.wait_for_batch:
+            if self._arrivals is not None and isinstance(work, Work) and work.wait_for_batch:
                 self._arrivals.arrived(time.monotonic(), not first or self._running > 0)
             self._queue.append(work)
             self._queued_sequences += size
