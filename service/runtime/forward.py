@@ -61,15 +61,7 @@ def launch_batch(
             finishers.append((group, launcher(model, payloads, copies)))
         else:
             finishers.append((group, functools.partial(list, runner(model, payloads))))
-
-    def finish() -> list[Any]:
-        results: dict[int, Any] = {}
-        for group, finish_group in finishers:
-            for work, out in zip(group, finish_group(), strict=True):
-                results[id(work)] = out
-        return [results[id(w)] for w in works]
-
-    return finish
+    return _in_order(works, finishers)
 
 
 def hidden_states(model: ServedModel, payloads: list[Payload]) -> list[np.ndarray | ServiceError]:
@@ -93,13 +85,18 @@ def launch_hidden_states(
     ):
         if group:
             finishers.append((group, _launch(model, group, copies)))
+    return _in_order(payloads, finishers)
 
-    def finish() -> list[np.ndarray | ServiceError]:
+
+def _in_order(items: list[Any], finishers: list[tuple[list[Any], Finish]]) -> Finish:
+    """One Finish over the groups' own: each of `items` gets its group's result, in order."""
+
+    def finish() -> list[Any]:
         results: dict[int, Any] = {}
         for group, finish_group in finishers:
-            for payload, out in zip(group, finish_group(), strict=True):
-                results[id(payload)] = out
-        return [results[id(p)] for p in payloads]
+            for item, out in zip(group, finish_group(), strict=True):
+                results[id(item)] = out
+        return [results[id(item)] for item in items]
 
     return finish
 

@@ -120,9 +120,9 @@ def deliver_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> 
 
 
 class Batcher(Protocol):
-    """What the routes and the pipeline use of a model's batcher: the DynamicBatcher here, or
-    with --workers a front-end's RemoteBatcher (service.workers.remote) forwarding to the
-    engine process's."""
+    """What the routes and the pipeline use of a model's batcher: the DynamicBatcher
+    (service.runtime.batcher), or with --workers a front-end's RemoteBatcher
+    (service.workers.remote) forwarding to the engine process's."""
 
     model: Any
     max_batch_size: int
