@@ -2,7 +2,8 @@
 as a model's own settings, applied over its mha-serve.json for that load.
 
 The config is a JSON object holding mha-serve.json's keys (max_batch_size, max_batch_tokens,
-max_batch_delay_ms, max_queue, max_seq_len, dtype, device, optional_inputs, version_policy)
+max_batch_delay_ms, batch_delay_policy, max_queue, max_seq_len, dtype, device, optional_inputs,
+version_policy)
 and/or Triton's model-configuration names where they map: max_batch_size and version_policy
 (the same), dynamic_batching.max_queue_delay_microseconds (max_batch_delay_ms) and
 dynamic_batching.default_queue_policy.max_queue_size (max_queue); `name`, `platform` and

@@ -18,7 +18,7 @@ from torch import nn
 
 import mha_engine
 from service.__main__ import parse_settings
-from service.runtime.repository import RepositoryError, model_sources
+from service.runtime.repository import RepositoryError, model_settings, model_sources
 from tests.support import FP32_TOL, ROOT, Server, free_port, run_server
 
 
@@ -83,6 +83,7 @@ def test_model_dir_repeats_and_names_must_be_unique(tmp_path: Path) -> None:
         ({"version_policy": {"specific": {"versions": [1, 2]}}}, "version(s) [2] that have no"),
         ({"max_seq_len": 99999}, "max_batch_tokens"),  # the server's own cross-field check
         ({"optional_inputs": "maybe"}, "optional_inputs: Input should be a valid boolean"),
+        ({"batch_delay_policy": "sometimes"}, "batch_delay_policy: Input should be 'adaptive'"),
         ([1, 2], "JSON object"),
     ],
 )
@@ -105,6 +106,16 @@ def test_a_bad_repository_stops_the_server_with_one_line(tmp_path: Path) -> None
     )
     assert result.returncode == 2
     assert "'lonely'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_models_settings_file_sets_its_batch_delay_policy(tmp_path: Path) -> None:
+    """batch_delay_policy is a model's own setting, like max_batch_delay_ms."""
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "mha-serve.json").write_text(json.dumps({"batch_delay_policy": "fixed"}))
+    settings = parse_settings(["--model-repository", str(tmp_path)])
+    (source,) = model_sources(settings)
+    assert settings.batch_delay_policy == "adaptive"
+    assert model_settings(settings, source).batch_delay_policy == "fixed"
 
 
 # -- a real server with three models -------------------------------------------------------------
