@@ -80,18 +80,23 @@ def _calibrate(fn: Callable[[], object], min_time: float) -> int:
 
 
 def time_cases(
-    cases: dict[str, Callable[[], object]], repeats: int, min_time: float
+    cases: dict[str, Callable[[], object]],
+    repeats: int,
+    min_time: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median seconds per call of each case; repeats are interleaved across cases so a burst of
-    load from other processes hits every implementation alike and ratios stay meaningful."""
+    load from other processes hits every implementation alike and ratios stay meaningful.
+    `clock`: wall time by default; `time.thread_time` counts the calling thread's CPU only
+    (steadier on a shared host for single-threaded calls)."""
     blocks = {name: _calibrate(fn, min_time) for name, fn in cases.items()}
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(blocks[name]):
                 fn()
-            samples[name].append((time.perf_counter() - t0) / blocks[name])
+            samples[name].append((clock() - t0) / blocks[name])
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

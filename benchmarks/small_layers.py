@@ -4,44 +4,34 @@ what the engine's size rule (mha_engine.fused.PLAIN_FP32_WEIGHT) does for small 
     python -m benchmarks.small_layers [--threads 1] [--rounds 25]
 
 Part 1: one linear (K -> N) on 16, 64 and 256 rows, oneDNN prepacked against F.linear, fp32 and
-bf16 (wall time, median of 5 timings). Part 2: MHA blocks' forward_packed with the rule on
-(default) and off (every float32 weight prepacked, as before), against nn.MultiheadAttention on
-the same batch; CPU time of the calling thread (steadier than wall time on a shared host),
-median over rounds in which the three alternate.
+bf16 (wall time). Part 2: MHA blocks' forward_packed with the rule on (default) and off (every
+float32 weight prepacked, as before), against nn.MultiheadAttention on the same batch; CPU time
+of the calling thread (steadier than wall time on a shared host). Both through
+benchmarks.engine.time_cases: the cases alternate, medians of `--rounds` blocks of ~20 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.engine import time_cases
 from mha_engine import fused
 from mha_engine.checkpoint import model_from_state_dict
 from mha_engine.save import module_config, module_state
 
 LINEARS = [(16, 48), (64, 192), (128, 384), (256, 768), (384, 1152), (512, 1536)]
+BLOCK_S = 0.02  # seconds of calls per timed block
 BLOCKS = [(16, 2, 1, 1), (16, 2, 32, 1), (64, 4, 8, 8), (128, 4, 16, 16), (256, 4, 16, 16)]
 
 
-def wall_us(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        times.append((time.perf_counter() - start) / reps * 1e6)
-    return statistics.median(times)
-
-
-def linears() -> None:
+def linears(rounds: int) -> None:
     print("| dtype | K -> N | rows | oneDNN us | F.linear us | F.linear / oneDNN |")
     print("|---|---|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
@@ -50,12 +40,12 @@ def linears() -> None:
             packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
             for rows in (16, 64, 256):
                 x = torch.randn(rows, k).to(dtype)
-                reps = max(20, int(2e8 / (rows * k * n + 2e5)))
                 onednn_call = functools.partial(
                     torch.ops.mkldnn._linear_pointwise, x, packed, lin.bias, "none", [], ""
                 )
-                onednn = wall_us(onednn_call, reps)
-                plain = wall_us(functools.partial(F.linear, x, lin.weight, lin.bias), reps)
+                plain_call = functools.partial(F.linear, x, lin.weight, lin.bias)
+                seconds = time_cases({"oneDNN": onednn_call, "plain": plain_call}, rounds, BLOCK_S)
+                onednn, plain = seconds["oneDNN"] * 1e6, seconds["plain"] * 1e6
                 name = str(dtype).removeprefix("torch.")
                 print(
                     f"| {name} | {k} -> {n} | {rows} | {onednn:.1f} | {plain:.1f} | "
@@ -64,11 +54,9 @@ def linears() -> None:
                 )
 
 
-def cpu_us(fn, reps: int) -> float:
-    start = time.thread_time()
-    for _ in range(reps):
-        fn()
-    return (time.thread_time() - start) / reps * 1e6
+def _with_limit(limit: int, forward: Callable[[], object]) -> object:
+    fused.PLAIN_FP32_WEIGHT = limit  # a module constant, read at every linear
+    return forward()
 
 
 def blocks(rounds: int) -> None:
@@ -82,20 +70,15 @@ def blocks(rounds: int) -> None:
         x = torch.randn(batch, tokens, embed_dim)
         packed, cu = x.reshape(batch * tokens, embed_dim), [i * tokens for i in range(batch + 1)]
         forward = functools.partial(engine.forward_packed, packed, cu)
-        calls = {
-            "nn.MHA": (None, functools.partial(mha, x, x, x, need_weights=False)),
-            "prepacked": (0, forward),
-            "rule": (rule, forward),
+        cases = {
+            "nn.MHA": functools.partial(mha, x, x, x, need_weights=False),
+            "prepacked": functools.partial(_with_limit, 0, forward),
+            "rule": functools.partial(_with_limit, rule, forward),
         }
-        times: dict[str, list[float]] = {name: [] for name in calls}
         with torch.inference_mode():
-            for _ in range(rounds):
-                for name, (limit, fn) in calls.items():
-                    fused.PLAIN_FP32_WEIGHT = rule if limit is None else limit
-                    fn()
-                    times[name].append(cpu_us(fn, 100))
+            seconds = time_cases(cases, rounds, BLOCK_S, clock=time.thread_time)
         fused.PLAIN_FP32_WEIGHT = rule
-        med = {name: statistics.median(t) for name, t in times.items()}
+        med = {name: t * 1e6 for name, t in seconds.items()}
         print(
             f"| MHA({embed_dim}, {heads}), {batch} x {tokens} | {med['nn.MHA']:.1f} | "
             f"{med['prepacked']:.1f} ({med['prepacked'] / med['nn.MHA']:.2f}x) | "
@@ -108,14 +91,14 @@ def blocks(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=15, help="timed blocks per case")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
         f"{fused.cpu_capability()}, {torch.get_num_threads()} thread(s)\n"
     )
-    linears()
+    linears(args.rounds)
     blocks(args.rounds)
 
 

@@ -50,7 +50,7 @@ MIN_ROWS = 16
 AMX_BF16_BLOCK = 128
 # float32 weights up to this many elements run as a plain F.linear (MKL): oneDNN's linear costs
 # ~20-40 us per call beyond its GEMM; F.linear took 0.27-0.67x its time at 16 rows up to
-# 128 x 384, 1.0-1.15x at 256 x 768 and more past it (`python -m benchmarks.small_layers`,
+# 128 x 384, 0.94-1.15x at 256 x 768 and up to 1.5x past it (`python -m benchmarks.small_layers`,
 # docs/benchmarks.md "Small layers"). bf16 always prepacks: its plain call was 1.3-2x slower
 # at every size measured. A per-module choice: every batch through a layer takes one path.
 PLAIN_FP32_WEIGHT = 2**16

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mha_engine
-from service.pipeline.errors import InferenceError
+from service.pipeline.errors import BadInput, InferenceError
 from service.runtime import forward
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.completer import Completer
@@ -246,6 +246,22 @@ def test_the_cuda_branch_queues_copies_on_their_streams(monkeypatch):
         ("event", "down", ""),
         ("synchronize", "host", ""),  # on the completer thread
     ]
+
+
+def test_the_cuda_branch_answers_nan_inputs_400_and_their_batch_mates_in_full(monkeypatch):
+    """With the CUDA branch's downloads, a batch whose output sum is not finite: the request
+    with NaN inputs gets its 400, its batch-mates their numbers (the float64 recheck and the
+    per-request checks run after the wait)."""
+    FakeCuda(monkeypatch)
+    model = mha_engine.build_demo_model(device="cpu")
+    cuda = property(lambda self: torch.device("cuda:0"))
+    monkeypatch.setattr(type(model), "device", cuda)
+    inputs = _inputs(3, seed=5)
+    poisoned = inputs[1].copy()
+    poisoned[0, 0, 0] = np.nan
+    results = _serve(_batcher(model, max_batch_delay_s=1.0), [inputs[0], poisoned, inputs[2]])
+    assert isinstance(results[1], BadInput) and "NaN or Inf" in str(results[1])
+    _check([results[0], results[2]], [inputs[0], inputs[2]])
 
 
 def test_overlap_is_only_taken_for_cuda_models(monkeypatch):
