@@ -9,8 +9,12 @@ attended by a real one), and unused sequence slots are empty (cu_seqlens repeats
 real row's numbers are those of the same bucket's eager forward. All graphs share one memory
 pool; their number is bounded and what they hold is reported (`count`, `memory_bytes`).
 
-Only plain packed self-attention replays (no masks, no causal, the varlen kernel applies); other
-calls, and batches past the largest bucket, run eagerly. Verified on an H100 by tests/gpu.
+Packed self-attention without masks replays, every sequence causal or none (the varlen kernel's
+one causal flag; a causal bucket is its own graph, captured on first use). Masked calls, mixed
+causal flags, cross-attention and batches past the largest bucket run eagerly. The non-causal
+graphs were verified on an H100 by tests/gpu; the causal ones, and the double-buffered
+cu_seqlens upload, are written to the same design and tested on the CPU with the capture stood
+in for (tests/mha_engine/test_cuda_graphs.py), not yet on a GPU.
 """
 
 from __future__ import annotations
@@ -41,15 +45,47 @@ def bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, n - 1).bit_length())
 
 
+# (tokens, max_len, causal): a graph's bucket and its causal flag
+Key = tuple[int, int, bool]
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     x: Tensor  # (tokens, E) static input
     cu: Tensor  # (slots + 1,) int32 static cu_seqlens
     out: Tensor  # (tokens, E) static output
-    cu_host: Tensor  # (slots + 1,) int32 pinned: the next cu_seqlens, uploaded without blocking
-    uploaded: torch.cuda.Event  # the last upload from cu_host has been read
+    # two pinned (slots + 1,) int32 host buffers, used in turn for the next cu_seqlens, each
+    # with the event of its last upload: a new layout waits only for the upload two layouts
+    # back (long done), never for the batch just queued
+    cu_hosts: tuple[Tensor, Tensor]
+    uploads: tuple[torch.cuda.Event, torch.cuda.Event]
+    turn: int = 0  # the buffer the last upload used
     last_cu: list[int] | None = None  # what `cu` holds now: an unchanged layout skips the upload
+
+
+def _record(fn: Callable[[], Tensor], device: torch.device, pool) -> tuple[object, Tensor]:
+    """(graph, static output) of `fn` captured into `pool`, after two warm-up calls on a side
+    stream (kernels pick their algorithms outside the capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.inference_mode(), torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+def _pinned(like: Tensor) -> Tensor:
+    """A pinned host tensor of like's shape and dtype."""
+    return torch.empty(like.shape, dtype=like.dtype).pin_memory()
+
+
+def _event() -> torch.cuda.Event:
+    return torch.cuda.Event()
 
 
 class CudaGraphs:
@@ -79,7 +115,7 @@ class CudaGraphs:
             max_sequences,
             max_graphs,
         )
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[Key, _Graph] = {}
         self.replays = 0
         self._memory: tuple[int, int] = (0, 0)  # (graph count, bytes) when last measured
         self._pool = torch.cuda.graph_pool_handle()
@@ -92,29 +128,21 @@ class CudaGraphs:
         """The bucket of a batch with these sequence lengths, or None when it cannot replay."""
         return bucket_key(lens, self.max_tokens, self.max_sequences)
 
-    def _capture(self, key: tuple[int, int]) -> _Graph | None:
+    def _capture(self, key: Key) -> _Graph | None:
         if key in self.graphs:
             return self.graphs[key]
         if len(self.graphs) >= self.max_graphs:
             return None
-        tokens, max_len = key
+        tokens, max_len, causal = key
         slots = bucket_slots(tokens, max_len, self.max_sequences)
         x = torch.zeros(tokens, self.width, dtype=self.dtype, device=self.device)  # (tokens, E)
         # warm-up layout: the padding rows as chunks of max_len, the rest empty slots
         cu = torch.tensor(_cu_seqlens([], tokens, max_len, slots), dtype=torch.int32)
         cu = cu.to(self.device)  # (slots + 1,)
-        plan = Plan([max_len], [max_len], cu, True, _no_groups, varlen_ok=True)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(side):
-            for _ in range(2):  # kernels pick their algorithms outside the capture
-                self.run(x, plan)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            out = self.run(x, plan)  # (tokens, E)
-        cu_host = torch.empty(cu.shape, dtype=torch.int32).pin_memory()
-        self.graphs[key] = _Graph(graph, x, cu, out, cu_host, torch.cuda.Event())
+        plan = Plan([max_len], [max_len], cu, not causal, _no_groups, causal=causal, varlen_ok=True)
+        graph, out = _record(lambda: self.run(x, plan), self.device, self._pool)  # (tokens, E)
+        hosts, events = (_pinned(cu), _pinned(cu)), (_event(), _event())
+        self.graphs[key] = _Graph(graph, x, cu, out, hosts, events)
         return self.graphs[key]
 
     @property
@@ -132,34 +160,36 @@ class CudaGraphs:
             self._memory = (self.count, held)
         return self._memory[1]
 
-    def warm(self, max_len: int | None = None) -> int:
-        """Capture every bucket up to max_tokens (and sequences up to max_len); returns the
-        number of graphs held. Done at load so no request pays for a capture."""
+    def warm(self, max_len: int | None = None, causal: bool = False) -> int:
+        """Capture every bucket up to max_tokens (and sequences up to max_len), non-causal or
+        causal; returns the number of graphs held. Done at load so no request pays for a
+        capture."""
         tokens = MIN_BUCKET
         while tokens <= self.max_tokens:
             length = MIN_BUCKET
             while length <= tokens and (max_len is None or length < 2 * max_len):
-                if self._capture((tokens, length)) is None:
+                if self._capture((tokens, length, causal)) is None:
                     return self.count
                 length *= 2
             tokens *= 2
         return self.count
 
-    def __call__(self, x: Tensor, lens: list[int]) -> Tensor | None:
-        """The forward of packed x (N, E) split into `lens` by graph replay; None when no graph
-        applies (the caller runs eagerly)."""
+    def __call__(self, x: Tensor, lens: list[int], causal: bool = False) -> Tensor | None:
+        """The forward of packed x (N, E) split into `lens` (every sequence causal, or none) by
+        graph replay; None when no graph applies (the caller runs eagerly)."""
         key = self.key(lens)
-        graph = None if key is None else self._capture(key)
+        graph = None if key is None else self._capture((*key, causal))
         if graph is None:
             return None
         tokens, max_len = key
         n = x.shape[0]
         cu = _cu_seqlens(lens, tokens, max_len, graph.cu.shape[0] - 1)
         if cu != graph.last_cu:  # uniform traffic repeats its layout: no upload then
-            graph.uploaded.synchronize()  # the previous upload has left cu_host
-            graph.cu_host.numpy()[:] = cu
-            graph.cu.copy_(graph.cu_host, non_blocking=True)
-            graph.uploaded.record()
+            turn = graph.turn = 1 - graph.turn
+            graph.uploads[turn].synchronize()  # this buffer's last upload has left it
+            graph.cu_hosts[turn].numpy()[:] = cu
+            graph.cu.copy_(graph.cu_hosts[turn], non_blocking=True)
+            graph.uploads[turn].record()
             graph.last_cu = cu
         graph.x[:n].copy_(x)
         graph.x[n:].zero_()
@@ -232,10 +262,16 @@ def capture(
     return graphs
 
 
-def plain_call(key_padding_mask: Tensor | None, is_causal: bool | Sequence[bool] | Tensor) -> bool:
-    """No mask and no causal sequence: a call CUDA graphs can replay."""
+def graph_mode(
+    key_padding_mask: Tensor | None, is_causal: bool | Sequence[bool] | Tensor
+) -> bool | None:
+    """The causal flag a CUDA graph replays this self-attention call with: False (no sequence
+    causal) or True (all of them); None when none can (a mask, or mixed causal flags)."""
     if key_padding_mask is not None:
-        return False
-    if isinstance(is_causal, Tensor):
-        return not bool(is_causal.any())
-    return not (is_causal if isinstance(is_causal, bool) else any(is_causal))
+        return None
+    if isinstance(is_causal, bool):
+        return is_causal
+    flags = is_causal.reshape(-1).tolist() if isinstance(is_causal, Tensor) else list(is_causal)
+    if all(flags):
+        return bool(flags)  # an empty batch: not causal
+    return None if any(flags) else False

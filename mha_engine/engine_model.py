@@ -132,18 +132,20 @@ class EngineModel(nn.Module):
         max_graphs: int = 64,
         warm_max_len: int | None = None,
     ) -> CudaGraphs:
-        """Replay plain packed self-attention forwards from CUDA graphs (mha_engine.cuda_graphs),
-        capturing the buckets up to max_tokens now (sequences up to warm_max_len)."""
+        """Replay unmasked packed self-attention forwards from CUDA graphs
+        (mha_engine.cuda_graphs), capturing the non-causal buckets up to max_tokens now
+        (sequences up to warm_max_len); causal ones are captured on first use."""
         captures = type(self).packed_run is not EngineModel.packed_run
         self.cuda_graphs = capture(
             self, captures, max_tokens, max_sequences, max_graphs, warm_max_len
         )
         return self.cuda_graphs
 
-    def _replay(self, x: Tensor, lens: list[int], plain: bool) -> Tensor | None:
-        """x's forward by graph replay when graphs are on and the call is plain, else None."""
+    def _replay(self, x: Tensor, lens: list[int], causal: bool | None) -> Tensor | None:
+        """x's self-attention forward by graph replay when graphs are on and the call can
+        replay (`causal` from cuda_graphs.graph_mode: None when it cannot), else None."""
         graphs = self.cuda_graphs
-        return graphs(x, lens) if graphs is not None and plain else None
+        return None if graphs is None or causal is None else graphs(x, lens, causal)
 
     @torch.inference_mode()
     def forward_varlen(

@@ -16,7 +16,7 @@ from torch import Tensor
 from .attention import FusedAttention
 from .blocks import EncoderStack
 from .config import MultiheadAttentionConfig, TransformerEncoderConfig
-from .cuda_graphs import plain_call
+from .cuda_graphs import graph_mode
 from .engine_model import EngineModel
 from .packing import check_packed
 from .varlen import Plan, lengths, make_plan, pad_rows
@@ -142,8 +142,8 @@ class MultiheadAttentionModel(EngineModel):
                 raise ValueError(f"key has {k.shape[0]} rows, value {v.shape[0]}")
             kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
             kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
-        plain = k is q and plain_call(key_padding_mask, is_causal)
-        if (out := self._replay(q, q_lens, plain)) is not None:
+        mode = graph_mode(key_padding_mask, is_causal) if k is q else None
+        if (out := self._replay(q, q_lens, mode)) is not None:
             return out  # (N, E) from a CUDA graph
         plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, q.device, bucket_padding)
         if k is q:
@@ -241,7 +241,7 @@ class TransformerEncoderModel(EngineModel):
 
     def _encode(self, x, lens, key_padding_mask, is_causal, bucket_padding) -> Tensor:
         """Packed rows x (N, E) through the stack: a graph replay when one applies."""
-        if (out := self._replay(x, lens, plain_call(key_padding_mask, is_causal))) is not None:
+        if (out := self._replay(x, lens, graph_mode(key_padding_mask, is_causal))) is not None:
             return out  # (N, E) from a CUDA graph
         plan = make_plan(lens, lens, is_causal, key_padding_mask, x.device, bucket_padding)
         return self.packed_run(pad_rows(x), plan)[: x.shape[0]]  # (N, E), see pad_rows

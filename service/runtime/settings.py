@@ -88,8 +88,9 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
     cuda_graphs: bool = Field(
         True,
-        description="On CUDA, replay plain packed self-attention batches (no masks, not "
-        "causal) from CUDA graphs captured at load, one per (tokens, longest sequence) bucket.",
+        description="On CUDA, replay unmasked packed self-attention batches from CUDA graphs, "
+        "one per (tokens, longest sequence) bucket, captured at load (causal ones, where every "
+        "sequence is causal, on first use).",
     )
     cuda_overlap: bool = Field(
         False,

@@ -57,9 +57,10 @@ def test_varlen_kernel_matches_pytorch_and_is_batch_invariant(dtype):
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 def test_cuda_graph_replay_gives_the_eager_numbers(dtype):
-    """A graphed model replays plain packed batches with exactly the eager forward's numbers, a
-    sequence alone or with batch-mates; masked calls and batches past the buckets run eagerly;
-    the graphs are bounded and their memory counted."""
+    """A graphed model replays unmasked packed batches, causal or not, with exactly the eager
+    forward's numbers, a sequence alone or with batch-mates; masked calls, mixed causal flags
+    and batches past the buckets run eagerly; the graphs are bounded and their memory
+    counted."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     module = torch.nn.MultiheadAttention(256, 8, batch_first=True).eval()
@@ -88,6 +89,17 @@ def test_cuda_graph_replay_gives_the_eager_numbers(dtype):
         graphed.forward_packed(big, [0, 1000, 2000]), eager.forward_packed(big, [0, 1000, 2000])
     )
     assert graphs.replays == replays  # neither replayed
+    count = graphs.count
+    causal = graphed.forward_packed(x, cu, is_causal=True)  # its own graph, captured now
+    assert graphs.replays == replays + 1 and graphs.count == count + 1
+    assert torch.equal(causal, eager.forward_packed(x, cu, is_causal=True))
+    for i, n in enumerate(LENGTHS):
+        alone = graphed.forward_packed(x[cu[i] : cu[i + 1]], [0, n], is_causal=True)
+        _same(alone, causal[cu[i] : cu[i + 1]], dtype, f"causal sequence {i} depends on its batch")
+    mixed = [True, False] * 3 + [True]
+    assert torch.equal(
+        graphed.forward_packed(x, cu, is_causal=mixed), eager.forward_packed(x, cu, is_causal=mixed)
+    )
 
 
 def test_text_model_replays_its_encoder():

@@ -1,14 +1,18 @@
-"""CUDA-graph buckets on the CPU: the bucket a batch gets, the padded cu_seqlens it replays with,
-and the refusals (no CUDA device, layers that cannot replay). The replays themselves run on a GPU
+"""CUDA graphs on the CPU: the bucket a batch gets, the padded cu_seqlens it replays with, the
+refusals (no CUDA device, layers that cannot replay), and CudaGraphs' replay protocol (static
+buffers, the double-buffered cu_seqlens upload, causal buckets) with the capture stood in for by
+a recording that re-runs the captured call on the static buffers. The real replays run on a GPU
 in tests/gpu/test_gpu_engine.py."""
 
 from __future__ import annotations
 
+import contextlib
 from itertools import pairwise
 
 import pytest
 import torch
 
+import mha_engine.cuda_graphs as cuda_graphs
 from mha_engine.checkpoint import model_from_state_dict
 from mha_engine.cuda_graphs import (
     CudaGraphs,
@@ -16,9 +20,10 @@ from mha_engine.cuda_graphs import (
     bucket,
     bucket_key,
     bucket_slots,
-    plain_call,
+    graph_mode,
 )
 from mha_engine.save import module_config, module_state
+from mha_engine.varlen import cumulative
 
 
 @pytest.mark.parametrize(("n", "want"), [(0, 16), (1, 16), (16, 16), (17, 32), (1000, 1024)])
@@ -52,11 +57,14 @@ def test_more_sequences_than_slots_is_refused():
         _cu_seqlens([1] * 10, 16, 16, 4)
 
 
-def test_plain_calls_are_the_unmasked_non_causal_ones():
-    assert plain_call(None, False) and plain_call(None, [False, False])
-    assert not plain_call(None, [False, True]) and not plain_call(None, True)
-    assert not plain_call(torch.zeros(3, dtype=torch.bool), False)
-    assert plain_call(None, torch.tensor([False])) and not plain_call(None, torch.tensor([True]))
+def test_graph_mode_is_the_one_causal_flag_of_an_unmasked_call():
+    assert graph_mode(None, False) is False and graph_mode(None, [False, False]) is False
+    assert graph_mode(None, True) is True and graph_mode(None, [True, True]) is True
+    assert graph_mode(None, [False, True]) is None  # mixed flags: eager
+    assert graph_mode(torch.zeros(3, dtype=torch.bool), False) is None  # a mask: eager
+    assert graph_mode(None, torch.tensor([False])) is False
+    assert graph_mode(None, torch.tensor([True, True])) is True
+    assert graph_mode(None, torch.tensor(True)) is True and graph_mode(None, []) is False
 
 
 def _model(**kwargs) -> torch.nn.Module:
@@ -81,7 +89,7 @@ def test_layers_that_cannot_replay_are_refused(monkeypatch):
 def test_an_eager_model_does_not_replay():
     model = _model()
     x = torch.randn(5, 32)
-    assert model._replay(x, [5], True) is None
+    assert model._replay(x, [5], False) is None
     assert model.cuda_graphs is None
 
 
@@ -91,3 +99,186 @@ def test_models_without_a_packed_self_attention_forward_are_refused(monkeypatch)
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
     with pytest.raises(ValueError, match="no packed self-attention forward"):
         model.enable_cuda_graphs()
+
+
+class _Recording:
+    """Stands in for a captured CUDA graph: replay re-runs the captured call, which reads the
+    static buffers as they are now (what a graph's kernels do)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.out = fn, fn()
+
+    def replay(self) -> None:
+        with torch.inference_mode():  # the captured output is an inference tensor
+            self.out.copy_(self.fn())
+
+
+class _Event:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def record(self) -> None:
+        self.log.append(f"record {id(self)}")
+
+    def synchronize(self) -> None:
+        self.log.append(f"wait {id(self)}")
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """CudaGraphs on the CPU: captures recorded, pinned buffers plain, events logged."""
+    log: list[str] = []
+
+    def record(fn, device, pool):
+        graph = _Recording(fn)
+        return graph, graph.out
+
+    monkeypatch.setattr(cuda_graphs, "_record", record)
+    monkeypatch.setattr(cuda_graphs, "_pinned", lambda like: torch.empty_like(like))
+    monkeypatch.setattr(cuda_graphs, "_event", lambda: _Event(log))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
+    return log
+
+
+def _graphs(model, max_tokens=256, max_sequences=8, max_graphs=64) -> CudaGraphs:
+    """CudaGraphs of the model's eager forward_packed as the captured call: it splits the static
+    rows at the static cu_seqlens as they are at replay, with the bucket's causal flag."""
+
+    def run(x, plan):
+        cu = plan.cu_seqlens.tolist()  # read at every replay, as the graph's kernels do
+        return model.forward_packed(x, cu, is_causal=plan.causal)
+
+    graphs = CudaGraphs(run, model.embed_dim, model.dtype, torch.device("cuda"), max_tokens,
+                        max_sequences, max_graphs)  # fmt: skip
+    graphs.device = torch.device("cpu")  # the stood-in capture runs on the CPU
+    return graphs
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_replay_gives_each_sequence_its_eager_numbers(stand_in, causal):
+    """Every batch through the replay protocol equals the eager forward of its sequences:
+    the rows copied in, the padding zeroed, the layout uploaded, the output cut to N rows."""
+    torch.manual_seed(0)
+    model = _model()
+    graphs = _graphs(model)
+    for lens in ([5, 9], [3, 7, 1], [5, 9], [16], [1] * 8, [40, 2, 70]):
+        cu = cumulative(lens)
+        x = torch.randn(cu[-1], 32)
+        got = graphs(x, lens, causal)
+        assert got is not None and got.shape == x.shape
+        torch.testing.assert_close(got, model.forward_packed(x, cu, is_causal=causal),
+                                   atol=1e-6, rtol=0)  # fmt: skip
+        for i, n in enumerate(lens):  # each sequence as if alone
+            alone = model.forward_packed(x[cu[i] : cu[i + 1]], [0, n], is_causal=causal)
+            torch.testing.assert_close(got[cu[i] : cu[i + 1]], alone, atol=1e-6, rtol=0)
+    assert {key[2] for key in graphs.graphs} == {causal}  # one graph per bucket and flag
+
+
+def test_causal_and_non_causal_calls_replay_different_graphs(stand_in):
+    torch.manual_seed(0)
+    model = _model()
+    graphs = _graphs(model)
+    x = torch.randn(12, 32)
+    plain, causal = graphs(x, [12], False), graphs(x, [12], True)
+    assert set(graphs.graphs) == {(16, 16, False), (16, 16, True)}
+    assert not torch.allclose(plain, causal)  # the causal graph masks later keys
+    torch.testing.assert_close(causal, model.forward_packed(x, [0, 12], is_causal=True),
+                               atol=1e-6, rtol=0)  # fmt: skip
+
+
+def test_layouts_upload_through_two_host_buffers_in_turn(stand_in):
+    """A new layout waits only for its buffer's previous upload (two layouts back), and an
+    unchanged layout uploads nothing."""
+    torch.manual_seed(0)
+    graphs = _graphs(_model())
+    x = torch.randn(10, 32)
+    graphs(x, [4, 6])
+    (graph,) = graphs.graphs.values()
+    first, second = (id(e) for e in graph.uploads)
+    assert stand_in == [f"wait {second}", f"record {second}"]
+    graphs(x, [4, 6])  # same layout: no upload
+    assert len(stand_in) == 2
+    graphs(x, [5, 5])
+    graphs(x, [1, 9])
+    turns = [f"wait {first}", f"record {first}", f"wait {second}", f"record {second}"]
+    assert stand_in[2:] == turns
+    assert graph.cu.tolist()[:3] == [0, 1, 10]  # the static buffer holds the last layout
+
+
+def test_warm_captures_every_bucket_within_the_bounds(stand_in):
+    graphs = _graphs(_model(), max_tokens=64, max_graphs=64)
+    assert graphs.warm() == 1 + 2 + 3  # tokens 16, 32, 64: lengths 16 .. tokens
+    assert graphs.warm(causal=True) == 12 and all(len(k) == 3 for k in graphs.graphs)
+    capped = _graphs(_model(), max_tokens=64, max_graphs=4)
+    assert capped.warm() == 4
+    assert capped(torch.randn(60, 32), [60]) is None  # no room for its bucket: eager
+
+
+def test_the_model_replays_unmasked_self_attention_causal_or_not(stand_in):
+    """forward_packed replays when every sequence is causal or none is; mixed flags, masks and
+    cross-attention run eagerly, all with the eager numbers."""
+    torch.manual_seed(0)
+    eager = _model()
+    graphed = _model()
+    graphed.load_state_dict(eager.state_dict())
+    graphed.cuda_graphs = graphs = _graphs(eager)
+    x = torch.randn(20, 32)
+    cu = [0, 8, 20]
+    calls = [
+        ({"is_causal": [True, True]}, 1),
+        ({"is_causal": True}, 1),
+        ({"is_causal": False}, 1),
+        ({"is_causal": [True, False]}, 0),
+        ({"key_padding_mask": torch.zeros(20, dtype=torch.bool)}, 0),
+        ({"key": x.clone(), "value": x.clone()}, 0),  # cross-attention (other tensors)
+    ]
+    for kwargs, replayed in calls:
+        before = graphs.replays
+        got = graphed.forward_packed(x, cu, **kwargs)
+        assert graphs.replays == before + replayed, kwargs
+        torch.testing.assert_close(got, eager.forward_packed(x, cu, **kwargs), atol=1e-6, rtol=0)
+
+
+def test_record_warms_up_on_a_side_stream_then_captures_once(monkeypatch):
+    """_record's CUDA calls, stood in for: two warm-up calls on a side stream that waits for the
+    current one, the current stream waiting for them, then one call inside the capture."""
+    log: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            log.append(f"{self.name} waits for {other.name}")
+
+    current = Stream("current")
+
+    @contextlib.contextmanager
+    def on(stream: Stream):
+        log.append(f"on {stream.name}")
+        yield
+        log.append(f"off {stream.name}")
+
+    @contextlib.contextmanager
+    def capturing(graph, pool):
+        log.append(f"capture into pool {pool}")
+        yield
+        log.append("captured")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    calls = iter(range(10))
+
+    def fn() -> torch.Tensor:
+        log.append("call")
+        return torch.full((1,), float(next(calls)))
+
+    graph, out = cuda_graphs._record(fn, torch.device("cuda"), (7, 1))
+    assert graph == "graph" and out.item() == 2.0  # the captured call's output
+    assert log == [
+        "side waits for current", "on side", "call", "call", "off side",
+        "current waits for side", "capture into pool (7, 1)", "call", "captured",
+    ]  # fmt: skip
