@@ -101,6 +101,11 @@ def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
+def _int32(cu: Tensor) -> Tensor:
+    """cu as a contiguous int32 tensor (itself when it already is one: the plan's are)."""
+    return cu if cu.dtype == torch.int32 and cu.is_contiguous() else cu.to(torch.int32).contiguous()
+
+
 @eager_only
 def varlen_attention(
     q: Tensor,
@@ -124,8 +129,8 @@ def varlen_attention(
     lib = KERNEL.library()
     if lib is None:
         raise RuntimeError(f"CPU varlen attention is not available: {kernel_status()}")
-    cu_q = cu_seqlens.to(torch.int32).contiguous()
-    cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.to(torch.int32).contiguous()
+    cu_q = _int32(cu_seqlens)
+    cu_k = cu_q if cu_seqlens_k is None else _int32(cu_seqlens_k)
     out = q.new_empty(q.shape[0], num_heads * head_dim)  # (N, E) merged heads
     taken = seq_modes.tolist()
     pairs = [(t, s) for t, s, m in zip(q_lens, kv_lens, taken, strict=True) if m]

@@ -91,6 +91,8 @@ def check_device(
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`; to CUDA from pinned memory without blocking the host, so the
     index tensors a forward builds from host lengths never stall it."""
+    if device.type == "cpu":
+        return host
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

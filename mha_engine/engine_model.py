@@ -108,6 +108,8 @@ class EngineModel(nn.Module):
         if x.dtype == torch.bool:
             return x.to(anchor.device)
         if torch.is_floating_point(x):
+            if x.dtype == anchor.dtype and x.device == anchor.device:
+                return x  # what .to() would return, without its dispatch
             return x.to(device=anchor.device, dtype=anchor.dtype)
         raise TypeError(f"expected a floating point or bool tensor, got {x.dtype}")
 

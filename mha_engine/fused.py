@@ -110,18 +110,19 @@ def cpu_capability() -> str:
 def worth_packing(weight: Tensor) -> bool:
     """A CPU weight oneDNN runs faster than the plain call: bf16, or float32 past
     PLAIN_FP32_WEIGHT elements."""
-    return weight.device.type == "cpu" and (
-        weight.dtype == torch.bfloat16
-        or (weight.dtype == torch.float32 and weight.numel() > PLAIN_FP32_WEIGHT)
+    dtype = weight.dtype
+    return weight.is_cpu and (
+        dtype == torch.bfloat16 or (dtype == torch.float32 and weight.numel() > PLAIN_FP32_WEIGHT)
     )
 
 
-def _packable(module: nn.Linear, x: Tensor) -> bool:
-    w = module.weight
+def _packable(w: Tensor, x: Tensor) -> bool:
+    """oneDNN takes this call: a CPU input of the weight's dtype, a weight worth packing, no
+    autograd, no compile tracing, the path not turned off."""
     return (
-        x.device.type == "cpu"
+        x.dtype == w.dtype
+        and x.is_cpu
         and worth_packing(w)
-        and x.dtype == w.dtype
         and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
         and not torch.compiler.is_compiling()
         and fused_cpu_enabled()
@@ -164,15 +165,36 @@ def pad_rows(x: Tensor, rows: int = MIN_ROWS) -> Tensor:
 
 
 def _as_rows(x: Tensor, pad: bool) -> tuple[Tensor, int]:
-    """x as (N', K) rows, zero rows appended up to MIN_ROWS when pad and 0 < N < MIN_ROWS.
+    """x as (N', K) rows (x itself when it is 2-D), zero rows appended up to MIN_ROWS when pad
+    and 0 < N < MIN_ROWS on CPU.
 
     Not while torch.compile / torch.export trace: a branch on N would specialise the graph.
     """
-    x2 = x.reshape(-1, x.shape[-1])  # (N, K)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (N, K)
     n = x2.shape[0]
-    if pad and not torch.compiler.is_compiling() and n > 0:
-        x2 = pad_rows(x2)  # (max(N, MIN_ROWS), K)
+    if pad and not torch.compiler.is_compiling() and 0 < n < MIN_ROWS and x2.is_cpu:
+        x2 = torch.cat([x2, x2.new_zeros(MIN_ROWS - n, x2.shape[1])])  # (MIN_ROWS, K)
     return x2, n
+
+
+def _back(y: Tensor, n: int, x: Tensor) -> Tensor:
+    """The first n rows of y (N', M) in x's leading shape: (..., M)."""
+    if y.shape[0] != n:
+        y = y[:n]
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Forward hooks would run in module(x): on the module or global ones."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]
+    )
+
+
+_GLOBAL_HOOKS = (
+    getattr(nn.modules.module, "_global_forward_hooks", {}),
+    getattr(nn.modules.module, "_global_forward_pre_hooks", {}),
+)
 
 
 def padded_gemm(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -180,7 +202,7 @@ def padded_gemm(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     AMX, as `linear`); output (..., M)."""
     x2, n = _as_rows(x, pad=True)
     y = _rows(lambda xb, _: fn(xb), x2, None)  # (N', M)
-    return y[:n].reshape(*x.shape[:-1], y.shape[-1])
+    return _back(y, n, x)
 
 
 def linear(
@@ -194,24 +216,35 @@ def linear(
     pad = isinstance(module, nn.Linear)
     x2, n = _as_rows(x, pad)
     r2 = None if residual is None else _as_rows(residual, pad)[0]  # (N', M)
-    if pad and _packable(module, x2) and (activation is None or r2 is None):
-        w = packed_weight(module)
-        y = _rows(lambda xb, rb: _onednn_linear(module, w, xb, rb, activation), x2, r2)
+    if pad:
+        w = module.weight
+        if (activation is None or r2 is None) and _packable(w, x2):
+            w = packed_weight(module)
+            y = _rows(lambda xb, rb: _onednn_linear(module, w, xb, rb, activation), x2, r2)
+            return _back(y, n, x)
+        if type(module) is nn.Linear and not _hooked(module):
+            b = module.bias  # module(x) is exactly this F.linear: skip nn.Module's call
+
+            def gemm(xb: Tensor) -> Tensor:
+                return F.linear(xb, w, b)
+        else:
+            gemm = module
     else:
+        gemm = module
 
-        def plain(xb: Tensor, rb: Tensor | None) -> Tensor:
-            if isinstance(module, Int8Linear):  # its output is its own: work on it in place
-                if activation is None:
-                    return module(xb, rb)  # the add runs in the int8 epilogue (same bits)
-                yb = INPLACE_ACTIVATIONS[activation](module(xb))  # (N', M)
-                return yb if rb is None else yb.add_(rb)
-            yb = module(xb)  # (N', M)
-            if activation is not None:
-                yb = ACTIVATIONS[activation](yb)
-            return yb if rb is None else yb + rb
+    def plain(xb: Tensor, rb: Tensor | None) -> Tensor:
+        if isinstance(module, Int8Linear):  # its output is its own: work on it in place
+            if activation is None:
+                return module(xb, rb)  # the add runs in the int8 epilogue (same bits)
+            yb = INPLACE_ACTIVATIONS[activation](module(xb))  # (N', M)
+            return yb if rb is None else yb.add_(rb)
+        yb = gemm(xb)  # (N', M)
+        if activation is not None:
+            yb = ACTIVATIONS[activation](yb)
+        return yb if rb is None else yb + rb
 
-        y = _rows(plain, x2, r2) if pad else plain(x2, r2)
-    return y[:n].reshape(*x.shape[:-1], y.shape[-1])
+    y = _rows(plain, x2, r2) if pad else plain(x2, r2)
+    return _back(y, n, x)
 
 
 def _onednn_linear(

@@ -147,11 +147,11 @@ class MultiheadAttentionModel(EngineModel):
             return out  # (N, E) from a CUDA graph
         plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, q.device, bucket_padding)
         if k is q:
-            return self.packed_run(pad_rows(q), plan)[: q.shape[0]]  # (N, E), see pad_rows
+            return _rows(self.packed_run(pad_rows(q), plan), q.shape[0])  # (N, E), see pad_rows
         q_pad = pad_rows(q)  # small batches padded: see varlen.MIN_GEMM_ROWS
         k_pad = q_pad if k is q else pad_rows(k)
         v_pad = k_pad if v is k else pad_rows(v)
-        return self.attn.forward_packed(q_pad, plan, k_pad, v_pad)[: q.shape[0]]  # (N, E)
+        return _rows(self.attn.forward_packed(q_pad, plan, k_pad, v_pad), q.shape[0])  # (N, E)
 
     def packed_run(self, x: Tensor, plan: Plan) -> Tensor:
         return self.attn.forward_packed(x, plan)  # (N, E)
@@ -244,4 +244,9 @@ class TransformerEncoderModel(EngineModel):
         if (out := self._replay(x, lens, graph_mode(key_padding_mask, is_causal))) is not None:
             return out  # (N, E) from a CUDA graph
         plan = make_plan(lens, lens, is_causal, key_padding_mask, x.device, bucket_padding)
-        return self.packed_run(pad_rows(x), plan)[: x.shape[0]]  # (N, E), see pad_rows
+        return _rows(self.packed_run(pad_rows(x), plan), x.shape[0])  # (N, E), see pad_rows
+
+
+def _rows(out: Tensor, n: int) -> Tensor:
+    """The first n rows of out (the rest are pad_rows' padding): out itself when it has n."""
+    return out if out.shape[0] == n else out[:n]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,15 +117,12 @@ def lengths(cu_seqlens: Tensor | Sequence[int], total: int, name: str = "cu_seql
 
 def cumulative(lens: list[int]) -> list[int]:
     """cu_seqlens (B+1,) of these lengths: [0, n_0, n_0 + n_1, ...]."""
-    return [0, *_offsets(lens)[1:], sum(lens)] if lens else [0]
+    return [0, *accumulate(lens)]
 
 
 def _offsets(lens: list[int]) -> list[int]:
-    out, total = [], 0
-    for n in lens:
-        out.append(total)
-        total += n
-    return out
+    """Each sequence's first packed row: cu_seqlens without its end."""
+    return [0, *accumulate(lens)][:-1]
 
 
 def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:
@@ -235,11 +232,11 @@ def make_plan(
         key_padding_mask = key_padding_mask.to(device)
     if bucket_padding < 0:
         raise ValueError(f"bucket_padding must be >= 0, got {bucket_padding}")
-    q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
     masked = _masked(key_padding_mask, kv_lens)
-    args = (q_lens, kv_lens, q_off, kv_off, causal, masked, key_padding_mask, device)
 
     def build_groups(only: Callable[[int], bool] | None) -> list[Group]:
+        q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
+        args = (q_lens, kv_lens, q_off, kv_off, causal, masked, key_padding_mask, device)
         exact: dict[tuple[int, int, bool, bool], list[int]] = {}
         classes: dict[bool, list[int]] = {}
         for i in range(n):

@@ -153,3 +153,45 @@ def test_tiny_batches_of_a_small_model_match_a_large_batch(precision, threads):
     large = model.forward_varlen([torch.randn(300, 64, dtype=dtype), *seqs])[1:]
     for seq, want in zip(seqs, large, strict=True):
         assert torch.equal(model.forward_varlen([seq])[0], want), f"{len(seq)} rows"
+
+
+def test_forward_hooks_on_a_linear_still_run():
+    """linear() calls F.linear itself for a plain nn.Linear (skipping nn.Module's call), but not
+    where forward hooks would run: a hook on the module, or a global one, still sees the call."""
+    model = engine_from(make_mha(16, 2))
+    x = torch.randn(5, 16)
+    seen: list[tuple[int, ...]] = []
+    handle = model.attn.out_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    want = model.forward_packed(x, [0, 2, 5])
+    handle.remove()
+    assert seen == [torch.Size([16, 16])]  # the padded rows (MIN_ROWS), once per forward
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(m))
+    try:
+        got = model.forward_packed(x, [0, 2, 5])
+    finally:
+        handle.remove()
+    assert model.attn.in_proj in seen and model.attn.out_proj in seen
+    assert torch.equal(got, want)
+
+
+def test_a_small_forward_dispatches_no_op_that_changes_nothing():
+    """The host cost of a small forward is its dispatches (on CUDA each is a launch or at least
+    a dispatch): casts, uploads and slices that would return their input are skipped. 12 ATen
+    ops for MHA(16, 2) on CPU, torch 2.13 (22 before; `python -m benchmarks.host_cost`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = engine_from(make_mha(16, 2))
+    x = torch.randn(16, 16)
+    with torch.inference_mode(), Ops() as ops:
+        model.forward_packed(x, list(range(17)))
+    assert not [n for n in ops.names if n.startswith("aten.to.")], ops.names
+    assert len(ops.names) <= 12, ops.names
