@@ -127,6 +127,8 @@ def stage(
         staging = staging.view(wire.torch)
     if copies is not None:
         return staging, copies.upload(staging, dtype)
+    if staging.dtype == dtype and device.type == "cpu":
+        return staging, staging  # the engine reads the staging tensor itself
     return staging, staging.to(device=device, dtype=dtype, non_blocking=pin)
 
 
@@ -204,7 +206,7 @@ def _launch(model: ServedModel, payloads: list[Payload], copies: DeviceCopies | 
             key_padding_mask=masks,
             is_causal=causal,
         )  # (N, E) on the device
-    typed = {name: out.to(dtype=DATATYPES[name].torch) for name in set(types)}  # on the device
+    typed = {name: _as(out, DATATYPES[name].torch) for name in set(types)}  # on the device
     if copies is None:
         finite = _finite(out)
         host = _to_host(typed)  # (N, E) per wire type, one device->host copy each
@@ -237,7 +239,8 @@ def _results(
         if i in bad:
             results.append(BadInput(f"input '{bad[i]}' holds NaN or Inf values"))
         elif finite or _finite(torch.from_numpy(mine).view(DATATYPES[p.datatype].torch)):
-            results.append(_sink(p, typed[p.datatype][rows], mine))
+            sink = p.output_sink is not None  # only then the rows on the device are cut out
+            results.append(_sink(p, typed[p.datatype][rows], mine) if sink else mine)
         else:
             results.append(
                 NonFiniteOutput(
@@ -298,10 +301,16 @@ def _decoder_forward(
     )
 
 
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor in dtype: itself when it already is (no dispatch: each one costs the engine
+    thread a GIL hand-off beside a busy event loop)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype=dtype)
+
+
 def _to_host(typed: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """The output in each wire datatype the batch asked for, as numpy on the host (BF16 as its
-    bits): one device->host copy per wire type."""
-    return _host_arrays({name: tensor.cpu() for name, tensor in typed.items()})
+    bits): one device->host copy per wire type (none on a CPU model)."""
+    return _host_arrays({name: t if t.is_cpu else t.cpu() for name, t in typed.items()})
 
 
 def _host_arrays(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
