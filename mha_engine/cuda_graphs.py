@@ -19,6 +19,7 @@ in for (tests/mha_engine/test_cuda_graphs.py), not yet on a GPU.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from torch import Tensor
 
 from .quantize import is_int8
 from .varlen import Plan, varlen_capable
+
+log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
 
@@ -66,7 +69,10 @@ class _Graph:
 
 def _record(fn: Callable[[], Tensor], device: torch.device, pool) -> tuple[object, Tensor]:
     """(graph, static output) of `fn` captured into `pool`, after two warm-up calls on a side
-    stream (kernels pick their algorithms outside the capture)."""
+    stream (kernels pick their algorithms outside the capture). The capture forbids unsafe CUDA
+    calls in this thread only ("thread_local"): a bucket captured on first use while serving
+    must not fail because another thread (`--cuda-overlap`'s completer waiting on an event, a
+    shared-memory registration) makes a CUDA call meanwhile."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.inference_mode(), torch.cuda.stream(side):
@@ -74,7 +80,7 @@ def _record(fn: Callable[[], Tensor], device: torch.device, pool) -> tuple[objec
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+    with torch.inference_mode(), torch.cuda.graph(graph, pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 
@@ -116,6 +122,7 @@ class CudaGraphs:
             max_graphs,
         )
         self.graphs: dict[Key, _Graph] = {}
+        self.failed: set[Key] = set()  # buckets whose capture failed: never tried again
         self.replays = 0
         self._memory: tuple[int, int] = (0, 0)  # (graph count, bytes) when last measured
         self._pool = torch.cuda.graph_pool_handle()
@@ -131,7 +138,7 @@ class CudaGraphs:
     def _capture(self, key: Key) -> _Graph | None:
         if key in self.graphs:
             return self.graphs[key]
-        if len(self.graphs) >= self.max_graphs:
+        if key in self.failed or len(self.graphs) >= self.max_graphs:
             return None
         tokens, max_len, causal = key
         slots = bucket_slots(tokens, max_len, self.max_sequences)
@@ -140,7 +147,12 @@ class CudaGraphs:
         cu = torch.tensor(_cu_seqlens([], tokens, max_len, slots), dtype=torch.int32)
         cu = cu.to(self.device)  # (slots + 1,)
         plan = Plan([max_len], [max_len], cu, not causal, _no_groups, causal=causal, varlen_ok=True)
-        graph, out = _record(lambda: self.run(x, plan), self.device, self._pool)  # (tokens, E)
+        try:
+            graph, out = _record(lambda: self.run(x, plan), self.device, self._pool)  # (tokens, E)
+        except RuntimeError as exc:  # refused by the driver: this bucket runs eagerly from now on
+            self.failed.add(key)
+            log.warning("CUDA graph capture of bucket %s failed; it runs eagerly: %s", key, exc)
+            return None
         hosts, events = (_pinned(cu), _pinned(cu)), (_event(), _event())
         self.graphs[key] = _Graph(graph, x, cu, out, hosts, events)
         return self.graphs[key]
@@ -168,8 +180,9 @@ class CudaGraphs:
         while tokens <= self.max_tokens:
             length = MIN_BUCKET
             while length <= tokens and (max_len is None or length < 2 * max_len):
-                if self._capture((tokens, length, causal)) is None:
+                if len(self.graphs) >= self.max_graphs:
                     return self.count
+                self._capture((tokens, length, causal))  # a failed one is logged and skipped
                 length *= 2
             tokens *= 2
         return self.count

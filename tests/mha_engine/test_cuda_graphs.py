@@ -260,8 +260,8 @@ def test_record_warms_up_on_a_side_stream_then_captures_once(monkeypatch):
         log.append(f"off {stream.name}")
 
     @contextlib.contextmanager
-    def capturing(graph, pool):
-        log.append(f"capture into pool {pool}")
+    def capturing(graph, pool, capture_error_mode):
+        log.append(f"capture into pool {pool}, {capture_error_mode}")
         yield
         log.append("captured")
 
@@ -280,5 +280,28 @@ def test_record_warms_up_on_a_side_stream_then_captures_once(monkeypatch):
     assert graph == "graph" and out.item() == 2.0  # the captured call's output
     assert log == [
         "side waits for current", "on side", "call", "call", "off side",
-        "current waits for side", "capture into pool (7, 1)", "call", "captured",
+        "current waits for side", "capture into pool (7, 1), thread_local", "call", "captured",
     ]  # fmt: skip
+
+
+def test_a_failed_capture_runs_eagerly_and_is_not_tried_again(stand_in, monkeypatch, caplog):
+    """A capture the driver refuses (another thread's CUDA call, out of memory) must not fail
+    the batch: that bucket runs eagerly from then on, the others still replay."""
+    attempts: list[int] = []
+    record = cuda_graphs._record
+
+    def refuse_32(fn, device, pool):
+        out = fn()
+        attempts.append(out.shape[0])
+        if out.shape[0] == 32:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return record(fn, device, pool)
+
+    monkeypatch.setattr(cuda_graphs, "_record", refuse_32)
+    graphs = _graphs(_model(), max_tokens=64)
+    assert graphs.warm() == 6 - 2  # the two 32-token buckets failed, the rest were captured
+    assert "failed; it runs eagerly" in caplog.text
+    x = torch.randn(20, 32)
+    assert graphs(x, [20]) is None  # its bucket (32, 32) failed at warm-up: eager
+    assert graphs(x[:10], [10]) is not None
+    assert attempts.count(32) == 2  # never tried again
