@@ -30,7 +30,7 @@ from torch import nn
 
 import mha_engine
 from mha_engine.checkpoint import model_from_state_dict
-from mha_engine.cuda_graphs import bucket
+from mha_engine.graph_buckets import bucket
 from mha_engine.save import module_config, module_state
 
 UNIFORM = [(1, 16, 512, 8), (32, 16, 512, 8), (32, 128, 512, 8), (128, 64, 768, 12)]

@@ -18,10 +18,11 @@ from torch import Tensor
 from . import introspect
 from .attention import FusedAttention
 from .config import TransformerDecoderConfig
+from .cuda_graphs import graph_mode
 from .decoder_blocks import DecoderMasks, DecoderPlans, DecoderStack
 from .engine_model import EngineModel
 from .packing import check_packed
-from .varlen import cumulative, lengths, make_plan, pad_rows
+from .varlen import Plan, cumulative, lengths, make_plan, pad_rows
 
 Causal = bool | Sequence[bool] | Tensor
 # attention_weights' keys: decoder self-attention, decoder cross-attention, encoder (nn.Transformer)
@@ -111,6 +112,11 @@ class _DecoderBase(EngineModel):
                 f"tgt has {len(t_lens)} sequences but memory has {len(m_lens)}: "
                 "each target needs its own memory"
             )
+        mode = graph_mode(tgt_key_padding_mask, tgt_is_causal)
+        if memory_key_padding_mask is None and graph_mode(None, memory_is_causal) is False:
+            real = (memory[:memory_rows],)  # (M, E): pad_rows' padding left out
+            if (out := self._replay_cross(x, t_lens, real, m_lens, mode)) is not None:
+                return out  # (N, E) from a CUDA graph
         device = self.device
         plans = DecoderPlans(
             make_plan(t_lens, t_lens, tgt_is_causal, tgt_key_padding_mask, device, bucket_padding),
@@ -120,6 +126,14 @@ class _DecoderBase(EngineModel):
         )
         out = self._stack()(pad_rows(x), memory, plans=plans)[0]  # (max(N, MIN_ROWS), E)
         return out[: x.shape[0]]  # (N, E)
+
+    cross_memory_widths = property(lambda self: (self.embed_dim,))
+
+    def packed_cross_run(
+        self, x: Tensor, memory: tuple[Tensor, ...], self_plan: Plan, cross_plan: Plan
+    ) -> Tensor:
+        """The decoder stack over rows x (N, E) and one memory (M, E): what graphs capture."""
+        return self._stack()(x, memory[0], plans=DecoderPlans(self_plan, cross_plan))[0]
 
     def _packed(self, name: str, x: Tensor) -> Tensor:
         x = self._cast(x)

@@ -127,6 +127,16 @@ class EngineModel(nn.Module):
         """The packed self-attention forward on checked, cast rows x (N, E): what graphs capture."""
         raise NotImplementedError
 
+    # widths of the memory tensors packed_cross_run takes (key and value, or a decoder's memory)
+    cross_memory_widths: tuple[int, ...] = ()
+
+    def packed_cross_run(
+        self, x: Tensor, memory: tuple[Tensor, ...], self_plan: Plan, cross_plan: Plan
+    ) -> Tensor:
+        """The packed cross-attention forward of rows x (N, E) against checked, cast memory
+        tensors (M, width): what cross-attention graphs capture."""
+        raise NotImplementedError
+
     def enable_cuda_graphs(
         self,
         max_tokens: int = 4096,
@@ -134,12 +144,13 @@ class EngineModel(nn.Module):
         max_graphs: int = 64,
         warm_max_len: int | None = None,
     ) -> CudaGraphs:
-        """Replay unmasked packed self-attention forwards from CUDA graphs
-        (mha_engine.cuda_graphs), capturing the non-causal buckets up to max_tokens now
-        (sequences up to warm_max_len); causal ones are captured on first use."""
+        """Replay unmasked packed self- and cross-attention forwards from CUDA graphs
+        (mha_engine.cuda_graphs), capturing the non-causal self-attention buckets up to
+        max_tokens now (sequences up to warm_max_len); other buckets on first use."""
         captures = type(self).packed_run is not EngineModel.packed_run
+        crosses = type(self).packed_cross_run is not EngineModel.packed_cross_run
         self.cuda_graphs = capture(
-            self, captures, max_tokens, max_sequences, max_graphs, warm_max_len
+            self, captures, crosses, max_tokens, max_sequences, max_graphs, warm_max_len
         )
         return self.cuda_graphs
 
@@ -148,6 +159,22 @@ class EngineModel(nn.Module):
         replay (`causal` from cuda_graphs.graph_mode: None when it cannot), else None."""
         graphs = self.cuda_graphs
         return None if graphs is None or causal is None else graphs(x, lens, causal)
+
+    def _replay_cross(
+        self,
+        x: Tensor,
+        lens: list[int],
+        memory: tuple[Tensor, ...],
+        memory_lens: list[int],
+        causal: bool | None,
+    ) -> Tensor | None:
+        """x's cross-attention forward against `memory` by graph replay when graphs are on and
+        the call can replay (`causal`: x's self-attention flag, None when it cannot), else
+        None."""
+        graphs = self.cuda_graphs
+        if graphs is None or causal is None:
+            return None
+        return graphs.cross(x, lens, memory, memory_lens, causal)
 
     @torch.inference_mode()
     def forward_varlen(

@@ -142,8 +142,14 @@ class MultiheadAttentionModel(EngineModel):
                 raise ValueError(f"key has {k.shape[0]} rows, value {v.shape[0]}")
             kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
             kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
-        mode = graph_mode(key_padding_mask, is_causal) if k is q else None
-        if (out := self._replay(q, q_lens, mode)) is not None:
+        mode = graph_mode(key_padding_mask, is_causal)
+        if k is q:
+            out = self._replay(q, q_lens, mode)
+        elif v is not k and mode is False:  # own key and value: two K/V GEMMs, as eagerly
+            out = self._replay_cross(q, q_lens, (k, v), kv_lens, False)
+        else:
+            out = None
+        if out is not None:
             return out  # (N, E) from a CUDA graph
         plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, q.device, bucket_padding)
         if k is q:
@@ -155,6 +161,14 @@ class MultiheadAttentionModel(EngineModel):
 
     def packed_run(self, x: Tensor, plan: Plan) -> Tensor:
         return self.attn.forward_packed(x, plan)  # (N, E)
+
+    cross_memory_widths = property(lambda self: (self.kdim, self.vdim))
+
+    def packed_cross_run(
+        self, x: Tensor, memory: tuple[Tensor, ...], self_plan: Plan, cross_plan: Plan
+    ) -> Tensor:
+        key, value = memory  # (M, kdim), (M, vdim)
+        return self.attn.forward_packed(x, cross_plan, key, value)  # (N, E)
 
 
 class TransformerEncoderModel(EngineModel):

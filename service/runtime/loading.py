@@ -41,8 +41,9 @@ def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
 
 
 def _enable_cuda_graphs(model: ServedModel, settings: Settings) -> None:
-    """Capture the model's CUDA graphs now (mha_engine.cuda_graphs); a model whose layers
-    cannot replay (masks built in, decoders, GQA) runs eagerly, said once in the log."""
+    """Capture the model's CUDA graphs now (mha_engine.cuda_graphs; cross-attention and causal
+    buckets on first use); a model whose layers cannot replay (GQA, bias_k, int8) runs
+    eagerly, said once in the log."""
     tokens = min(settings.cuda_graph_max_tokens, settings.max_batch_tokens)
     try:
         graphs = model.enable_cuda_graphs(

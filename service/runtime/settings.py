@@ -88,9 +88,10 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
     cuda_graphs: bool = Field(
         True,
-        description="On CUDA, replay unmasked packed self-attention batches from CUDA graphs, "
-        "one per (tokens, longest sequence) bucket, captured at load (causal ones, where every "
-        "sequence is causal, on first use).",
+        description="On CUDA, replay unmasked packed batches from CUDA graphs, one per "
+        "(tokens, longest sequence) bucket: self-attention ones captured at load, causal "
+        "(every sequence causal) and cross-attention ones (decoders, blocks given key and "
+        "value) on first use.",
     )
     cuda_overlap: bool = Field(
         False,

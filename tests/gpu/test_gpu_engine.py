@@ -12,7 +12,7 @@ import torch
 
 from mha_engine.checkpoint import model_from_state_dict
 from mha_engine.save import module_config, module_state
-from mha_engine.varlen import make_plan, use_varlen
+from mha_engine.varlen import cumulative, make_plan, use_varlen
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,6 +100,42 @@ def test_cuda_graph_replay_gives_the_eager_numbers(dtype):
     assert torch.equal(
         graphed.forward_packed(x, cu, is_causal=mixed), eager.forward_packed(x, cu, is_causal=mixed)
     )
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_cross_attention_graphs_give_the_eager_numbers(dtype):
+    """Cross-attention replays give the eager forward's numbers, a pair alone or batched: an
+    attention block with its own key and value, and a decoder stack (causal self-attention,
+    then cross-attention), each bucket captured on first use."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    k_lens = [11, 300, 2, 64, 17, 90, 5]
+    cu_q, cu_k = cumulative(LENGTHS), cumulative(k_lens)
+    x = torch.randn(cu_q[-1], 256, device="cuda", dtype=dtype)
+    key, value = (torch.randn(cu_k[-1], 256, device="cuda", dtype=dtype) for _ in "kv")
+    module = torch.nn.MultiheadAttention(256, 8, batch_first=True).eval()
+    decoder_layer = torch.nn.TransformerDecoderLayer(256, 8, 512, 0.0, batch_first=True)
+    decoder = torch.nn.TransformerDecoder(decoder_layer, 2).eval()
+    for source, call in ((module, _block_cross), (decoder, _decoder_cross)):
+        eager = model_from_state_dict(module_config(source), module_state(source), "cuda", dtype)
+        graphed = model_from_state_dict(module_config(source), module_state(source), "cuda", dtype)
+        graphs = graphed.enable_cuda_graphs(max_tokens=1024, max_graphs=16, warm_max_len=16)
+        replays = graphs.replays
+        got = call(graphed, x, cu_q, key, value, cu_k)
+        assert graphs.replays == replays + 1, "no cross-attention replay"
+        _same(got, call(eager, x, cu_q, key, value, cu_k), dtype, "graph replay != eager")
+        for i, n in enumerate(LENGTHS):
+            q, k = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            alone = call(graphed, x[q], [0, n], key[k], value[k], [0, k_lens[i]])
+            _same(alone, got[q], dtype, f"graphed pair {i} depends on its batch")
+
+
+def _block_cross(model, x, cu, key, value, cu_k):
+    return model.forward_packed(x, cu, key, value, cu_k)  # own key and value
+
+
+def _decoder_cross(model, x, cu, memory, _value, cu_memory):
+    return model.forward_packed(x, cu, memory, cu_memory, tgt_is_causal=True)
 
 
 def test_text_model_replays_its_encoder():

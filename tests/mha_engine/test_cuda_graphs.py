@@ -7,54 +7,15 @@ in tests/gpu/test_gpu_engine.py."""
 from __future__ import annotations
 
 import contextlib
-from itertools import pairwise
 
 import pytest
 import torch
 
 import mha_engine.cuda_graphs as cuda_graphs
 from mha_engine.checkpoint import model_from_state_dict
-from mha_engine.cuda_graphs import (
-    CudaGraphs,
-    _cu_seqlens,
-    bucket,
-    bucket_key,
-    bucket_slots,
-    graph_mode,
-)
+from mha_engine.cuda_graphs import CudaGraphs, graph_mode
 from mha_engine.save import module_config, module_state
 from mha_engine.varlen import cumulative
-
-
-@pytest.mark.parametrize(("n", "want"), [(0, 16), (1, 16), (16, 16), (17, 32), (1000, 1024)])
-def test_bucket_is_the_next_power_of_two_from_16(n, want):
-    assert bucket(n) == want
-
-
-def test_bucket_key_takes_tokens_and_longest_sequence():
-    assert bucket_key([5, 9], 4096, 32) == (16, 16)
-    assert bucket_key([300, 20], 4096, 32) == (512, 512)
-    assert bucket_key([40] * 20, 4096, 32) == (1024, 64)
-    assert bucket_key([5000], 4096, 32) is None  # past the largest bucket: eager
-    assert bucket_key([1] * 33, 4096, 32) is None  # past max_sequences
-    assert bucket_key([], 4096, 32) is None
-
-
-def test_padding_rows_form_their_own_sequences_and_slots_stay_empty():
-    lens = [3, 7, 1]
-    tokens, max_len = bucket_key(lens, 4096, 8)
-    slots = bucket_slots(tokens, max_len, 8)
-    cu = _cu_seqlens(lens, tokens, max_len, slots)
-    assert len(cu) == slots + 1
-    assert cu[:4] == [0, 3, 10, 11]  # the real sequences, unchanged
-    chunks = [b - a for a, b in pairwise(cu[3:]) if b > a]
-    assert sum(chunks) == tokens - 11 and max(chunks) <= max_len  # padding, never longer
-    assert cu[-1] == tokens and all(a <= b for a, b in pairwise(cu))
-
-
-def test_more_sequences_than_slots_is_refused():
-    with pytest.raises(ValueError, match="do not fit"):
-        _cu_seqlens([1] * 10, 16, 16, 4)
 
 
 def test_graph_mode_is_the_one_causal_flag_of_an_unmasked_call():
@@ -93,12 +54,15 @@ def test_an_eager_model_does_not_replay():
     assert model.cuda_graphs is None
 
 
-def test_models_without_a_packed_self_attention_forward_are_refused(monkeypatch):
+def test_decoders_capture_cross_attention_graphs_only(stand_in, monkeypatch):
+    """A decoder has no self-attention-only forward (nothing warmed at load) but replays its
+    whole stack, cross-attention included, from graphs captured on first use."""
     layer = torch.nn.TransformerDecoderLayer(32, 4, 64, batch_first=True).eval()
     model = model_from_state_dict(module_config(layer), module_state(layer), "cpu", "float32")
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
-    with pytest.raises(ValueError, match="no packed self-attention forward"):
-        model.enable_cuda_graphs()
+    graphs = model.enable_cuda_graphs(max_tokens=256)
+    assert graphs.count == 0 and graphs.run is None and graphs.cross_run is not None
+    assert graphs.memory_widths == (32,)
 
 
 class _Recording:
@@ -202,7 +166,7 @@ def test_layouts_upload_through_two_host_buffers_in_turn(stand_in):
     graphs(x, [1, 9])
     turns = [f"wait {first}", f"record {first}", f"wait {second}", f"record {second}"]
     assert stand_in[2:] == turns
-    assert graph.cu.tolist()[:3] == [0, 1, 10]  # the static buffer holds the last layout
+    assert graph.cus[0].tolist()[:3] == [0, 1, 10]  # the static buffer holds the last layout
 
 
 def test_warm_captures_every_bucket_within_the_bounds(stand_in):
@@ -305,3 +269,111 @@ def test_a_failed_capture_runs_eagerly_and_is_not_tried_again(stand_in, monkeypa
     assert graphs(x, [20]) is None  # its bucket (32, 32) failed at warm-up: eager
     assert graphs(x[:10], [10]) is not None
     assert attempts.count(32) == 2  # never tried again
+
+
+def _decoder(d_model: int = 32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerDecoderLayer(d_model, 4, 64, batch_first=True).eval()
+    decoder = torch.nn.TransformerDecoder(layer, 2).eval()
+    return model_from_state_dict(module_config(decoder), module_state(decoder), "cpu", "float32")
+
+
+def _cross_graphs(model, max_tokens=256, max_sequences=8) -> CudaGraphs:
+    """CudaGraphs whose captured cross-attention call is the model's eager forward_packed on the
+    static buffers, split at the static layouts as they are at replay."""
+
+    def cross_run(x, memory, self_plan, cross_plan):
+        cu_q, cu_k = cross_plan.cu_seqlens.tolist(), cross_plan.cu_seqlens_k.tolist()
+        if len(memory) == 2:  # an attention block: its own key and value
+            return model.forward_packed(x, cu_q, memory[0], memory[1], cu_k)
+        return model.forward_packed(x, cu_q, memory[0], cu_k, tgt_is_causal=self_plan.causal)
+
+    widths = (model.kdim, model.vdim) if model.architecture == "multihead_attention" else (32,)
+    graphs = CudaGraphs(None, model.embed_dim, model.dtype, torch.device("cuda"), max_tokens,
+                        max_sequences, 64, cross_run, widths)  # fmt: skip
+    graphs.device = torch.device("cpu")
+    return graphs
+
+
+BATCHES = [([5, 9], [7, 3]), ([3, 7, 1], [1, 20, 4]), ([5, 9], [7, 3]), ([40, 2], [2, 90])]
+
+
+def test_cross_replay_gives_each_sequence_its_eager_numbers(stand_in):
+    """Queries against memories of their own, through the replay protocol: the eager numbers
+    of every pair, alone or batched; the layouts upload both cu_seqlens in one copy."""
+    torch.manual_seed(0)
+    model = _model()
+    graphs = _cross_graphs(model)
+    for q_lens, k_lens in BATCHES:
+        cu_q, cu_k = cumulative(q_lens), cumulative(k_lens)
+        x, key, value = (
+            torch.randn(cu_q[-1], 32),
+            torch.randn(cu_k[-1], 32),
+            torch.randn(cu_k[-1], 32),
+        )
+        got = graphs.cross(x, q_lens, (key, value), k_lens)
+        assert got is not None and got.shape == x.shape
+        want = model.forward_packed(x, cu_q, key, value, cu_k)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        for i in range(len(q_lens)):
+            q, k = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            alone = model.forward_packed(x[q], [0, q_lens[i]], key[k], value[k], [0, k_lens[i]])
+            torch.testing.assert_close(got[q], alone, atol=1e-6, rtol=0)
+    assert all(len(key) == 5 for key in graphs.graphs)
+    assert graphs(torch.randn(4, 32), [4]) is None  # no self-attention run: never replays
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_decoder_stack_replays_with_its_causal_self_attention(stand_in, causal):
+    torch.manual_seed(0)
+    model = _decoder()
+    graphs = _cross_graphs(model)
+    for q_lens, k_lens in BATCHES:
+        cu_q, cu_k = cumulative(q_lens), cumulative(k_lens)
+        x, memory = torch.randn(cu_q[-1], 32), torch.randn(cu_k[-1], 32)
+        got = graphs.cross(x, q_lens, (memory,), k_lens, causal)
+        want = model.forward_packed(x, cu_q, memory, cu_k, tgt_is_causal=causal)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert {key[4] for key in graphs.graphs} == {causal}
+
+
+def test_models_replay_unmasked_cross_attention_and_run_the_rest_eagerly(stand_in):
+    """forward_packed of an attention block with its own key and value, and of a decoder,
+    replays; masks, mixed causal flags and a key that is also the value run eagerly, all with
+    the eager numbers."""
+    torch.manual_seed(0)
+    eager, graphed = _model(), _model()
+    graphed.load_state_dict(eager.state_dict())
+    graphed.cuda_graphs = graphs = _cross_graphs(eager)
+    x, key, value = torch.randn(14, 32), torch.randn(10, 32), torch.randn(10, 32)
+    cu_q, cu_k = [0, 5, 14], [0, 7, 10]
+    mask = torch.zeros(10, dtype=torch.bool)
+    calls = [
+        ({"value": value}, 1),
+        ({"value": value, "key_padding_mask": mask}, 0),
+        ({"value": value, "is_causal": True}, 0),
+        ({}, 0),  # the key is the value: one fused K/V GEMM eagerly, so no graph
+    ]
+    for kwargs, replayed in calls:
+        before = graphs.replays
+        got = graphed.forward_packed(x, cu_q, key, cu_seqlens_k=cu_k, **kwargs)
+        assert graphs.replays == before + replayed, kwargs
+        want = eager.forward_packed(x, cu_q, key, cu_seqlens_k=cu_k, **kwargs)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+    eager, graphed = _decoder(), _decoder()
+    graphed.cuda_graphs = graphs = _cross_graphs(eager)
+    memory = torch.randn(10, 32)
+    calls = [
+        ({"tgt_is_causal": True}, 1),
+        ({"tgt_is_causal": [True, False]}, 0),
+        ({"memory_key_padding_mask": mask}, 0),
+        ({"tgt_key_padding_mask": torch.zeros(14, dtype=torch.bool)}, 0),
+        ({}, 1),
+    ]
+    for kwargs, replayed in calls:
+        before = graphs.replays
+        got = graphed.forward_packed(x, cu_q, memory, cu_k, **kwargs)
+        assert graphs.replays == before + replayed, kwargs
+        torch.testing.assert_close(got, eager.forward_packed(x, cu_q, memory, cu_k, **kwargs),
+                                   atol=1e-6, rtol=0)  # fmt: skip
