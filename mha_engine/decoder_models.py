@@ -112,8 +112,12 @@ class _DecoderBase(EngineModel):
                 f"tgt has {len(t_lens)} sequences but memory has {len(m_lens)}: "
                 "each target needs its own memory"
             )
-        mode = graph_mode(tgt_key_padding_mask, tgt_is_causal)
-        if memory_key_padding_mask is None and graph_mode(None, memory_is_causal) is False:
+        if (
+            self.cuda_graphs is not None
+            and memory_key_padding_mask is None
+            and graph_mode(None, memory_is_causal) is False
+        ):
+            mode = graph_mode(tgt_key_padding_mask, tgt_is_causal)
             real = (memory[:memory_rows],)  # (M, E): pad_rows' padding left out
             if (out := self._replay_cross(x, t_lens, real, m_lens, mode)) is not None:
                 return out  # (N, E) from a CUDA graph
