@@ -239,8 +239,7 @@ def _results(
         if i in bad:
             results.append(BadInput(f"input '{bad[i]}' holds NaN or Inf values"))
         elif finite or _finite(torch.from_numpy(mine).view(DATATYPES[p.datatype].torch)):
-            sink = p.output_sink is not None  # only then the rows on the device are cut out
-            results.append(_sink(p, typed[p.datatype][rows], mine) if sink else mine)
+            results.append(_sink(p, typed[p.datatype], rows, mine))
         else:
             results.append(
                 NonFiniteOutput(
@@ -321,13 +320,16 @@ def _host_arrays(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     }
 
 
-def _sink(payload: Payload, rows: torch.Tensor, host: np.ndarray) -> np.ndarray | ServiceError:
-    """The payload's rows also to its output sink (CUDA shared memory: straight from the device;
-    unverified on a GPU); the sink's refusal (a region too small) is the payload's error."""
+def _sink(
+    payload: Payload, output: torch.Tensor, rows: slice, host: np.ndarray
+) -> np.ndarray | ServiceError:
+    """The payload's rows of the output also to its output sink (CUDA shared memory: straight
+    from the device; unverified on a GPU); the sink's refusal (a region too small) is the
+    payload's error. Without a sink nothing is cut from `output` (no dispatch per request)."""
     if payload.output_sink is None:
         return host
     try:
-        payload.output_sink(rows)
+        payload.output_sink(output[rows])
     except ServiceError as exc:
         return exc
     return host
