@@ -2,7 +2,7 @@
 nn.TransformerDecoderLayer (batch_first, eval, no_grad), causal self-attention + cross-attention.
 
 Run `flock /work/bench.lock python -m benchmarks.decoder [--quick] [--threads N]` from the
-repository root. Per shape the cases run interleaved (benchmarks.engine.time_cases), so load from
+repository root. Per shape the cases run interleaved (benchmarks.timing.time_cases), so load from
 other processes hits them alike and the ratios come from one run. Uniform shapes compare the
 dense forward with PyTorch's; the mixed shape compares the engine's packed forward (no padding)
 with PyTorch on the padded batch with both key padding masks.
@@ -17,7 +17,8 @@ import time
 import torch
 from torch import nn
 
-from benchmarks.engine import _engine, cpu_model, time_cases
+from benchmarks.engine import _engine, cpu_model
+from benchmarks.timing import time_cases
 
 # (B, T, S, d_model, nhead, dim_feedforward): target length T, memory length S
 UNIFORM = [(8, 64, 128, 512, 8, 2048), (32, 32, 64, 256, 4, 1024)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import platform
 import random
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mha_engine
+from benchmarks.timing import time_cases
 from mha_engine.checkpoint import model_from_state_dict
 from mha_engine.quantize import Int8Linear
 from mha_engine.save import module_config, module_state
@@ -67,37 +67,6 @@ WORDS = [
 def attention_flops(lengths: list[int], embed_dim: int) -> float:
     """Useful FLOPs of self-attention: 4 projections (8·T·E²) + QKᵀ and AV (4·T²·E) per sequence."""
     return float(sum(8 * t * embed_dim**2 + 4 * t * t * embed_dim for t in lengths))
-
-
-def _calibrate(fn: Callable[[], object], min_time: float) -> int:
-    """Warm up and return how many calls fill one timed block of about `min_time` seconds."""
-    fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < min_time:
-        fn()
-        calls += 1
-    return max(1, calls)
-
-
-def time_cases(
-    cases: dict[str, Callable[[], object]],
-    repeats: int,
-    min_time: float,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, float]:
-    """Median seconds per call of each case; repeats are interleaved across cases so a burst of
-    load from other processes hits every implementation alike and ratios stay meaningful.
-    `clock`: wall time by default; `time.thread_time` counts the calling thread's CPU only
-    (steadier on a shared host for single-threaded calls)."""
-    blocks = {name: _calibrate(fn, min_time) for name, fn in cases.items()}
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            t0 = clock()
-            for _ in range(blocks[name]):
-                fn()
-            samples[name].append((clock() - t0) / blocks[name])
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _engine(module: nn.Module, dtype: str | torch.dtype):

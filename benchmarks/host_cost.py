@@ -5,9 +5,10 @@ the host (its Python calls and the ATen ops it dispatches, each a kernel launch 
 dispatch on CUDA) sets its speed. On CPU the same code runs with tiny kernels, so the host cost
 shows there too. Per case: ATen ops dispatched and Python-level calls per `forward_packed`
 (counted, not timed: the same on every run), and the thread CPU time per call against
-nn.MultiheadAttention's fused fast path, interleaved; "wall" is the same ratio in wall time
-(throughput). On CUDA each timed block ends with one synchronize: where the GPU, not the host,
-is the bottleneck the thread time includes CUDA's spin-wait there, and only "wall" is meaningful.
+nn.MultiheadAttention's fused fast path, interleaved (benchmarks.timing.time_cases); "wall" is
+the same ratio in wall time (throughput). On CUDA each timed block ends with one synchronize:
+where the GPU, not the host, is the bottleneck the thread time includes CUDA's spin-wait there,
+and only "wall" is meaningful.
 
     python -m benchmarks.host_cost [--device cuda] [--rounds 5]
     python -m benchmarks.host_cost --root <tree> --root <tree>   # trees alternated, round by round
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import os
 import pstats
@@ -31,6 +33,11 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if __package__:
+    from benchmarks.timing import time_cases
+else:  # run as a script against another tree's mha_engine (--root): its neighbour module
+    from timing import time_cases
 
 # (embed_dim, num_heads, tokens per sequence, sequences)
 CASES = [(16, 2, 1, 16), (64, 4, 4, 8), (512, 8, 16, 1), (512, 8, 16, 32)]
@@ -51,17 +58,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(device: str, dtype: torch.dtype, rounds: int, calls: int) -> dict[str, dict]:
+def measure(device: str, dtype: torch.dtype, rounds: int, min_time: float) -> dict[str, dict]:
     """Per case: ops and Python calls per forward, and median thread-CPU µs per call of the
     engine's forward_packed and of nn.MultiheadAttention on the same tokens."""
     results = {}
     for E, H, T, B in CASES:
         case = f"MHA({E}, {H}), {B} x {T} tokens"
-        results[case] = _case(E, H, T, B, torch.device(device), dtype, rounds, calls)
+        results[case] = _case(E, H, T, B, torch.device(device), dtype, rounds, min_time)
     return results
 
 
-def _case(E: int, H: int, T: int, B: int, dev: torch.device, dtype, rounds: int, calls: int):
+def _case(E: int, H: int, T: int, B: int, dev: torch.device, dtype, rounds: int, min_time: float):
     from mha_engine.checkpoint import model_from_state_dict
     from mha_engine.save import module_config, module_state
 
@@ -81,7 +88,7 @@ def _case(E: int, H: int, T: int, B: int, dev: torch.device, dtype, rounds: int,
             mha(xb, xb, xb, need_weights=False)
 
     for fn in (engine, pytorch):
-        for _ in range(max(10, calls // 10)):
+        for _ in range(10):
             fn()
     _sync(dev)
     counter = _CountOps()
@@ -92,22 +99,16 @@ def _case(E: int, H: int, T: int, B: int, dev: torch.device, dtype, rounds: int,
     for _ in range(20):
         model.forward_packed(x, cu)
     profile.disable()
-    host: dict[str, list[float]] = {"engine": [], "pytorch": []}
-    wall: dict[str, list[float]] = {"engine": [], "pytorch": []}
-    for _ in range(rounds):
-        for name, fn in (("engine", engine), ("pytorch", pytorch)):
-            t0, w0 = time.thread_time(), time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(dev)
-            host[name].append((time.thread_time() - t0) / calls * 1e6)
-            wall[name].append((time.perf_counter() - w0) / calls * 1e6)
+    cases = {"engine": engine, "pytorch": pytorch}
+    sync = functools.partial(_sync, dev)  # a block of CUDA launches is timed to its end
+    host = time_cases(cases, rounds, min_time, time.thread_time, sync)
+    wall = time_cases(cases, rounds, min_time, time.perf_counter, sync)
     return {
         "aten_ops": counter.ops,
         "python_calls": round(pstats.Stats(profile).total_calls / 20),
-        "engine_us": statistics.median(host["engine"]),
-        "pytorch_us": statistics.median(host["pytorch"]),
-        "wall_ratio": statistics.median(wall["engine"]) / statistics.median(wall["pytorch"]),
+        "engine_us": host["engine"] * 1e6,
+        "pytorch_us": host["pytorch"] * 1e6,
+        "wall_ratio": wall["engine"] / wall["pytorch"],
     }
 
 
@@ -116,7 +117,7 @@ def _child(root: str, args: argparse.Namespace) -> dict[str, dict]:
     python = str(venv) if venv.exists() else sys.executable
     # this file, with the tree's mha_engine first on the path
     command = [python, __file__, "--json", "--rounds", str(args.rounds)]
-    command += ["--device", args.device, "--dtype", args.dtype, "--calls", str(args.calls)]
+    command += ["--device", args.device, "--dtype", args.dtype, "--min-time", str(args.min_time)]
     env = {**os.environ, "PYTHONPATH": str(Path(root).resolve())}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
@@ -129,13 +130,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=300, help="calls per timed block")
+    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per timed block")
     parser.add_argument("--root", action="append", default=[], help="a tree to alternate")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.root:
-        results = measure(args.device, getattr(torch, args.dtype), args.rounds, args.calls)
+        results = measure(args.device, getattr(torch, args.dtype), args.rounds, args.min_time)
         if args.json:
             print(json.dumps(results))
             return

@@ -7,7 +7,7 @@ Part 1: one linear (K -> N) on 16, 64 and 256 rows, oneDNN prepacked against F.l
 bf16 (wall time). Part 2: MHA blocks' forward_packed with the rule on (default) and off (every
 float32 weight prepacked, as before), against nn.MultiheadAttention on the same batch; CPU time
 of the calling thread (steadier than wall time on a shared host). Both through
-benchmarks.engine.time_cases: the cases alternate, medians of `--rounds` blocks of ~20 ms.
+benchmarks.timing.time_cases: the cases alternate, medians of `--rounds` blocks of ~20 ms.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.engine import time_cases
+from benchmarks.timing import time_cases
 from mha_engine import fused
 from mha_engine.checkpoint import model_from_state_dict
 from mha_engine.save import module_config, module_state

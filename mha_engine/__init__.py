@@ -25,7 +25,7 @@ from .cpu_memory import cpu_allocator_tuned, tune_cpu_allocator
 from .decoder_blocks import DecoderLayer, DecoderStack
 from .decoder_models import TransformerDecoderModel
 from .demo import build_demo_model, demo_module
-from .devices import check_device
+from .devices import check_device, moved
 from .engine_model import EngineModel
 from .errors import DeviceError
 from .heads import ClassifierInfo, TextClassifierModel
@@ -71,6 +71,7 @@ __all__ = [
     "cpu_allocator_tuned",
     "demo_module",
     "load_model",
+    "moved",
     "quantize_int8",
     "save_model",
     "tune_cpu_allocator",

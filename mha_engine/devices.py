@@ -88,11 +88,23 @@ def check_device(
     return (resolved, *resolve_precision(dtype, resolved))
 
 
+def moved(
+    tensor: torch.Tensor,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    non_blocking: bool = False,
+) -> torch.Tensor:
+    """tensor on `device` in `dtype` (None: as it is): the tensor itself, with no dispatch, when
+    it already is. `.to()` returns it too, but through a dispatch, which costs host time per op
+    on CUDA and the engine thread a GIL hand-off beside a busy event loop."""
+    if (device is None or tensor.device == device) and (dtype is None or tensor.dtype == dtype):
+        return tensor
+    return tensor.to(device=device, dtype=dtype, non_blocking=non_blocking)
+
+
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`; to CUDA from pinned memory without blocking the host, so the
     index tensors a forward builds from host lengths never stall it."""
-    if device.type == "cpu":
-        return host
     if device.type != "cuda":
-        return host.to(device)
+        return moved(host, device)
     return host.pin_memory().to(device, non_blocking=True)

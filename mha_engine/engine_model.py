@@ -15,6 +15,7 @@ from . import introspect
 from .attention import FusedAttention
 from .config import EngineConfig
 from .cuda_graphs import CudaGraphs, capture
+from .devices import moved
 from .packing import pack_varlen
 from .quantize import is_int8
 from .varlen import Plan, cumulative
@@ -106,11 +107,9 @@ class EngineModel(nn.Module):
             return None
         anchor = self._anchor()
         if x.dtype == torch.bool:
-            return x.to(anchor.device)
+            return moved(x, anchor.device)
         if torch.is_floating_point(x):
-            if x.dtype == anchor.dtype and x.device == anchor.device:
-                return x  # what .to() would return, without its dispatch
-            return x.to(device=anchor.device, dtype=anchor.dtype)
+            return moved(x, anchor.device, anchor.dtype)
         raise TypeError(f"expected a floating point or bool tensor, got {x.dtype}")
 
     def forward_packed(self, query: Tensor, cu_seqlens: Tensor | Sequence[int], **kwargs) -> Tensor:

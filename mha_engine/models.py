@@ -142,13 +142,13 @@ class MultiheadAttentionModel(EngineModel):
                 raise ValueError(f"key has {k.shape[0]} rows, value {v.shape[0]}")
             kv_cu = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
             kv_lens = lengths(kv_cu, k.shape[0], "cu_seqlens_k")
-        mode = graph_mode(key_padding_mask, is_causal)
-        if k is q:
-            out = self._replay(q, q_lens, mode)
-        elif v is not k and mode is False:  # own key and value: two K/V GEMMs, as eagerly
-            out = self._replay_cross(q, q_lens, (k, v), kv_lens, False)
-        else:
-            out = None
+        out = None
+        if self.cuda_graphs is not None:
+            mode = graph_mode(key_padding_mask, is_causal)
+            if k is q:
+                out = self._replay(q, q_lens, mode)
+            elif v is not k and mode is False:  # own key and value: two K/V GEMMs, as eagerly
+                out = self._replay_cross(q, q_lens, (k, v), kv_lens, False)
         if out is not None:
             return out  # (N, E) from a CUDA graph
         plan = make_plan(q_lens, kv_lens, is_causal, key_padding_mask, q.device, bucket_padding)

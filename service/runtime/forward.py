@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mha_engine import ServedModel
+from mha_engine import ServedModel, moved
 from service.oip.datatypes import DATATYPES
 from service.oip.decoder_inputs import DECODER_ARCHITECTURES, TRANSFORMER, decoder_input_name
 from service.oip.inputs import nonfinite_input
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from service.runtime.work import Runner, Work
 
 Finish = Callable[[], list[Any]]  # waits for a launched batch; its results, in order
+HOST = torch.device("cpu")
 
 
 def run_batch(model: ServedModel, works: list[Work]) -> list[Any]:
@@ -127,9 +128,7 @@ def stage(
         staging = staging.view(wire.torch)
     if copies is not None:
         return staging, copies.upload(staging, dtype)
-    if staging.dtype == dtype and device.type == "cpu":
-        return staging, staging  # the engine reads the staging tensor itself
-    return staging, staging.to(device=device, dtype=dtype, non_blocking=pin)
+    return staging, moved(staging, device, dtype, non_blocking=pin)  # on CPU often itself
 
 
 def _cumulative(lengths: list[int]) -> list[int]:
@@ -206,7 +205,7 @@ def _launch(model: ServedModel, payloads: list[Payload], copies: DeviceCopies | 
             key_padding_mask=masks,
             is_causal=causal,
         )  # (N, E) on the device
-    typed = {name: _as(out, DATATYPES[name].torch) for name in set(types)}  # on the device
+    typed = {name: moved(out, dtype=DATATYPES[name].torch) for name in set(types)}  # on the device
     if copies is None:
         finite = _finite(out)
         host = _to_host(typed)  # (N, E) per wire type, one device->host copy each
@@ -300,16 +299,10 @@ def _decoder_forward(
     )
 
 
-def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """tensor in dtype: itself when it already is (no dispatch: each one costs the engine
-    thread a GIL hand-off beside a busy event loop)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype=dtype)
-
-
 def _to_host(typed: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """The output in each wire datatype the batch asked for, as numpy on the host (BF16 as its
     bits): one device->host copy per wire type (none on a CPU model)."""
-    return _host_arrays({name: t if t.is_cpu else t.cpu() for name, t in typed.items()})
+    return _host_arrays({name: moved(t, HOST) for name, t in typed.items()})
 
 
 def _host_arrays(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
