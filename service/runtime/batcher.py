@@ -1,10 +1,16 @@
 """Dynamic batcher: requests queue on the event loop; one engine thread runs a plain loop of
-collect-a-batch, forward, hand results back. The event loop never runs a forward.
+collect-a-batch, forward, hand results back (or, for short CPU batches, the event loop runs it:
+below).
 
 A batch closes when it holds `max_batch_size` sequences or `max_batch_tokens` tokens, or
 `max_batch_delay_s` after its first request was queued. Requests stay whole and keep FIFO order.
 With `adaptive_delay` a batch waits only while batch-mates are likely (service.runtime.rates);
 otherwise it starts with what is queued.
+
+With `loop_batch_max_s` (--loop-batch-max-ms, CPU models) a batch runs on the event loop
+itself while batches are that short (service.runtime.placement): no GIL handoffs between the
+loop and the engine thread. Requests submitted off the loop (the --workers engine's readers)
+and exclusive calls always run on the engine thread; only one batch runs at a time either way.
 
 With `overlap` (--cuda-overlap, CUDA models) a batch is launched on the engine thread and
 finished on a completer thread (service.runtime.completer), so the next batch is staged and
@@ -17,7 +23,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import logging
 import math
 import threading
 import time
@@ -27,21 +32,12 @@ from typing import Any
 import torch
 
 from mha_engine import ServedModel
-from service.pipeline.errors import (
-    DeadlineExceeded,
-    InferenceError,
-    NotReady,
-    Overloaded,
-    ServiceError,
-)
-from service.runtime.completer import Completer
-from service.runtime.device_copies import DeviceCopies
-from service.runtime.forward import Finish, launch_batch
-from service.runtime.rates import Arrivals, DrainRate
+from service.pipeline.errors import NotReady, Overloaded
+from service.runtime.placement import LoopPlacement
+from service.runtime.rates import Arrivals
+from service.runtime.runner import BatchRunner
 from service.runtime.statistics import BatchObserver
-from service.runtime.work import Exclusive, QueueItem, Work, resolve_all
-
-log = logging.getLogger(__name__)
+from service.runtime.work import Exclusive, QueueItem, Work
 
 SHUTTING_DOWN = "server is shutting down; retry on another replica"
 
@@ -61,6 +57,7 @@ class DynamicBatcher:
         threads: int | None = None,
         overlap: bool = False,
         adaptive_delay: bool = False,
+        loop_batch_max_s: float = 0.0,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_queue < 1:
             raise ValueError(
@@ -74,26 +71,39 @@ class DynamicBatcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_delay_s = max_batch_delay_s
         self.max_queue = max_queue
-        self.observer = observer
         self.threads = threads  # intra-op threads of the engine thread; None: torch's default
         self.overlap = overlap  # finish batches on a completer thread (see the module's doc)
-        self._completer: Completer | None = None
         self._arrivals = Arrivals(max_batch_delay_s) if adaptive_delay else None
-        self._running = 0  # batches started and not yet reported done
-        self._copies: DeviceCopies | None = None
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._queued_sequences = 0
         self._queued_tokens = 0
         self._reserved = 0  # slots held by requests still being prepared (e.g. tokenizing)
         self._closed = False  # the drain grace ended: nothing more is queued
-        self._drain = DrainRate()
+        self._runner = BatchRunner(model, observer, overlap)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+        self._placement = LoopPlacement(loop_batch_max_s) if loop_batch_max_s > 0 else None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop batches may run on
+        self._turn: asyncio.Handle | None = None  # a loop turn is scheduled: the thread waits
+        self._turn_now = False  # ... and it is not a timer (the batch is ready)
+        self._handoff = False  # a loop turn found the thread busy: it hands the queue over
+        self._busy = False  # a batch or exclusive call is running (thread or loop)
 
     # -- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread; called on the event loop that may run short batches."""
+        if self._placement is not None:
+            self._loop = asyncio.events._get_running_loop()
         self._thread.start()
+
+    @property
+    def observer(self) -> BatchObserver | None:
+        return self._runner.observer
+
+    @observer.setter
+    def observer(self, observer: BatchObserver | None) -> None:
+        self._runner.observer = observer
 
     @property
     def queued_sequences(self) -> int:
@@ -142,7 +152,7 @@ class DynamicBatcher:
         size = work.sequences
         with self._cond:
             self._check_room(size)
-            wait = self._drain.wait_s(self._queued_tokens)
+            wait = self._runner.drain.wait_s(self._queued_tokens)
             if wait:
                 budget = work.deadline - time.monotonic()
                 if wait > budget:
@@ -153,15 +163,17 @@ class DynamicBatcher:
                     )
             first = not self._queue
             if self._arrivals is not None and isinstance(work, Work) and work.wait_for_batch:
-                self._arrivals.arrived(time.monotonic(), not first or self._running > 0)
+                self._arrivals.arrived(time.monotonic(), not first or self._runner.running > 0)
             self._queue.append(work)
             self._queued_sequences += size
             self._queued_tokens += work.tokens
             self._report_depth()
+            if self._wants_loop(work):
+                self._schedule_turn()
             # Wake the engine thread only when it has something new to decide: work after an
             # empty queue, or a batch now full (it waits out the delay otherwise). No wake-up
             # (and recount of the queue) per request while a batch fills.
-            if first or self._full() or isinstance(work, Exclusive):
+            elif first or self._full() or isinstance(work, Exclusive):
                 self._cond.notify()
 
     def _full(self) -> bool:
@@ -232,22 +244,22 @@ class DynamicBatcher:
     def _run(self) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # this thread starts the engine's parallel work
-        if self.overlap:
-            self._completer = Completer(self._finish)
-            if self.model.device.type == "cuda":
-                self._copies = DeviceCopies(self.model.device)
+        self._runner.open()
         try:
             while True:
                 batch = self._next_batch()
                 if batch is None:
                     return
-                if isinstance(batch, Exclusive):
-                    self._run_exclusive(batch)
-                elif batch:
-                    self._execute(batch)
+                started = time.perf_counter()
+                try:
+                    if isinstance(batch, Exclusive):
+                        self._runner.run_exclusive(batch)
+                    elif batch:
+                        self._runner.run(batch)
+                finally:
+                    self._done(batch, time.perf_counter() - started, on_loop=False)
         finally:
-            if self._completer is not None:
-                self._completer.close()  # every launched batch is answered before the end
+            self._runner.close()  # every launched batch is answered before the end
 
     def _fits(self, seqs: int, tokens: int, work: QueueItem) -> bool:
         # An Exclusive never joins a batch: it closes the batch before it.
@@ -256,130 +268,154 @@ class DynamicBatcher:
             and tokens + work.tokens <= self.max_batch_tokens
         )
 
+    def _thread_may_take(self) -> bool:
+        """The engine thread's turn: nothing running, and no loop turn scheduled for the queue
+        (a loop turn leaves exclusive calls and, while stopping, everything to the thread)."""
+        if self._busy or not self._queue:
+            return False
+        if self._stopping or isinstance(self._queue[0], Exclusive):
+            return True
+        return self._turn is None and not self._handoff
+
     def _next_batch(self) -> list[Work] | Exclusive | None:
         """Wait for work, let the batch fill until full or the delay is up, then take it."""
         with self._cond:
-            while not self._queue:
-                if self._stopping:
+            while True:
+                if self._stopping and not self._queue and not self._busy:
                     return None
-                self._cond.wait()
-            if isinstance(self._queue[0], Exclusive):
-                item = self._queue.popleft()
-                self._queued_sequences -= item.sequences
-                self._report_depth()
-                item.started_at = time.monotonic()
-                return item
-            head = self._queue[0]
-            wait = head.wait_for_batch and (
-                self._arrivals is None or self._arrivals.worth_waiting()
-            )
-            flush_at = head.enqueued_at + (self.max_batch_delay_s if wait else 0.0)
-            while not self._stopping:
-                seqs = tokens = 0
-                full = False
-                for work in self._queue:
-                    if not self._fits(seqs, tokens, work):
-                        full = True
-                        break
-                    seqs += work.sequences
-                    tokens += work.tokens
-                remaining = flush_at - time.monotonic()
-                if full or seqs >= self.max_batch_size or remaining <= 0:
-                    break
+                if not self._thread_may_take():
+                    self._cond.wait()
+                    continue
+                if isinstance(self._queue[0], Exclusive):
+                    item = self._queue.popleft()
+                    self._queued_sequences -= item.sequences
+                    self._report_depth()
+                    item.started_at = time.monotonic()
+                    self._busy = True
+                    return item
+                remaining = self._remaining()
+                if remaining <= 0 or self._stopping:
+                    return self._take()
                 self._cond.wait(remaining)
 
-            batch: list[Work] = []
-            seqs = tokens = 0
-            now = time.monotonic()
-            while self._queue and self._fits(seqs, tokens, self._queue[0]):
-                work = self._queue.popleft()
-                self._queued_sequences -= work.sequences
-                self._queued_tokens -= work.tokens
-                if now > work.deadline:
-                    self._expire(work)
-                    continue
-                work.started_at = now
-                seqs += work.sequences
-                tokens += work.tokens
-                batch.append(work)
-            self._report_depth()
-            return batch
+    def _remaining(self) -> float:
+        """Seconds the batch at the head of the queue should still wait for batch-mates (<= 0:
+        take it now: full, or the delay is up, or waiting does not pay)."""
+        seqs = tokens = 0
+        for work in self._queue:
+            if not self._fits(seqs, tokens, work):
+                return 0.0
+            seqs += work.sequences
+            tokens += work.tokens
+        head = self._queue[0]
+        if seqs >= self.max_batch_size or not head.wait_for_batch:
+            return 0.0
+        if self._arrivals is not None and not self._arrivals.worth_waiting():
+            return 0.0
+        return head.enqueued_at + self.max_batch_delay_s - time.monotonic()
 
-    def _run_exclusive(self, item: Exclusive) -> None:
-        if item.started_at > item.deadline:
-            waited = item.started_at - item.enqueued_at
-            item.resolve(error=DeadlineExceeded(f"request timed out after {waited:.3f} s queued"))
-            return
-        try:
-            item.resolve(item.fn())
-        except ServiceError as exc:
-            item.resolve(error=exc)
-        except Exception:
-            log.exception("exclusive engine call failed")
-            item.resolve(error=InferenceError("inference failed for this request"))
+    def _take(self) -> list[Work]:
+        """Under the lock: take the batch at the head of the queue (the expired answered)."""
+        batch: list[Work] = []
+        seqs = tokens = 0
+        now = time.monotonic()
+        while self._queue and self._fits(seqs, tokens, self._queue[0]):
+            work = self._queue.popleft()
+            self._queued_sequences -= work.sequences
+            self._queued_tokens -= work.tokens
+            if now > work.deadline:
+                self._runner.expire(work)
+                continue
+            work.started_at = now
+            seqs += work.sequences
+            tokens += work.tokens
+            batch.append(work)
+        self._report_depth()
+        self._busy = True
+        return batch
 
-    def _expire(self, work: Work) -> None:
-        waited = time.monotonic() - work.enqueued_at
-        work.resolve(error=DeadlineExceeded(f"request timed out after {waited:.3f} s in the queue"))
-        if self.observer is not None:
-            self.observer.expired(work)
-
-    def _execute(self, works: list[Work]) -> None:
+    def _done(self, batch: list[Work] | Exclusive, seconds: float, on_loop: bool) -> None:
+        """A batch (or exclusive call) ended: let the placement learn from it, then pass the
+        queue on: to a loop turn where batches run on the loop, else to the thread (woken only
+        when it has something to do: each wake-up is a GIL handoff)."""
         with self._cond:
-            self._running += 1
-        if self.observer is not None:
-            self.observer.batch_started(works)
+            self._busy = False
+            placement = self._placement
+            if placement is None:
+                return
+            if isinstance(batch, list) and batch:
+                placement.ran(seconds, on_loop, time.monotonic())
+                if on_loop and self.observer is not None:
+                    self.observer.batch_on_loop()
+            if not on_loop:  # the thread goes on by itself, unless a loop turn asked for the queue
+                if self._handoff:
+                    self._handoff = False
+                    if self._turn_may_follow():
+                        with contextlib.suppress(RuntimeError):  # a closed loop: the thread's
+                            self._turn = self._loop.call_soon_threadsafe(self._loop_turn)  # type: ignore[union-attr]
+                            self._turn_now = True
+            elif self._turn_may_follow():
+                self._schedule_turn()
+            elif self._queue or self._stopping:
+                self._cond.notify()
+
+    # -- short batches on the event loop (LoopPlacement) ------------------------------------
+    def _wants_loop(self, work: QueueItem) -> bool:
+        """Under the lock, at submit: run this work's batch on the loop?"""
+        return (
+            self._placement is not None
+            and self._placement.on_loop
+            and not isinstance(work, Exclusive)
+            and not self._stopping
+            and self._loop is not None
+            and asyncio.events._get_running_loop() is self._loop
+        )
+
+    def _turn_may_follow(self) -> bool:
+        """Under the lock, on the loop: the next batch is the loop's too."""
+        placement = self._placement
+        return (
+            placement is not None
+            and placement.on_loop
+            and not self._stopping
+            and bool(self._queue)
+            and not isinstance(self._queue[0], Exclusive)
+        )
+
+    def _schedule_turn(self) -> None:
+        """Under the lock, on the loop: a loop turn soon, unless one is due at once already."""
+        if self._turn is not None:
+            if self._turn_now or not self._full():
+                return  # a timer stands for a batch still filling
+            self._turn.cancel()
+        self._turn = self._loop.call_soon(self._loop_turn)  # type: ignore[union-attr]
+        self._turn_now = True
+
+    def _loop_turn(self) -> None:
+        """On the event loop: run the batch at the head of the queue here, or wait out its
+        delay with a timer; the thread gets the queue when it is busy or stopping, and exclusive
+        calls."""
+        with self._cond:
+            self._turn = None
+            placement = self._placement
+            assert placement is not None
+            if self._busy:  # the thread's batch: it hands the queue back when done
+                self._handoff = True
+                return
+            if not self._queue:
+                return
+            if self._stopping or not placement.on_loop or isinstance(self._queue[0], Exclusive):
+                self._cond.notify()
+                return
+            remaining = self._remaining()
+            if remaining > 0:
+                self._turn = self._loop.call_later(remaining, self._loop_turn)  # type: ignore[union-attr]
+                self._turn_now = False
+                return
+            batch = self._take()
         started = time.perf_counter()
-        completer = self._completer
-        if completer is not None:
-            completer.reserve()
         try:
-            finish = launch_batch(self.model, works, self._copies)
-            results = finish() if completer is None else None
-        except Exception:
-            if completer is not None:
-                completer.unreserve()
-            log.exception("forward failed for a batch of %d requests", len(works))
-            self._report_batch(works, time.perf_counter() - started, ok=False)
-            if len(works) > 1:
-                # Isolate the culprit: a bad request must not fail its batch-mates.
-                for work in works:
-                    self._execute([work])
-            else:
-                works[0].resolve(error=InferenceError("inference failed for this request"))
-            return
-        if completer is not None:
-            completer.put(works, finish, started)
-        else:
-            self._complete(works, results, started)
-
-    def _finish(self, works: list[Work], finish: Finish, started: float) -> None:
-        """On the completer thread: wait for a launched batch and answer it. A failure here
-        is the device's (a bad input fails at launch, where its batch-mates are retried
-        alone), so the batch's requests each get the error."""
-        try:
-            results = finish()
-        except Exception:
-            log.exception("a batch of %d requests failed on the device", len(works))
-            self._report_batch(works, time.perf_counter() - started, ok=False)
-            for work in works:
-                work.resolve(error=InferenceError("inference failed for this request"))
-            return
-        self._complete(works, results, started)
-
-    def _complete(self, works: list[Work], results: list[Any], started: float) -> None:
-        compute_s = time.perf_counter() - started
-        self._report_batch(works, compute_s, ok=True)
-        self._drain.batch_done(works, time.monotonic())
-        outcomes = []
-        for work, result in zip(works, results, strict=True):
-            work.infer_s = compute_s
-            error = result if isinstance(result, ServiceError) else None
-            outcomes.append((work, None if error is not None else result, error))
-        resolve_all(outcomes)
-
-    def _report_batch(self, works: list[Work], compute_s: float, ok: bool) -> None:
-        with self._cond:
-            self._running -= 1
-        if self.observer is not None:
-            self.observer.batch_done(works, compute_s, ok)
+            if batch:
+                self._runner.run(batch)
+        finally:
+            self._done(batch, time.perf_counter() - started, on_loop=True)

@@ -142,6 +142,7 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
         threads=settings.threads,
         overlap=settings.cuda_overlap and model.device.type == "cuda",
         adaptive_delay=settings.batch_delay_policy == "adaptive",
+        loop_batch_max_s=settings.loop_batch_max_ms / 1000 if model.device.type == "cpu" else 0.0,
     )
     limits = ModelLimits.from_config(
         model.config,

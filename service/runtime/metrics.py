@@ -207,6 +207,11 @@ class Metrics:
         self.batches = Counter(
             "mha_batches", "Forwards run, by outcome.", ["model", "version", "outcome"], registry=r
         )
+        self.loop_batches = Counter(
+            "mha_event_loop_batches",
+            "Of mha_batches_total, those run on the event loop itself (--loop-batch-max-ms).",
+            ["model", "version"], registry=r,
+        )  # fmt: skip
         self._cuda = CudaGauges(r, MULTIPROCESS)  # shared by every model's view (one registry)
         # label children looked up once (keys carry the model: shared by every view is fine)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -228,6 +233,7 @@ class Metrics:
                 self.failures.labels(model, version, "infer", reason, protocol)
         for outcome in ("ok", "error"):
             self.batches.labels(model, version, outcome)
+        self.loop_batches.labels(model, version)
         self.ready.labels(model, version).set(0)
         self.queue_depth_gauge.labels(model, version).set(0)
         self.in_flight.labels(model, version).set(0)
@@ -359,6 +365,9 @@ class Metrics:
         self.child(self.tokens, self.model, self.version).inc(tokens)
         for work in works:
             wait.observe(work.started_at - work.enqueued_at)
+
+    def batch_on_loop(self) -> None:
+        self.child(self.loop_batches, self.model, self.version).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition: this process's registry, or in multiprocess mode every

@@ -118,6 +118,14 @@ class Settings(BaseSettings):
         "queued or running) and come at least one per delay on average; else it starts at once, "
         "so a lone client never waits.",
     )
+    loop_batch_max_ms: float = Field(
+        2.0,
+        ge=0,
+        description="A CPU model's batches run on the event loop itself while they take at most "
+        "this long (learned from its batches), else on the engine thread: a small model's batch "
+        "costs less there than the GIL handoffs between two threads. 0: always on the engine "
+        "thread.",
+    )
     max_queue: int = Field(
         1024, ge=1, description="Most sequences waiting; beyond it requests get 429."
     )

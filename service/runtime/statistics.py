@@ -87,6 +87,9 @@ class ModelStats:
     def expired(self, work: Any) -> None:
         pass  # the pipeline counts the failure
 
+    def batch_on_loop(self) -> None:
+        pass
+
     def batch_done(self, works: list[Any], compute_s: float, ok: bool) -> None:
         if not (ok and self.counting):
             return  # a failed batch is retried one request at a time, which reports again
@@ -126,6 +129,7 @@ class BatchObserver(Protocol):
     def batch_started(self, works: list[Work]) -> None: ...
     def expired(self, work: Work) -> None: ...
     def batch_done(self, works: list[Work], compute_s: float, ok: bool) -> None: ...
+    def batch_on_loop(self) -> None: ...
 
 
 class Observers:
@@ -149,3 +153,7 @@ class Observers:
     def batch_done(self, works: list[Any], compute_s: float, ok: bool) -> None:
         for observer in self.observers:
             observer.batch_done(works, compute_s, ok)
+
+    def batch_on_loop(self) -> None:
+        for observer in self.observers:
+            observer.batch_on_loop()

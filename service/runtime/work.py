@@ -108,7 +108,11 @@ def resolve_all(outcomes: list[tuple[QueueItem, Any, BaseException | None]]) -> 
     loops = {work.loop for work, _, _ in outcomes}
     plain = all(type(work).resolve is QueueItem.resolve for work, _, _ in outcomes)
     if len(loops) == 1 and plain and None not in loops:
-        loops.pop().call_soon_threadsafe(deliver_all, outcomes)
+        loop = loops.pop()
+        if asyncio.events._get_running_loop() is loop:  # a batch run on the loop itself
+            deliver_all(outcomes)
+        else:
+            loop.call_soon_threadsafe(deliver_all, outcomes)
         return
     for work, result, error in outcomes:
         work.resolve(result, error)

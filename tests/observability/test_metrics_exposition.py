@@ -51,6 +51,7 @@ FAMILIES = {
     "mha_sequences_processed": "counter",
     "mha_tokens_processed": "counter",
     "mha_batches": "counter",
+    "mha_event_loop_batches": "counter",
     "process_cpu_seconds": "counter",
     "process_resident_memory_bytes": "gauge",
     "process_open_fds": "gauge",

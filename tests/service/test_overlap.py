@@ -232,7 +232,7 @@ def test_the_cuda_branch_queues_copies_on_their_streams(monkeypatch):
     batcher = _batcher(model, max_batch_delay_s=1.0)  # the four in one batch
     results = _serve(batcher, inputs)
     _check(results, inputs)
-    assert isinstance(batcher._copies, DeviceCopies)
+    assert isinstance(batcher._runner._copies, DeviceCopies)
     assert fake.log == [
         ("pinned", "compute", ""),  # stage: the request arrays into pinned memory
         ("upload", "up", "True"),  # one non-blocking copy on the upload stream
