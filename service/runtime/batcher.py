@@ -293,26 +293,26 @@ class DynamicBatcher:
                     item.started_at = time.monotonic()
                     self._busy = True
                     return item
-                remaining = self._remaining()
+                remaining, _ = self._fill()
                 if remaining <= 0 or self._stopping:
                     return self._take()
                 self._cond.wait(remaining)
 
-    def _remaining(self) -> float:
-        """Seconds the batch at the head of the queue should still wait for batch-mates (<= 0:
-        take it now: full, or the delay is up, or waiting does not pay)."""
+    def _fill(self) -> tuple[float, int]:
+        """(seconds the batch at the head of the queue should still wait for batch-mates, its
+        tokens now); <= 0 s: take it now (full, or the delay is up, or waiting does not pay)."""
         seqs = tokens = 0
         for work in self._queue:
             if not self._fits(seqs, tokens, work):
-                return 0.0
+                return 0.0, tokens
             seqs += work.sequences
             tokens += work.tokens
         head = self._queue[0]
         if seqs >= self.max_batch_size or not head.wait_for_batch:
-            return 0.0
+            return 0.0, tokens
         if self._arrivals is not None and not self._arrivals.worth_waiting():
-            return 0.0
-        return head.enqueued_at + self.max_batch_delay_s - time.monotonic()
+            return 0.0, tokens
+        return head.enqueued_at + self.max_batch_delay_s - time.monotonic(), tokens
 
     def _take(self) -> list[Work]:
         """Under the lock: take the batch at the head of the queue (the expired answered)."""
@@ -344,7 +344,8 @@ class DynamicBatcher:
             if placement is None:
                 return
             if isinstance(batch, list) and batch:
-                placement.ran(seconds, on_loop, time.monotonic())
+                tokens = sum(work.tokens for work in batch)
+                placement.ran(seconds, tokens, on_loop, time.monotonic())
                 if on_loop and self.observer is not None:
                     self.observer.batch_on_loop()
             if not on_loop:  # the thread goes on by itself, unless a loop turn asked for the queue
@@ -407,10 +408,13 @@ class DynamicBatcher:
             if self._stopping or not placement.on_loop or isinstance(self._queue[0], Exclusive):
                 self._cond.notify()
                 return
-            remaining = self._remaining()
+            remaining, tokens = self._fill()
             if remaining > 0:
                 self._turn = self._loop.call_later(remaining, self._loop_turn)  # type: ignore[union-attr]
                 self._turn_now = False
+                return
+            if not placement.fits(tokens):  # bigger than the loop knows to be short
+                self._cond.notify()
                 return
             batch = self._take()
         started = time.perf_counter()

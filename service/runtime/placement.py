@@ -14,8 +14,10 @@ there within the limit moves the next batches to the loop (a thread batch is slo
 loop, not sped up, so this is safe evidence). On the loop it keeps a moving average of the
 batches' times (weight 1/4, so one batch stalled by the machine does not move it); over the
 limit, the batches go back to the thread and stay there for a hold-off that doubles each time
-(1 s, 2 s, ... 60 s), so a model whose batches vary in size does not stall the loop more than
-once per hold-off.
+(1 s, 2 s, ... 60 s). And the loop never takes a batch of more than twice the tokens of the
+largest batch it has seen finish within the limit: with requests of mixed sizes, the big
+batches go to the thread and the small ones stay on the loop, and the stall a bigger batch can
+cause grows step by step, never all at once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 FIRST_HOLD_S = 1.0
 MAX_HOLD_S = 60.0
 LOOP_WINDOW = 4  # batches the moving average of loop batch times spans (weight 1/4 each)
+TOKEN_GROWTH = 2  # a loop batch holds at most this times the tokens of the largest short one
 
 
 class LoopPlacement:
@@ -38,9 +41,17 @@ class LoopPlacement:
         self._hold_until = 0.0
         self._loop_since = 0.0  # when batches last moved to the loop
         self.loop_mean_s = 0.0  # moving average of batch times on the loop
+        self.short_tokens = 0  # the most tokens of a batch that took at most max_s
 
-    def ran(self, seconds: float, on_loop: bool, now: float) -> None:
-        """A batch took `seconds`, on the loop or on the thread, ending at `now` (monotonic)."""
+    def fits(self, tokens: int) -> bool:
+        """A batch of `tokens` may run on the loop now."""
+        return self.on_loop and tokens <= TOKEN_GROWTH * self.short_tokens
+
+    def ran(self, seconds: float, tokens: int, on_loop: bool, now: float) -> None:
+        """A batch of `tokens` took `seconds`, on the loop or on the thread, ending at `now`
+        (time.monotonic())."""
+        if seconds <= self.max_s:
+            self.short_tokens = max(self.short_tokens, tokens)
         if on_loop:
             self.loop_mean_s += (seconds - self.loop_mean_s) / LOOP_WINDOW
             if self.loop_mean_s > self.max_s:

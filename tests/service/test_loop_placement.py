@@ -28,29 +28,29 @@ from tests.service.test_batcher import payload
 def test_it_starts_on_the_thread_and_a_short_thread_batch_moves_it_to_the_loop() -> None:
     placement = LoopPlacement(0.002)
     assert not placement.on_loop
-    placement.ran(0.003, on_loop=False, now=1.0)  # long on the thread: stays there
+    placement.ran(0.003, 16, on_loop=False, now=1.0)  # long on the thread: stays there
     assert not placement.on_loop
-    placement.ran(0.001, on_loop=False, now=2.0)
+    placement.ran(0.001, 16, on_loop=False, now=2.0)
     assert placement.on_loop
-    placement.ran(0.0015, on_loop=True, now=2.1)  # short on the loop: stays there
+    placement.ran(0.0015, 16, on_loop=True, now=2.1)  # short on the loop: stays there
     assert placement.on_loop
-    placement.ran(0.004, on_loop=True, now=2.2)  # one slow batch: the average stays within
+    placement.ran(0.004, 16, on_loop=True, now=2.2)  # one slow batch: the average stays within
     assert placement.on_loop
     for i in range(3):
-        placement.ran(0.004, on_loop=True, now=2.3 + i / 10)  # slow on average: back
+        placement.ran(0.004, 16, on_loop=True, now=2.3 + i / 10)  # slow on average: back
     assert not placement.on_loop
 
 
 def test_a_long_loop_batch_holds_the_next_ones_on_the_thread_for_a_doubling_hold() -> None:
     placement = LoopPlacement(0.002)
-    placement.ran(0.001, on_loop=False, now=0.0)
+    placement.ran(0.001, 16, on_loop=False, now=0.0)
     now, hold = 0.0, FIRST_HOLD_S
     for _ in range(10):
-        placement.ran(0.02, on_loop=True, now=now)
+        placement.ran(0.02, 16, on_loop=True, now=now)
         assert not placement.on_loop
-        placement.ran(0.001, on_loop=False, now=now + hold - 0.01)  # within the hold
+        placement.ran(0.001, 16, on_loop=False, now=now + hold - 0.01)  # within the hold
         assert not placement.on_loop
-        placement.ran(0.001, on_loop=False, now=now + hold)
+        placement.ran(0.001, 16, on_loop=False, now=now + hold)
         assert placement.on_loop
         now += hold
         hold = min(2 * hold, MAX_HOLD_S)
@@ -59,13 +59,24 @@ def test_a_long_loop_batch_holds_the_next_ones_on_the_thread_for_a_doubling_hold
 
 def test_a_whole_hold_of_short_loop_batches_resets_the_hold() -> None:
     placement = LoopPlacement(0.002)
-    placement.ran(0.001, on_loop=False, now=0.0)
-    placement.ran(0.02, on_loop=True, now=0.0)  # hold 1 s, the next one 2 s
-    placement.ran(0.001, on_loop=False, now=1.0)
-    placement.ran(0.001, on_loop=True, now=3.5)  # short on the loop for longer than 2 s
-    placement.ran(0.02, on_loop=True, now=3.6)
-    placement.ran(0.001, on_loop=False, now=3.6 + FIRST_HOLD_S)
+    placement.ran(0.001, 16, on_loop=False, now=0.0)
+    placement.ran(0.02, 16, on_loop=True, now=0.0)  # hold 1 s, the next one 2 s
+    placement.ran(0.001, 16, on_loop=False, now=1.0)
+    placement.ran(0.001, 16, on_loop=True, now=3.5)  # short on the loop for longer than 2 s
+    placement.ran(0.02, 16, on_loop=True, now=3.6)
+    placement.ran(0.001, 16, on_loop=False, now=3.6 + FIRST_HOLD_S)
     assert placement.on_loop
+
+
+def test_the_loop_takes_at_most_twice_the_tokens_of_the_largest_short_batch() -> None:
+    placement = LoopPlacement(0.002)
+    assert not placement.fits(1)  # on the thread
+    placement.ran(0.001, 16, on_loop=False, now=0.0)
+    assert placement.fits(32) and not placement.fits(33)
+    placement.ran(0.003, 1000, on_loop=False, now=0.1)  # too slow: teaches nothing
+    assert not placement.fits(33)
+    placement.ran(0.0015, 32, on_loop=True, now=0.2)
+    assert placement.fits(64) and not placement.fits(65)
 
 
 def test_it_needs_a_positive_limit() -> None:
@@ -148,6 +159,12 @@ async def _idle(batcher: DynamicBatcher) -> None:
     raise AssertionError("the batcher stayed busy")
 
 
+def _warm_input() -> np.ndarray:
+    """One sequence of 16 tokens: once it ran within the limit, the loop takes batches of up to
+    32 tokens."""
+    return np.random.default_rng(9).standard_normal((1, 16, 512)).astype(np.float32)
+
+
 def _serve(batcher: DynamicBatcher, coro_fn: Any) -> Any:
     async def main() -> Any:
         batcher.start()  # on the loop: the loop batches may run on
@@ -213,6 +230,25 @@ def test_a_long_loop_batch_sends_the_next_ones_back_to_the_thread() -> None:
     assert recorder.where() == ["thread", "loop", "loop", "thread", "thread"]
 
 
+def test_a_batch_bigger_than_the_loop_knows_runs_on_the_thread() -> None:
+    """Short batches of 4 tokens teach the loop 8 at most: 64 tokens go to the thread, and the
+    short requests after it are the loop's again."""
+    batcher, recorder = _batcher(0.5), Recorder()
+    rng = np.random.default_rng(0)
+    lengths = [4, 4, 64, 4]
+    inputs = [rng.standard_normal((1, n, 512)).astype(np.float32) for n in lengths]
+
+    async def run(loop: asyncio.AbstractEventLoop) -> None:
+        for x in inputs:
+            work = _work(x, recorder, loop)
+            batcher.submit(work)
+            await work.future
+            await _idle(batcher)
+
+    _serve(batcher, run)
+    assert recorder.where() == ["thread", "loop", "thread", "loop"]
+
+
 def test_exclusive_calls_and_work_submitted_off_the_loop_run_on_the_thread() -> None:
     batcher, recorder = _batcher(0.5), Recorder()
     inputs = _inputs(3)
@@ -263,7 +299,8 @@ def test_the_thread_leaves_a_batch_to_the_loop_turn_that_waits_for_it() -> None:
 
 def test_the_batch_delay_gathers_batch_mates_on_the_loop_too() -> None:
     batcher, recorder = _batcher(0.5, delay_s=0.2), Recorder()
-    first, *later = _inputs(4)
+    *later, _ = _inputs(4)
+    first = _warm_input()  # 16 tokens: the loop may then take batches of up to 32
 
     async def run(loop: asyncio.AbstractEventLoop) -> None:
         work = _work(first, recorder, loop)  # on the thread (waits out the delay alone)
@@ -290,7 +327,7 @@ def test_a_bad_request_in_a_loop_batch_fails_alone() -> None:
     bad = np.random.default_rng(1).standard_normal((1, 4, 7)).astype(np.float32)
 
     async def run(loop: asyncio.AbstractEventLoop) -> list[Any]:
-        warm = _work(good[0], recorder, loop)
+        warm = _work(_warm_input(), recorder, loop)
         batcher.submit(warm)
         await warm.future  # the thread's: short, so the loop takes the next batch
         await _idle(batcher)
@@ -336,7 +373,8 @@ def test_stop_finishes_what_waits_for_a_loop_turn() -> None:
 
 
 def _loop_batches(text: str) -> float:
-    match = re.search(r'^mha_event_loop_batches_total\{model="mha",version="1"\} (\S+)$', text, re.M)
+    series = r'^mha_event_loop_batches_total\{model="mha",version="1"\} (\S+)$'
+    match = re.search(series, text, re.M)
     assert match, "mha_event_loop_batches_total missing"
     return float(match.group(1))
 
