@@ -1,4 +1,4 @@
-"""Trees alternated round by round: medians of req/s and server CPU per request.
+"""Trees alternated round by round: medians of req/s, server CPU per request and latency.
 
 `python -m benchmarks.alternate --root DIR --root DIR [--rounds 5] [--seconds 4] [--seq-len 1]
 [--case tiny|tiny-grpc|binary|json|embeddings|tei-embed] [--variant FLAGS ...]` (under
@@ -8,7 +8,8 @@ server flags, e.g. batching off) once per round, the order reversed every other 
 server each time, and reports each round and the medians. Server CPU (all threads of the
 process and of its children: `--workers`' engine and front-ends too; and the first process's
 event-loop thread alone, which with `--workers` is the supervisor's, idle) from /proc, per
-completed request; 32 closed-loop keep-alive clients. Cases: the tiny MHA(16, 2) with binary
+completed request; the client's p50 and p99 latency (HTTP cases); 32 closed-loop keep-alive
+clients. Cases: the tiny MHA(16, 2) with binary
 tensors (the front-end's ceiling), or over gRPC ModelInfer with raw contents (`tiny-grpc`: 32
 calls in flight on one channel); MHA(512, 8) with binary or JSON tensors of `--seq-len` tokens;
 /v1/embeddings (or TEI's /embed: `tei-embed`) with one MiniLM sentence per request (the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -65,29 +67,30 @@ def load_for(case: str, seq_len: int, tmp: Path) -> Load:
 
 
 def one(work: Load, root: Path, variant: list[str], seconds: float) -> tuple[float, ...]:
-    """(req/s, server CPU ms per request, event-loop CPU ms per request) of one fresh server
-    (the tree at `root`, `variant`'s extra flags)."""
+    """(req/s, server CPU ms per request, event-loop CPU ms per request, p50 ms, p99 ms) of one
+    fresh server (the tree at `root`, `variant`'s extra flags); no latencies over gRPC (nan)."""
     server_args, path, bodies, headers = work
     grpc_port = free_port() if path == GRPC else None
     if grpc_port is not None:
         server_args = [*server_args, "--grpc-port", str(grpc_port)]
     with running(*server_args, *variant, root=root) as server:
 
-        def load(seconds: float) -> tuple[float, int]:  # (req/s, completed)
+        def load(seconds: float) -> tuple[float, int, float, float]:  # req/s, done, p50, p99
             if grpc_port is None:
                 result = asyncio.run(_many(server.port, path, bodies, headers, 32, seconds))
-                return result.rps, result.completed
+                p50, p99 = (result.percentile(q) * 1e3 for q in (50, 99))
+                return result.rps, result.completed, p50, p99
             from benchmarks.grpc_vs_http import grpc_load
 
             done, _ = asyncio.run(grpc_load(f"{HOST}:{grpc_port}", bodies[0], 32, seconds, 0.0))
-            return done / seconds, done
+            return done / seconds, done, math.nan, math.nan
 
         load(1.0)
         cpu, loop = server.tree_cpu_seconds(), server.main_thread_cpu_seconds()
-        rps, done = load(seconds)
+        rps, done, p50, p99 = load(seconds)
         cpu, loop = server.tree_cpu_seconds() - cpu, server.main_thread_cpu_seconds() - loop
     done = max(done, 1)
-    return rps, cpu / done * 1e3, loop / done * 1e3
+    return rps, cpu / done * 1e3, loop / done * 1e3, p50, p99
 
 
 def main() -> None:
@@ -116,18 +119,20 @@ def main() -> None:
             for code in codes if i % 2 == 0 else codes[::-1]:
                 root, variant = code
                 rows[code].append(one(work, root, variant.split(), args.seconds))
-                rps, cpu, loop = rows[code][-1]
+                rps, cpu, loop, p50, p99 = rows[code][-1]
                 load = os.getloadavg()[0]
                 print(f"round {i} {_name(code)}: {rps:.0f} req/s, CPU {cpu:.3f} ms/req "
-                      f"(loop {loop:.3f}), load avg {load:.2f}", flush=True)  # fmt: skip
+                      f"(loop {loop:.3f}), p50 {p50:.2f} ms, p99 {p99:.2f} ms, "
+                      f"load avg {load:.2f}", flush=True)  # fmt: skip
     print(f"load avg after: {os.getloadavg()[0]:.2f}\n")
-    print("| code | req/s (median) | min-max | server CPU ms/req | of which event loop |")
-    print("|---|---:|---:|---:|---:|")
+    print("| code | req/s (median) | min-max | server CPU ms/req | of which event loop "
+          "| p50 ms | p99 ms |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for code, got in rows.items():
         rps = [r[0] for r in got]
-        cpu, loop = (statistics.median(r[k] for r in got) for k in (1, 2))
+        cpu, loop, p50, p99 = (statistics.median(r[k] for r in got) for k in (1, 2, 3, 4))
         print(f"| {_name(code)} | {statistics.median(rps):.0f} | {min(rps):.0f}-{max(rps):.0f} | "
-              f"{cpu:.3f} | {loop:.3f} |")  # fmt: skip
+              f"{cpu:.3f} | {loop:.3f} | {p50:.2f} | {p99:.2f} |")  # fmt: skip
 
 
 def _name(code: tuple[Path, str]) -> str:
