@@ -43,7 +43,8 @@ SHUTTING_DOWN = "server is shutting down; retry on another replica"
 
 
 class DynamicBatcher:
-    """Bounded queue + one engine worker thread running `model.forward_packed` on batches."""
+    """Bounded queue + one engine worker thread running `model.forward_packed` on batches
+    (short CPU batches: on the event loop, see LoopPlacement)."""
 
     def __init__(
         self,
