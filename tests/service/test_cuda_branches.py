@@ -6,6 +6,7 @@ these tests and the static check below keep that class of defect out."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -245,3 +246,27 @@ def test_bad_device_at_start_is_one_line_and_exit_2(tmp_path: Path):
         assert start.returncode == 2, (args, stderr)
         assert len(lines) == 1 and lines[0].startswith("mha-serve: error: "), stderr
         assert expected in lines[0], (expected, lines[0])
+
+
+def test_cuda_models_keep_every_batch_on_the_engine_thread(fake_gpu, monkeypatch):
+    """--loop-batch-max-ms is for CPU models: a CUDA model's batcher gets no loop placement (a
+    batch on the loop would wait for the device there); the same model on the CPU gets one."""
+    from service.runtime import loading
+    from service.runtime.repository import model_sources
+    from service.runtime.settings import Settings
+
+    settings = Settings(loop_batch_max_ms=2.0, device="cpu")  # built on the CPU either way
+    (source,) = model_sources(settings)
+    cpu_entry = asyncio.run(loading.load_entry(settings, Metrics("mha", "1"), source))
+    assert cpu_entry.batcher._placement is not None
+
+    def no_graphs(self, **kwargs):
+        raise ValueError("not on this host")
+
+    cuda = property(lambda self: torch.device("cuda"))
+    monkeypatch.setattr(mha_engine.models.EngineModel, "device", cuda)
+    monkeypatch.setattr(mha_engine.models.EngineModel, "enable_cuda_graphs", no_graphs)
+    monkeypatch.setattr(mha_engine.introspect, "sdpa_backend", lambda *args, **kwargs: "flash")
+    cuda_entry = asyncio.run(loading.load_entry(settings, Metrics("mha", "1"), source))
+    assert cuda_entry.model.device.type == "cuda"
+    assert cuda_entry.batcher._placement is None
