@@ -122,7 +122,7 @@ def cumulative(lens: list[int]) -> list[int]:
 
 def _offsets(lens: list[int]) -> list[int]:
     """Each sequence's first packed row: cu_seqlens without its end."""
-    return [0, *accumulate(lens)][:-1]
+    return cumulative(lens)[:-1]
 
 
 def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:

@@ -33,7 +33,7 @@ import torch
 
 from mha_engine import ServedModel
 from service.pipeline.errors import NotReady, Overloaded
-from service.runtime.placement import LoopPlacement
+from service.runtime.loop_turns import LoopTurns
 from service.runtime.rates import Arrivals
 from service.runtime.runner import BatchRunner
 from service.runtime.statistics import BatchObserver
@@ -42,9 +42,9 @@ from service.runtime.work import Exclusive, QueueItem, Work
 SHUTTING_DOWN = "server is shutting down; retry on another replica"
 
 
-class DynamicBatcher:
+class DynamicBatcher(LoopTurns):
     """Bounded queue + one engine worker thread running `model.forward_packed` on batches
-    (short CPU batches: on the event loop, see LoopPlacement)."""
+    (short CPU batches: on the event loop, service.runtime.loop_turns)."""
 
     def __init__(
         self,
@@ -84,18 +84,13 @@ class DynamicBatcher:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
-        self._placement = LoopPlacement(loop_batch_max_s) if loop_batch_max_s > 0 else None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop batches may run on
-        self._turn: asyncio.Handle | None = None  # a loop turn is scheduled: the thread waits
-        self._turn_now = False  # ... and it is not a timer (the batch is ready)
-        self._handoff = False  # a loop turn found the thread busy: it hands the queue over
+        self._init_turns(loop_batch_max_s)
         self._busy = False  # a batch or exclusive call is running (thread or loop)
 
     # -- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; called on the event loop that may run short batches."""
-        if self._placement is not None:
-            self._loop = asyncio.events._get_running_loop()
+        self._bind_loop()
         self._thread.start()
 
     @property
@@ -350,77 +345,8 @@ class DynamicBatcher:
                 if on_loop and self.observer is not None:
                     self.observer.batch_on_loop()
             if not on_loop:  # the thread goes on by itself, unless a loop turn asked for the queue
-                if self._handoff:
-                    self._handoff = False
-                    if self._turn_may_follow():
-                        with contextlib.suppress(RuntimeError):  # a closed loop: the thread's
-                            self._turn = self._loop.call_soon_threadsafe(self._loop_turn)  # type: ignore[union-attr]
-                            self._turn_now = True
+                self._hand_back()
             elif self._turn_may_follow():
                 self._schedule_turn()
             elif self._queue or self._stopping:
                 self._cond.notify()
-
-    # -- short batches on the event loop (LoopPlacement) ------------------------------------
-    def _wants_loop(self, work: QueueItem) -> bool:
-        """Under the lock, at submit: run this work's batch on the loop?"""
-        return (
-            self._placement is not None
-            and self._placement.on_loop
-            and not isinstance(work, Exclusive)
-            and not self._stopping
-            and self._loop is not None
-            and asyncio.events._get_running_loop() is self._loop
-        )
-
-    def _turn_may_follow(self) -> bool:
-        """Under the lock, on the loop: the next batch is the loop's too."""
-        placement = self._placement
-        return (
-            placement is not None
-            and placement.on_loop
-            and not self._stopping
-            and bool(self._queue)
-            and not isinstance(self._queue[0], Exclusive)
-        )
-
-    def _schedule_turn(self) -> None:
-        """Under the lock, on the loop: a loop turn soon, unless one is due at once already."""
-        if self._turn is not None:
-            if self._turn_now or not self._full():
-                return  # a timer stands for a batch still filling
-            self._turn.cancel()
-        self._turn = self._loop.call_soon(self._loop_turn)  # type: ignore[union-attr]
-        self._turn_now = True
-
-    def _loop_turn(self) -> None:
-        """On the event loop: run the batch at the head of the queue here, or wait out its
-        delay with a timer; the thread gets the queue when it is busy or stopping, and exclusive
-        calls."""
-        with self._cond:
-            self._turn = None
-            placement = self._placement
-            assert placement is not None
-            if self._busy:  # the thread's batch: it hands the queue back when done
-                self._handoff = True
-                return
-            if not self._queue:
-                return
-            if self._stopping or not placement.on_loop or isinstance(self._queue[0], Exclusive):
-                self._cond.notify()
-                return
-            remaining, tokens = self._fill()
-            if remaining > 0:
-                self._turn = self._loop.call_later(remaining, self._loop_turn)  # type: ignore[union-attr]
-                self._turn_now = False
-                return
-            if not placement.fits(tokens):  # bigger than the loop knows to be short
-                self._cond.notify()
-                return
-            batch = self._take()
-        started = time.perf_counter()
-        try:
-            if batch:
-                self._runner.run(batch)
-        finally:
-            self._done(batch, time.perf_counter() - started, on_loop=True)
