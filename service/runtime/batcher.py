@@ -80,6 +80,7 @@ class DynamicBatcher(LoopTurns):
         self._queued_tokens = 0
         self._reserved = 0  # slots held by requests still being prepared (e.g. tokenizing)
         self._closed = False  # the drain grace ended: nothing more is queued
+        self._flushing = False  # draining: batches no longer wait for batch-mates
         self._runner = BatchRunner(model, observer, overlap)
         self._cond = threading.Condition()
         self._stopping = False
@@ -211,6 +212,15 @@ class DynamicBatcher(LoopTurns):
         """Take `items` out of the queue; True if any was still queued (never run)."""
         return any([self.cancel(item) for item in items])
 
+    def flush(self) -> None:
+        """Draining began: no new request will join a batch, so what is queued stops waiting out
+        the batch delay and runs now, inside the drain grace (a long delay would otherwise hold
+        it until the grace ends and it is shed)."""
+        with self._cond:
+            self._flushing = True
+            self._flush_turn()
+            self._cond.notify()
+
     def close(self) -> int:
         """End of the drain grace: answer every request not yet started 503 (Retry-After), never
         computing it, and queue nothing more. The batch already running finishes."""
@@ -304,7 +314,7 @@ class DynamicBatcher(LoopTurns):
             seqs += work.sequences
             tokens += work.tokens
         head = self._queue[0]
-        if seqs >= self.max_batch_size or not head.wait_for_batch:
+        if seqs >= self.max_batch_size or not head.wait_for_batch or self._flushing:
             return 0.0, tokens
         if self._arrivals is not None and not self._arrivals.worth_waiting():
             return 0.0, tokens

@@ -93,6 +93,15 @@ class LoopTurns:
         self._turn = self._loop.call_soon(self._loop_turn)  # type: ignore[union-attr]
         self._turn_now = True
 
+    def _flush_turn(self) -> None:
+        """Under the lock, draining: a turn waiting out the batch delay on a timer runs now."""
+        if self._turn is None or self._turn_now:
+            return
+        if asyncio.events._get_running_loop() is self._loop:
+            self._turn.cancel()
+            self._turn = self._loop.call_soon(self._loop_turn)  # type: ignore[union-attr]
+            self._turn_now = True
+
     def _loop_turn(self) -> None:
         """On the event loop: run the batch at the head of the queue here, or wait out its
         delay with a timer; the thread gets the queue when it is busy or stopping, and exclusive

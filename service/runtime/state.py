@@ -200,6 +200,12 @@ class ServiceState:
 
     def _arm_grace_timer(self, grace: float) -> None:
         self.grace_timer = asyncio.get_running_loop().call_later(grace, self.end_grace)
+        self.flush_batches()
+
+    def flush_batches(self) -> None:
+        """Draining: queued batches stop waiting for batch-mates (none can come) and run now."""
+        for entry in self.entries():
+            entry.batcher.flush()
 
     def grace_left(self) -> float:
         """Seconds of the drain grace still to run (all of it before draining starts)."""

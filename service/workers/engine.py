@@ -333,6 +333,7 @@ def run(settings: Settings, path: str) -> None:
         while True:
             if stopping.is_set() and grace is None:
                 engine.draining = True
+                state.flush_batches()
                 grace = threading.Timer(settings.drain_grace_s, state.end_grace)
                 grace.daemon = True
                 grace.start()

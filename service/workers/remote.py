@@ -69,6 +69,9 @@ class RemoteBatcher:
         if not self.link.connected:
             raise down()
 
+    def flush(self) -> None:
+        """Draining: the engine process flushes its own batchers when it is told to drain."""
+
     def close(self) -> int:
         """End of this front-end's drain grace; the engine sheds what is queued at its own."""
         self.closed = True

@@ -95,3 +95,35 @@ def test_work_that_does_not_wait_for_batch_mates_starts_at_once() -> None:
     finally:
         batcher.stop(timeout=10)
     assert waited >= 0.5 > 0.25 > at_once
+
+
+def test_flush_ends_the_batch_delay_on_the_engine_thread() -> None:
+    """Draining (flush, here from another thread as the --workers engine process calls it):
+    work waiting out a 30 s batch delay runs now, in one batch, and later work does not wait."""
+    model = mha_engine.build_demo_model(device="cpu")
+    batcher = DynamicBatcher(
+        model, max_batch_size=16, max_batch_tokens=4096, max_batch_delay_s=30, max_queue=64
+    )
+    x = np.random.default_rng(3).standard_normal((1, 4, 512)).astype(np.float32)
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        works = [make_work(x, loop) for _ in range(2)]
+        for work in works:
+            batcher.submit(work)
+        await asyncio.sleep(0.05)
+        assert not any(work.future.done() for work in works)
+        await asyncio.to_thread(batcher.flush)
+        await asyncio.wait_for(asyncio.gather(*(w.future for w in works)), 5)
+        later = make_work(x, loop)
+        batcher.submit(later)
+        await asyncio.wait_for(later.future, 5)
+        assert works[0].started_at == works[1].started_at  # one batch
+        return time.monotonic() - started
+
+    batcher.start()
+    try:
+        assert asyncio.run(run()) < 5
+    finally:
+        batcher.stop(timeout=10)

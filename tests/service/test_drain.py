@@ -1,6 +1,7 @@
 """SIGTERM past --drain-grace-s on a real server: what had not started when the grace ended is
 answered 503 with Retry-After and never computed, what had started finishes, and the process
-exits within the grace plus about one forward."""
+exits within the grace plus about one forward. And what waits for batch-mates runs as soon as
+draining starts: none can join it any more."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import math
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
+import pytest
+import torch
 
+import mha_engine
 from benchmarks import reliability
-from tests.support import run_server
+from tests.support import FP32_TOL, Server, binary_output, fp32_request, run_server, wait_for
 
 GRACE_S = 1.0
 SEQ_LEN = 1024  # long forwards, one sequence per batch: the queue outlasts the grace
@@ -48,3 +54,47 @@ def test_work_not_started_when_the_grace_ends_gets_503_and_is_never_computed(
     shed = re.search(r"drain grace over: (\d+) queued requests answered 503, not computed", log)
     assert shed and int(shed.group(1)) == r["statuses"][503], log[-3000:]
     assert "Traceback" not in log and " 500" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one-process", "workers"])
+def test_sigterm_runs_queued_batches_without_waiting_out_the_delay(
+    tmp_path: Path, workers: tuple[str, ...]
+) -> None:
+    """A 60 s batch delay holds four requests queued. SIGTERM: no request can join them any
+    more, so they run at once (200, PyTorch's numbers) and the server exits in seconds, rather
+    than waiting out the delay and being shed at the end of the 20 s grace."""
+    args = (*workers, "--max-batch-delay-ms", "60000", "--drain-grace-s", "20",
+            "--request-timeout-s", "120")  # fmt: skip
+    module = mha_engine.demo_module().eval()
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal((1, 6, 512), dtype=np.float32) for _ in range(4)]
+    with run_server(tmp_path, *args) as server:
+        with ThreadPoolExecutor(len(inputs)) as pool:
+            answers = [pool.submit(_post, server.url, x) for x in inputs]
+            wait_for(lambda: _queued(server) == len(inputs), "the four requests queued", 30)
+            server.process.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            responses = [answer.result(timeout=60) for answer in answers]
+            answered_s = time.monotonic() - sent
+        code = server.process.wait(30)
+        log = server.log()
+    assert [r.status_code for r in responses] == [200] * len(inputs), log[-3000:]
+    assert answered_s < 10, answered_s  # not the 20 s grace, nor the 60 s delay
+    for x, r in zip(inputs, responses, strict=True):
+        with torch.no_grad():
+            want = module(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(binary_output(r.content, r.headers), want, **FP32_TOL)
+    assert code in (0, -signal.SIGTERM), log[-3000:]  # uvicorn re-raises the signal it caught
+    assert "Traceback" not in log and "queued requests answered 503" not in log, log[-3000:]
+
+
+def _post(url: str, x: np.ndarray) -> httpx.Response:
+    body, headers = fp32_request(x)
+    return httpx.post(f"{url}{reliability.PATH}", content=body, headers=headers, timeout=60)
+
+
+def _queued(server: Server) -> float:
+    try:
+        return server.metric("mha_queue_depth_sequences")
+    except (KeyError, httpx.HTTPError):
+        return 0.0

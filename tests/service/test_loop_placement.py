@@ -297,6 +297,36 @@ def test_the_thread_leaves_a_batch_to_the_loop_turn_that_waits_for_it() -> None:
     assert recorder.where() == ["thread", "loop"]
 
 
+def test_flush_runs_a_batch_waiting_on_a_loop_timer_at_once() -> None:
+    """Draining (flush): the loop turn waiting out a 30 s batch delay on a timer runs now, on
+    the loop, and later work no longer waits for batch-mates."""
+    batcher, recorder = _batcher(0.5, delay_s=30), Recorder()
+    first, a, b = _inputs(3)
+
+    async def run(loop: asyncio.AbstractEventLoop) -> float:
+        work = _work(first, recorder, loop)
+        work.wait_for_batch = False  # on the thread at once: the loop takes the next batches
+        batcher.submit(work)
+        await work.future
+        await _idle(batcher)
+        started = time.monotonic()
+        waiting = _work(a, recorder, loop)
+        batcher.submit(waiting)  # a loop turn on a 30 s timer
+        await asyncio.sleep(0.05)
+        assert not waiting.future.done()
+        batcher.flush()
+        await asyncio.wait_for(waiting.future, 5)
+        await _idle(batcher)
+        later = _work(b, recorder, loop)
+        batcher.submit(later)
+        await asyncio.wait_for(later.future, 5)
+        return time.monotonic() - started
+
+    assert _serve(batcher, run) < 5
+    assert recorder.sizes == [1, 1, 1]
+    assert recorder.where() == ["thread", "loop", "loop"]
+
+
 def test_the_batch_delay_gathers_batch_mates_on_the_loop_too() -> None:
     batcher, recorder = _batcher(0.5, delay_s=0.2), Recorder()
     *later, _ = _inputs(4)

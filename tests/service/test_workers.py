@@ -39,6 +39,7 @@ from tests.support import (
     run_server,
     serving_pid,
     socket_inodes,
+    wait_for,
     worker_pids,
 )
 
@@ -412,6 +413,12 @@ def test_full_shared_queue_answers_429_with_retry_after(small: Server) -> None:
     assert post(small.url, x[:, :8]).status_code == 200  # and it recovers
 
 
+def cpu_ticks(pid: int) -> int:
+    """User + system CPU of process `pid` so far, in clock ticks (usually 10 ms)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (stat's fields 14 and 15)
+
+
 def wait_read(server: Server, sock: socket.socket, pids: list[int]) -> None:
     """Until a front-end has read all that was sent on `sock`, and a little more (to decode and
     queue it: 50 ms)."""
@@ -472,18 +479,20 @@ def test_deadline_while_queued_behind_a_forward_is_504_withdrawn(small: Server) 
         return response.json()["model_stats"][0]["inference_count"]
 
     before = computed()
-    pids = [p for n, p in worker_pids(small).items() if n.startswith("mha-frontend")]
     long = np.random.default_rng(8).standard_normal((1, 2048, 512)).astype(np.float32)
     content, headers = fp32_request(long)
-    # The small request must arrive while the blocker runs. Nothing the test can read says so
-    # without waiting for the engine process (busy with the forward), so on a loaded machine the
-    # blocker may not have reached the engine yet, and the small one runs first (200): then
-    # the round is repeated, at most three times, and counted.
+    # The small request must arrive while the blocker runs: the engine process has used 30 ms
+    # of CPU since the blocker went out (its forward is ~0.3 CPU-s, its 4 MiB read ~1 ms).
+    # Waiting for the front-end to read it and then 50 ms was too late on a fast CPU (the
+    # forward had nearly ended). If the small one still runs first (200), the round is
+    # repeated, at most three times, and counted.
+    engine = worker_pids(small)["mha-engine"]
     expected = 0
     for _ in range(3):
         blocker = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
+        ticks = cpu_ticks(engine)
         blocker.request("POST", INFER, body=content, headers=headers)
-        wait_read(small, blocker.sock, pids)  # running: the queue behind it is empty
+        wait_for(lambda t=ticks: cpu_ticks(engine) - t >= 3, "the engine computes the blocker", 10)
         response = post(small.url, np.ones((1, 4, 512), np.float32), timeout=20_000)  # 20 ms
         assert blocker.getresponse().status == 200
         blocker.close()
