@@ -196,9 +196,10 @@ class ServiceState:
         if self.loop is not None:
             grace = self.settings.drain_grace_s
             log.info("draining: %.1f s for queued requests to start, then 503", grace)
-            self.loop.call_soon_threadsafe(self._arm_grace_timer, grace)
+            self.loop.call_soon_threadsafe(self._drain_on_loop, grace)
 
-    def _arm_grace_timer(self, grace: float) -> None:
+    def _drain_on_loop(self, grace: float) -> None:
+        """On the event loop: the grace's timer, and queued batches run without waiting."""
         self.grace_timer = asyncio.get_running_loop().call_later(grace, self.end_grace)
         self.flush_batches()
 
