@@ -375,8 +375,9 @@ def test_metrics_show_the_whole_server(workers: Workers) -> None:
 # -- a 1 MiB slab and a tiny queue -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # One engine thread: forwards long enough to queue behind on a fast CPU too
     args = ["--worker-slab-bytes", str(1 << 20), "--max-batch-size", "1",
-            "--max-queue", "2", "--max-batch-delay-ms", "0"]  # fmt: skip
+            "--max-queue", "2", "--max-batch-delay-ms", "0", "--threads", "1"]  # fmt: skip
     env = {"MHA_WORKERS": "2"}  # the environment's way to ask for --workers 2
     with run_server(tmp_path_factory.mktemp("small"), *args, env=env) as server:
         wait_all_ready(server)
@@ -444,13 +445,22 @@ def test_client_gone_while_queued_in_the_engine_is_499_and_never_computed(small:
         + "\r\n"
     ).encode() + content
     pids = [p for n, p in worker_pids(small).items() if n.startswith("mha-frontend")]
+    engine = worker_pids(small)["mha-engine"]
     long_content, long_headers = fp32_request(long)
     blockers = []
-    for _ in range(2):  # one runs, one waits (~2 forwards of 2048 tokens): the victim queues
+    # One runs, one waits (~2 forwards of 2048 tokens, 0.3 s each on a fast CPU with the one
+    # engine thread): the victim queues behind them. The first is running once the engine has
+    # used 30 ms of CPU since it went out (as in the 504 test below); waiting on the front-ends
+    # alone came too late on a fast CPU. Two only: --max-queue 2 holds the second and the victim.
+    for i in range(2):
         conn = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
+        ticks = cpu_ticks(engine)
         conn.request("POST", INFER, body=long_content, headers=long_headers)
         blockers.append(conn)
-        wait_read(small, conn.sock, pids)
+        if i == 0:
+            wait_for(lambda t=ticks: cpu_ticks(engine) - t >= 3, "the engine computes", 10)
+        else:
+            wait_read(small, conn.sock, pids)
     with socket.create_connection(("127.0.0.1", small.port)) as sock:
         sock.sendall(request)
         wait_read(small, sock, pids)  # queued behind the long ones; leave
