@@ -41,32 +41,26 @@ step() {  # step NAME SECONDS COMMAND...: run (at most what is left of the budge
   echo "   rc=$? after $(($(date +%s) - started))s" | tee -a "$out/summary.txt"
 }
 
-tests() {
-  step tests-gpu 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs
-  step tests-gpu-overlap 200 env MHA_TEST_CUDA_OVERLAP=1 \
+# Each check once; its cap (and rounds) per part below.
+gpu_tests() { step tests-gpu "$1" python3 -m pytest tests/gpu -q -p no:cacheprovider -rs; }
+overlap_tests() {
+  step tests-gpu-overlap "$1" env MHA_TEST_CUDA_OVERLAP=1 \
     python3 -m pytest tests/gpu/test_gpu_service.py -q -p no:cacheprovider
 }
-
-bench() {
-  step benchmarks-gpu 240 python3 -m benchmarks.gpu --quick
-  step host-cost 120 python3 -m benchmarks.host_cost --device cuda --dtype float16 --rounds 3
-  step overlap 300 python3 -m benchmarks.alternate --root . --case binary --seq-len 16 \
-    --rounds 2 --seconds 3 --variant '--device cuda' --variant '--device cuda --cuda-overlap'
+gpu_bench() { step benchmarks-gpu "$1" python3 -m benchmarks.gpu --quick; }
+host_cost() {
+  step host-cost "$1" python3 -m benchmarks.host_cost --device cuda --dtype float16 --rounds "$2"
+}
+overlap_bench() {
+  step overlap "$1" python3 -m benchmarks.alternate --root . --case binary --seq-len 16 \
+    --rounds "$2" --seconds 3 --variant '--device cuda' --variant '--device cuda --cuda-overlap'
 }
 
 { nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, \
 torch.cuda.get_device_name())"; } > "$out/machine.txt" 2>&1
 case $part in
-  all)
-    step tests-gpu 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs
-    step benchmarks-gpu 150 python3 -m benchmarks.gpu --quick
-    step overlap 120 python3 -m benchmarks.alternate --root . --case binary --seq-len 16 \
-      --rounds 1 --seconds 3 --variant '--device cuda' --variant '--device cuda --cuda-overlap'
-    step tests-gpu-overlap 150 env MHA_TEST_CUDA_OVERLAP=1 \
-      python3 -m pytest tests/gpu/test_gpu_service.py -q -p no:cacheprovider
-    step host-cost 60 python3 -m benchmarks.host_cost --device cuda --dtype float16 --rounds 2
-    ;;
-  tests) tests ;;
-  bench) bench ;;
+  all) gpu_tests 300; gpu_bench 150; overlap_bench 120 1; overlap_tests 150; host_cost 60 2 ;;
+  tests) gpu_tests 300; overlap_tests 200 ;;
+  bench) gpu_bench 240; host_cost 120 3; overlap_bench 300 2 ;;
   *) echo "unknown part: $part (all, tests or bench)" >&2; exit 2 ;;
 esac

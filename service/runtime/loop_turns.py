@@ -86,21 +86,22 @@ class LoopTurns:
 
     def _schedule_turn(self) -> None:
         """Under the lock, on the loop: a loop turn soon, unless one is due at once already."""
-        if self._turn is not None:
-            if self._turn_now or not self._full():
-                return  # a timer stands for a batch still filling
-            self._turn.cancel()
-        self._turn = self._loop.call_soon(self._loop_turn)  # type: ignore[union-attr]
-        self._turn_now = True
+        if self._turn is not None and (self._turn_now or not self._full()):
+            return  # due already, or a timer stands for a batch still filling
+        self._turn_at_once()
 
     def _flush_turn(self) -> None:
         """Under the lock, draining: a turn waiting out the batch delay on a timer runs now."""
-        if self._turn is None or self._turn_now:
-            return
-        if asyncio.events._get_running_loop() is self._loop:
+        timer = self._turn is not None and not self._turn_now
+        if timer and asyncio.events._get_running_loop() is self._loop:
+            self._turn_at_once()
+
+    def _turn_at_once(self) -> None:
+        """Under the lock, on the loop: a loop turn now, in place of a pending timer."""
+        if self._turn is not None:
             self._turn.cancel()
-            self._turn = self._loop.call_soon(self._loop_turn)  # type: ignore[union-attr]
-            self._turn_now = True
+        self._turn = self._loop.call_soon(self._loop_turn)  # type: ignore[union-attr]
+        self._turn_now = True
 
     def _loop_turn(self) -> None:
         """On the event loop: run the batch at the head of the queue here, or wait out its

@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 import mha_engine
 from benchmarks import scrape
+from benchmarks.server import proc_cpu
 from tests.support import (
     FP32_TOL,
     Server,
@@ -414,12 +415,6 @@ def test_full_shared_queue_answers_429_with_retry_after(small: Server) -> None:
     assert post(small.url, x[:, :8]).status_code == 200  # and it recovers
 
 
-def cpu_ticks(pid: int) -> int:
-    """User + system CPU of process `pid` so far, in clock ticks (usually 10 ms)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime (stat's fields 14 and 15)
-
-
 def wait_read(server: Server, sock: socket.socket, pids: list[int]) -> None:
     """Until a front-end has read all that was sent on `sock`, and a little more (to decode and
     queue it: 50 ms)."""
@@ -454,11 +449,11 @@ def test_client_gone_while_queued_in_the_engine_is_499_and_never_computed(small:
     # alone came too late on a fast CPU. Two only: --max-queue 2 holds the second and the victim.
     for i in range(2):
         conn = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
-        ticks = cpu_ticks(engine)
+        used = sum(proc_cpu(engine))
         conn.request("POST", INFER, body=long_content, headers=long_headers)
         blockers.append(conn)
         if i == 0:
-            wait_for(lambda t=ticks: cpu_ticks(engine) - t >= 3, "the engine computes", 10)
+            wait_for(lambda u=used: sum(proc_cpu(engine)) - u >= 0.03, "the engine computes", 10)
         else:
             wait_read(small, conn.sock, pids)
     with socket.create_connection(("127.0.0.1", small.port)) as sock:
@@ -500,9 +495,9 @@ def test_deadline_while_queued_behind_a_forward_is_504_withdrawn(small: Server) 
     expected = 0
     for _ in range(3):
         blocker = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
-        ticks = cpu_ticks(engine)
+        used = sum(proc_cpu(engine))
         blocker.request("POST", INFER, body=content, headers=headers)
-        wait_for(lambda t=ticks: cpu_ticks(engine) - t >= 3, "the engine computes the blocker", 10)
+        wait_for(lambda u=used: sum(proc_cpu(engine)) - u >= 0.03, "the engine computes", 10)
         response = post(small.url, np.ones((1, 4, 512), np.float32), timeout=20_000)  # 20 ms
         assert blocker.getresponse().status == 200
         blocker.close()
