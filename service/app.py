@@ -31,6 +31,7 @@ from service.http.routes import (
     metrics_route,
     openai_models,
     repository,
+    rerank_api,
     shared_memory,
     tei_mount,
 )
@@ -137,6 +138,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.include_router(metrics_route.router)
     docs.install(app)
     app.include_router(openai_models.router)
+    app.include_router(rerank_api.router)
     tei_mount.install(app)  # TEI and SageMaker routes, at the root and under /models/{name}
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 

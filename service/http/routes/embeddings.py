@@ -110,7 +110,9 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _max_inputs(state: ServiceState) -> int:
+def max_inputs(state: ServiceState) -> int:
+    """Texts one request may send (/v1/embeddings, /v1/rerank): OpenAI's limit, or fewer
+    when the queue holds fewer (each text takes a queue slot)."""
     return min(MAX_INPUTS, state.settings.max_queue)
 
 
@@ -199,9 +201,9 @@ def _inputs(texts: Any, state: ServiceState, entry: ModelEntry) -> list[str] | l
         raise BadInput("'input' is an empty list; send at least one string", param="input")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in texts):
         texts = [texts]  # one sequence of token ids
-    if len(texts) > _max_inputs(state):
+    if len(texts) > max_inputs(state):
         raise BadInput(
-            f"'input' has {len(texts)} items; at most {_max_inputs(state)} per request",
+            f"'input' has {len(texts)} items; at most {max_inputs(state)} per request",
             param="input",
         )
     if isinstance(texts[0], list):

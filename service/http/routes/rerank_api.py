@@ -1,0 +1,187 @@
+"""The rerank API that RAG stacks call: Cohere's `POST /v1/rerank` and `POST /v2/rerank`, which
+Jina, vLLM and infinity-emb also serve (Open WebUI, LangChain and LlamaIndex rerankers post to
+it). One reranker (a cross-encoder with one label) scores the query against each document,
+through the same pair tokenizing and batcher as TEI's /rerank; relevance_score is the sigmoid of
+the logit, best first.
+
+Where it differs from TEI's /rerank: the model is named in the body (optional: the first
+reranker otherwise), documents may be objects (Cohere v1: `text`, or the `rank_fields` named, as
+"field: value" lines; the object comes back whole), a pair longer than the model's maximum is
+truncated as Cohere's API does (the longer side first), `top_n` cuts the list, and the batch
+bound is /v1/embeddings' (--max-queue, at most 2048), not TEI's 32.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.http.deps import get_state
+from service.http.openapi import ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, json_body
+from service.http.routes.common import client_gone, observed
+from service.http.routes.embeddings import max_inputs
+from service.http.routes.tei_common import encode_texts, parse_body, text_entry
+from service.http.routes.tei_rank import json_response
+from service.pipeline.errors import BadInput, PayloadTooLarge, WrongModelKind
+from service.pipeline.models import ensure_serving
+from service.text.tokenizer import Text, classify_runner, scores, typed_payload
+from service.text.work import run_parts
+
+if TYPE_CHECKING:
+    from service.runtime.state import ModelEntry, ServiceState
+
+router = APIRouter(tags=["rerank (Cohere, Jina)"])
+
+
+class RerankApiRequest(BaseModel):
+    """Cohere v1 and v2's fields, which Jina's are a subset of."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="A served reranker; absent: the first one")
+    query: str
+    documents: list[str | dict[str, Any]] = Field(
+        description='Texts, or objects with "text" (or the fields rank_fields names)'
+    )
+    top_n: int | None = Field(None, ge=1, description="Return the best n only")
+    return_documents: bool = Field(False, description="Each result carries its document")
+    rank_fields: list[str] | None = Field(None, description="Object fields ranked (Cohere v1)")
+    max_chunks_per_doc: int | None = Field(None, ge=1, description="Only 1 (no chunking)")
+    max_tokens_per_doc: int | None = Field(
+        None, ge=1, description="At least the model's maximum length (pairs are cut to it)"
+    )
+    priority: int | None = Field(None, description="Accepted; requests run in arrival order")
+
+
+class RankedDocument(BaseModel):
+    index: int
+    relevance_score: float
+    document: dict[str, Any] | None = None
+
+
+class RerankApiResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RankedDocument]
+    usage: dict[str, int]
+    meta: dict[str, Any]
+
+
+def _ranked_text(i: int, document: str | dict[str, Any], fields: list[str]) -> str:
+    """The text scored for documents[i]: a string itself, an object's fields as YAML-like
+    "field: value" lines (Cohere's advice for structured data), or its "text" alone."""
+    if isinstance(document, str):
+        text = document
+    elif fields == ["text"]:
+        text = document.get("text")  # type: ignore[assignment]
+        if not isinstance(text, str):
+            raise BadInput(f"documents[{i}] is an object without a string 'text'")
+    else:
+        missing = [f for f in fields if not isinstance(document.get(f), str)]
+        if missing:
+            raise BadInput(f"documents[{i}] has no string field(s) {missing} (rank_fields)")
+        text = "\n".join(f"{f}: {document[f]}" for f in fields)
+    if not text:
+        raise BadInput(f"documents[{i}] is an empty text; empty documents have no score")
+    return text
+
+
+def _reranker(state: ServiceState, path: str, name: str | None) -> ModelEntry:
+    """The reranker the body names (404 for an unknown name), or the first one served. A model
+    of another kind is a bad request (400, as /v1/embeddings answers), not TEI's 424: here the
+    client chose it."""
+    try:
+        return text_entry(state, path, "reranker", model=name)
+    except WrongModelKind as exc:
+        raise BadInput(exc.message, param="model") from None
+
+
+def _check(body: RerankApiRequest, state: ServiceState, entry: ModelEntry) -> list[str]:
+    """The bounds and the options this server cannot honour, before any work; the texts."""
+    if not body.query:
+        raise BadInput("'query' is an empty string; send the text to rank against")
+    if not body.documents:
+        raise BadInput("'documents' is an empty list; send at least one document")
+    limit = max_inputs(state)
+    if len(body.documents) > limit:
+        raise PayloadTooLarge(
+            f"'documents' has {len(body.documents)} items; at most {limit} per request"
+        )
+    if body.max_chunks_per_doc not in (None, 1):
+        raise BadInput(
+            "'max_chunks_per_doc' must be 1 here: a long document is not chunked, its pair "
+            "with the query is truncated to the model's maximum length"
+        )
+    max_length = entry.tokenizer.max_length  # type: ignore[union-attr]
+    if body.max_tokens_per_doc is not None and body.max_tokens_per_doc < max_length:
+        raise BadInput(
+            f"'max_tokens_per_doc' must be at least this model's {max_length} tokens (or "
+            "absent): pairs are truncated to the model's maximum, not shorter"
+        )
+    fields = ["text"] if body.rank_fields is None else body.rank_fields
+    if not fields or len(set(fields)) != len(fields):
+        raise BadInput("'rank_fields' must name distinct fields")
+    return [_ranked_text(i, d, fields) for i, d in enumerate(body.documents)]
+
+
+async def _rerank(request: Request, version: str) -> Response:
+    state = get_state(request)
+    with observed(state, "rerank_api") as seen:
+        body = await parse_body(request, state, RerankApiRequest)
+        entry = _reranker(state, request.url.path, body.model)
+        seen.label(entry.metrics or state.metrics)
+        ensure_serving(state)
+        texts = _check(body, state, entry)
+        pairs: list[Text] = [(body.query, text) for text in texts]
+        deadline = time.monotonic() + state.settings.request_timeout_s
+        with client_gone(request) as gone:
+            encoded = await encode_texts(
+                gone, state, entry, pairs, True, "Right", deadline, "documents"
+            )
+            logits = await run_parts(
+                state, entry, gone, encoded, deadline, classify_runner, typed_payload
+            )
+        values = [float(scores(x, None, raw=False)[0]) for x in logits]
+        order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties by index
+        results = []
+        for i in order[: body.top_n]:
+            result: dict[str, Any] = {"index": i, "relevance_score": values[i]}
+            if body.return_documents:
+                document = body.documents[i]
+                result["document"] = {"text": document} if isinstance(document, str) else document
+            results.append(result)
+        tokens = sum(len(e.ids) for e in encoded)
+        return json_response(
+            {
+                "id": request.scope["state"]["request_id"],
+                "model": entry.name,
+                "results": results,
+                "usage": {"total_tokens": tokens},
+                "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
+            }
+        )
+
+
+@router.post(
+    "/v1/rerank",
+    summary="Documents ranked by relevance to a query (Cohere v1, Jina)",
+    response_model=RerankApiResponse,
+    responses=OPENAI_ERROR_RESPONSES,
+    openapi_extra=json_body(RerankApiRequest),
+)
+async def rerank_v1(request: Request) -> Response:
+    return await _rerank(request, "1")
+
+
+@router.post(
+    "/v2/rerank",
+    summary="Documents ranked by relevance to a query (Cohere v2)",
+    response_model=RerankApiResponse,
+    responses=ERROR_RESPONSES,  # OIP's {"error": message}, as every /v2 route answers
+    openapi_extra=json_body(RerankApiRequest),
+)
+async def rerank_v2(request: Request) -> Response:
+    return await _rerank(request, "2")
