@@ -143,6 +143,9 @@ def running(
     else:
         cmd = [sys.executable, "-m", "service", "--host", HOST, "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # No gRPC listener on the default 8001 unless asked (--grpc-port wins over the variable):
+    # two servers at once (benchmarks.text_models) would otherwise collide there.
+    full_env.setdefault("MHA_GRPC_PORT", "0")
     if root != ROOT:
         full_env["PYTHONPATH"] = str(root)
     with open(log_path, "wb") if log_path else open(os.devnull, "wb") as log_file:

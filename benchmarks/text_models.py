@@ -1,4 +1,5 @@
-"""TEI routes against the raw engine on the same batches: /rerank pairs/s and /embed sentences/s.
+"""TEI routes against the raw engine on the same batches: /rerank pairs/s and /embed sentences/s
+(and Cohere's /v1/rerank beside TEI's /rerank, on the same server).
 
 Run `python -m benchmarks.text_models [--seconds 6] [--repeats 2] [--clients 4] [--threads N]`
 from the
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace, minilm: Path, reranker_dir: Path) -> None:
     bodies = {
         "rerank": ("/rerank", {"query": QUERY, "texts": passages}),
         "embed": ("/embed", {"inputs": passages}),
+        "rerank api": ("/v1/rerank", {"model": "m", "query": QUERY, "documents": passages}),
     }
     print(
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace, minilm: Path, reranker_dir: Path) -> None:
         f"{args.clients} clients; {args.seconds:.0f} s per case; {args.repeats} rounds\n"
     )
     got: dict[str, list] = {f"{k} {w}": [] for k in raw for w in ("raw", "http")}
+    got["rerank api http"] = []
     common = ("--model-name", "m", "--log-level", "warning")
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     with (
@@ -128,6 +131,7 @@ def run(args: argparse.Namespace, minilm: Path, reranker_dir: Path) -> None:
         running("--model-dir", str(minilm), *common, env=env) as embed_server,
     ):
         ports = {"rerank": rerank_server.port, "embed": embed_server.port}
+        ports["rerank api"] = ports["rerank"]
         for _ in range(args.repeats):
             for kind in raw:
                 load = os.getloadavg()[0]
@@ -136,11 +140,16 @@ def run(args: argparse.Namespace, minilm: Path, reranker_dir: Path) -> None:
                 load = os.getloadavg()[0]
                 items, p50, bad = http_rate(ports[kind], path, body, 32, args.clients, args.seconds)
                 got[f"{kind} http"].append((items, p50, bad, load))
+            path, body = bodies["rerank api"]
+            load = os.getloadavg()[0]
+            items, p50, bad = http_rate(ports["rerank"], path, body, 32, args.clients, args.seconds)
+            got["rerank api http"].append((items, p50, bad, load))
     print("| case | items/s (median) | p50 ms | non-200 | load avg per round |")
     print("|---|---:|---:|---:|---|")
     names = {
         "rerank raw": "raw engine classify_varlen, 32 pairs (pairs/s)",
         "rerank http": "POST /rerank, 1 query + 32 passages (pairs/s)",
+        "rerank api http": "POST /v1/rerank (Cohere), 1 query + 32 documents (pairs/s)",
         "embed raw": "raw engine embed_varlen, 32 sentences (sentences/s)",
         "embed http": "POST /embed, 32 sentences (sentences/s)",
     }
@@ -153,10 +162,9 @@ def run(args: argparse.Namespace, minilm: Path, reranker_dir: Path) -> None:
         bad = sum(r[2] for r in rows)
         print(f"| {names[key]} | {medians[key]:.0f} | {p50} | {bad} | {loads} |")
     print()
-    for kind in raw:
-        print(
-            f"- {kind}: HTTP / raw engine = {medians[f'{kind} http'] / medians[f'{kind} raw']:.2f}"
-        )
+    for kind in (*raw, "rerank api"):
+        engine = medians[f"{kind.split()[0]} raw"]
+        print(f"- {kind}: HTTP / raw engine = {medians[f'{kind} http'] / engine:.2f}")
 
 
 if __name__ == "__main__":
