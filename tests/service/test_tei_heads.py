@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import scrape
+from service.runtime.settings import Settings
 from tests.inprocess import asgi_client
 
 pytest.importorskip("transformers")
@@ -189,6 +190,47 @@ def test_bad_input_on_rerank_and_predict(models):
         assert (await client.post("/rerank", json={"query": "a", "texts": ["b"]})).is_success
 
     serve(reranker, test, max_input_chars=2000)
+
+
+def test_client_batch_size_and_auto_truncate_follow_the_flags(models):
+    """--max-client-batch-size bounds every TEI route and shows in /info; --auto-truncate cuts
+    over-long inputs of requests that do not set 'truncate' (as TEI's flags do), and a request
+    that sets it still decides."""
+    _, reranker = models["bert-reranker"]
+    long = {"query": "a " * 30, "texts": ["b " * 30]}
+
+    async def flagged(client: httpx.AsyncClient) -> None:
+        info = (await client.get("/info")).json()
+        assert (info["max_client_batch_size"], info["auto_truncate"]) == (3, True)
+        for path, body, field in (
+            ("/rerank", {"query": "a", "texts": ["b"] * 4}, "texts"),
+            ("/predict", {"inputs": [["a"]] * 4}, "inputs"),
+            ("/tokenize", {"inputs": ["a"] * 4}, "inputs"),
+            ("/decode", {"ids": [[5]] * 4}, "ids"),
+        ):
+            got = await client.post(path, json=body)
+            assert got.status_code == 413, (path, got.text)
+            assert f"'{field}' has 4 items; at most 3 per request" in got.json()["error"]
+        ok = await client.post("/rerank", json={"query": "a", "texts": ["b"] * 3})
+        assert ok.status_code == 200, ok.text
+        cut = await client.post("/rerank", json=long)
+        asked = await client.post("/rerank", json={**long, "truncate": True})
+        assert cut.status_code == asked.status_code == 200, cut.text
+        assert cut.json() == asked.json()
+        refused = await client.post("/rerank", json={**long, "truncate": False})
+        assert refused.status_code == 413, refused.text
+
+    async def default(client: httpx.AsyncClient) -> None:
+        info = (await client.get("/info")).json()
+        assert (info["max_client_batch_size"], info["auto_truncate"]) == (32, False)
+        refused = await client.post("/rerank", json=long)
+        assert refused.status_code == 413
+        assert "or start the server with --auto-truncate" in refused.json()["error"]
+
+    serve(reranker, flagged, max_client_batch_size=3, auto_truncate=True)
+    serve(reranker, default)
+    with pytest.raises(ValueError, match="max_client_batch_size \\(64\\) must be <= max_queue"):
+        Settings(max_client_batch_size=64, max_queue=32)
 
 
 def test_rerank_is_batched_invariant_and_counted(models):

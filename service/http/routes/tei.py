@@ -24,7 +24,6 @@ from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body, number_arrays
 from service.http.routes.common import client_gone
 from service.http.routes.tei_common import (
-    MAX_CLIENT_BATCH,
     Direction,
     check_batch,
     encode_texts,
@@ -36,7 +35,7 @@ from service.http.routes.tei_common import (
 from service.http.routes.tei_rank import HubPredictRequest, hub_predict
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
-from service.runtime.state import ModelEntry
+from service.runtime.state import ModelEntry, ServiceState
 from service.text.tokenizer import model_kind, raw_embed_runner, tei_model_type, token_runner
 from service.text.work import check_chars, run_parts, tokenize
 
@@ -47,7 +46,7 @@ class EmbedRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inputs: str | list[str]
     normalize: bool = True
-    truncate: bool = False
+    truncate: bool | None = None  # None: --auto-truncate decides
     truncation_direction: Direction = "Right"
     prompt_name: str | None = Field(
         None, description="A key of config_sentence_transformers.json's prompts: its text is "
@@ -58,7 +57,7 @@ class EmbedRequest(BaseModel):
 class EmbedAllRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inputs: str | list[str]
-    truncate: bool = False
+    truncate: bool | None = None  # None: --auto-truncate decides
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
 
@@ -96,14 +95,14 @@ class Info(BaseModel):
     max_batch_requests: int
     max_client_batch_size: int
     max_concurrent_requests: int
-    auto_truncate: bool = False
+    auto_truncate: bool
     prompts: dict[str, str] = Field(default_factory=dict)
     version: str
 
 
-def _texts(inputs: str | list[str]) -> list[str]:
+def _texts(state: ServiceState, inputs: str | list[str]) -> list[str]:
     texts = [inputs] if isinstance(inputs, str) else inputs
-    check_batch(len(texts))
+    check_batch(state, len(texts))
     return texts
 
 
@@ -124,7 +123,7 @@ async def _run(
     request: Request,
     entry: ModelEntry,
     texts: list[str],
-    truncate: bool,
+    truncate: bool | None,
     direction: Direction,
     runner,
 ) -> list[np.ndarray]:
@@ -150,7 +149,7 @@ class SimilarityInputs(BaseModel):
 class SimilarityRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inputs: SimilarityInputs
-    truncate: bool = False
+    truncate: bool | None = None  # None: --auto-truncate decides
 
 
 @router.post(
@@ -165,7 +164,7 @@ async def similarity(request: Request) -> list[float]:
         ensure_serving(state)
         if not body.inputs.sentences:
             raise BadInput("'inputs.sentences' is empty; send at least one sentence")
-        texts = _texts([body.inputs.source_sentence, *body.inputs.sentences])
+        texts = _texts(state, [body.inputs.source_sentence, *body.inputs.sentences])
         vectors = await _run(request, entry, texts, body.truncate, "Right", raw_embed_runner)
         source, *others = _normalized(vectors)
         return [float(np.dot(source, v)) for v in others]
@@ -177,7 +176,7 @@ async def embed_body(body: EmbedRequest, request: Request) -> Response:
     state = get_state(request)
     with text_route(request, state, "embed", "/embed", "embedding") as entry:
         ensure_serving(state)
-        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
         vectors = await _run(
             request, entry, texts, body.truncate, body.truncation_direction, raw_embed_runner
         )
@@ -221,7 +220,7 @@ async def embed_all(request: Request) -> Response:
     with text_route(request, state, "embed_all", "/embed_all", "embedding") as entry:
         body = await parse_body(request, state, EmbedAllRequest)
         ensure_serving(state)
-        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
         states = await _run(
             request, entry, texts, body.truncate, body.truncation_direction, token_runner
         )
@@ -252,7 +251,7 @@ async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
         body = await parse_body(request, state, TokenizeRequest)
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
-        texts = with_prompt(entry, _texts(body.inputs), body.prompt_name)
+        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
         check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
         async with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
@@ -275,7 +274,7 @@ async def decode(request: Request) -> list[str]:
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
         ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
-        check_batch(len(ids), "ids")
+        check_batch(state, len(ids), "ids")
         vocab = entry.model.vocab_size
         for i, seq in enumerate(ids):
             if len(seq) > tokenizer.max_length or any(not 0 <= t < vocab for t in seq):
@@ -300,7 +299,8 @@ async def info(request: Request) -> Info:
         max_input_length=tokenizer.max_length,
         max_batch_tokens=entry.limits.max_tokens,  # the model's own (mha-serve.json, a load's
         max_batch_requests=entry.batcher.max_batch_size,  # config), not the server's flags
-        max_client_batch_size=MAX_CLIENT_BATCH,
+        max_client_batch_size=state.settings.max_client_batch_size,
+        auto_truncate=state.settings.auto_truncate,
         max_concurrent_requests=entry.batcher.max_queue,
         prompts=entry.prompts,
         version=__version__,

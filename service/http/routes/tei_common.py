@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 M = TypeVar("M", bound=BaseModel)
 
-MAX_CLIENT_BATCH = 32  # TEI's default --max-client-batch-size
 Direction = Literal["Right", "Left"]  # TEI's truncation_direction values
 ROUTES_OF = {  # which routes each kind of model offers
     "embedding": "/embed, /embed_all, /similarity, /v1/embeddings",
@@ -102,13 +101,15 @@ def text_route(
         yield entry
 
 
-def check_batch(count: int, field: str = "inputs") -> None:
+def check_batch(state: ServiceState, count: int, field: str = "inputs") -> None:
+    """At least one item, at most --max-client-batch-size (413)."""
     if count == 0:
         raise BadInput(f"'{field}' is an empty list; send at least one item")
-    if count > MAX_CLIENT_BATCH:
+    limit = state.settings.max_client_batch_size
+    if count > limit:
         raise PayloadTooLarge(
-            f"'{field}' has {count} items; at most {MAX_CLIENT_BATCH} per request "
-            "(TEI's --max-client-batch-size)"
+            f"'{field}' has {count} items; at most {limit} per request "
+            "(--max-client-batch-size, as TEI's)"
         )
 
 
@@ -117,13 +118,16 @@ async def encode_texts(
     state: ServiceState,
     entry: ModelEntry,
     texts: list[Text],
-    truncate: bool,
+    truncate: bool | None,
     direction: Direction,
     deadline: float,
     field: str = "inputs",
 ) -> list[Encoded]:
     """Characters bounded (413), then tokenized off the loop holding queue slots (429);
-    an input over the model's max length is 413 unless `truncate` (then cut at `direction`)."""
+    an input over the model's max length is 413 unless `truncate` (then cut at `direction`;
+    None, a request that does not say: --auto-truncate decides, as in TEI)."""
+    if truncate is None:
+        truncate = state.settings.auto_truncate
     tokenizer = entry.tokenizer
     assert tokenizer is not None  # text_entry() chose a text model
     for i, text in enumerate(texts):
@@ -139,7 +143,8 @@ async def encode_texts(
     if cut and not truncate:
         raise PayloadTooLarge(
             f"Input validation error: {field}[{cut[0]}] is longer than the model's "
-            f"{tokenizer.max_length} tokens; send less text or set 'truncate': true"
+            f"{tokenizer.max_length} tokens; send less text or set 'truncate': true (or "
+            "start the server with --auto-truncate)"
         )
     return encoded  # run_parts answers 504 if tokenizing used the deadline up
 

@@ -46,7 +46,7 @@ class RerankRequest(BaseModel):
     texts: list[str]
     raw_scores: bool = False
     return_text: bool = False
-    truncate: bool = False
+    truncate: bool | None = None  # None: --auto-truncate decides
     truncation_direction: Direction = "Right"
 
 
@@ -62,7 +62,7 @@ class PredictRequest(BaseModel):
         description="A text, a pair [a, b], or a batch of [text] and [a, b] items"
     )
     raw_scores: bool = False
-    truncate: bool = False
+    truncate: bool | None = None  # None: --auto-truncate decides
     truncation_direction: Direction = "Right"
 
 
@@ -90,7 +90,7 @@ async def _logits(
     state: ServiceState,
     entry: ModelEntry,
     texts: list[Text],
-    truncate: bool,
+    truncate: bool | None,
     direction: Direction,
     field: str,
 ) -> list[np.ndarray]:
@@ -125,7 +125,9 @@ def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list
     return [{"label": info.id2label[int(i)], "score": float(values[i])} for i in order]
 
 
-def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Text], bool]:
+def _predict_inputs(
+    state: ServiceState, inputs: str | list[str] | list[list[str]]
+) -> tuple[list[Text], bool]:
     """TEI's three input forms -> (texts or pairs, whether it was a batch)."""
     if isinstance(inputs, str):
         return [inputs], False
@@ -136,7 +138,7 @@ def _predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[Tex
                 'pair ["a", "b"]; send a batch as [["text"], ["a", "b"], ...]'
             )
         return [(inputs[0], inputs[1])], False
-    check_batch(len(inputs))
+    check_batch(state, len(inputs))
     items: list[Text] = []
     for i, item in enumerate(inputs):
         if not isinstance(item, list) or len(item) not in (1, 2):
@@ -159,7 +161,7 @@ async def rerank(request: Request) -> Response:
         ensure_serving(state)
         if not body.query:
             raise BadInput("'query' is an empty string; send the text to rank against")
-        check_batch(len(body.texts), "texts")
+        check_batch(state, len(body.texts), "texts")
         pairs: list[Text] = [(body.query, text) for text in body.texts]
         logits = await _logits(
             request, state, entry, pairs, body.truncate, body.truncation_direction, "texts"
@@ -184,7 +186,7 @@ async def predict(request: Request) -> Response:
     with text_route(request, state, "predict", "/predict", "classifier", "reranker") as entry:
         body = await parse_body(request, state, PredictRequest)
         ensure_serving(state)
-        texts, batch = _predict_inputs(body.inputs)
+        texts, batch = _predict_inputs(state, body.inputs)
         logits = await _logits(
             request, state, entry, texts, body.truncate, body.truncation_direction, "inputs"
         )
@@ -199,9 +201,9 @@ async def hub_predict(body: HubPredictRequest, request: Request) -> Response:
     with text_route(request, state, "predict", "/", "classifier", "reranker") as entry:
         ensure_serving(state)
         texts: list[Text] = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
-        check_batch(len(texts))
+        check_batch(state, len(texts))
         params = body.parameters or HubParameters()
-        logits = await _logits(request, state, entry, texts, False, "Right", "inputs")
+        logits = await _logits(request, state, entry, texts, None, "Right", "inputs")
         return json_response(
             [_predictions(entry, x, params.function_to_apply)[: params.top_k] for x in logits]
         )
