@@ -13,7 +13,8 @@ kernel's one causal flag) and cross-attention, queries against a memory of their
 stacks: causal self-attention, then cross-attention to the memory; an attention block given its
 own key and value tensors). Non-causal self-attention buckets are captured at load, the rest on
 first use. Masked calls, mixed causal flags and batches past the largest bucket run eagerly,
-and so does a bucket whose capture failed. The non-causal self-attention graphs were verified
+and so does every bucket not yet captured once a capture failed. Captures run one at a time in
+the process, on the model's device and one capture stream per pool. The non-causal self-attention graphs were verified
 on an H100 by tests/gpu; the causal and cross-attention ones and the double-buffered cu_seqlens
 upload follow the same design and are tested on the CPU with the capture stood in for
 (tests/mha_engine/test_cuda_graphs.py), not yet on a GPU.
@@ -22,6 +23,7 @@ upload follow the same design and are tested on the CPU with the capture stood i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,22 +73,53 @@ class _Graph:
     last_cu: list[list[int]] | None = None  # what `cus` holds: an unchanged layout skips uploads
 
 
-def _record(fn: Callable[[], Tensor], device: torch.device, pool) -> tuple[object, Tensor]:
-    """(graph, static output) of `fn` captured into `pool`, after two warm-up calls on a side
-    stream (kernels pick their algorithms outside the capture). The capture forbids unsafe CUDA
-    calls in this thread only ("thread_local"): a bucket captured on first use while serving
-    must not fail because another thread (`--cuda-overlap`'s completer waiting on an event, a
-    shared-memory registration) makes a CUDA call meanwhile."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.inference_mode(), torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool, capture_error_mode="thread_local"):
-        out = fn()
+# PyTorch allows one graph capture at a time in a process, and models (or versions of one)
+# capture on their own threads: a load's warm-up while others serve, first-use buckets.
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _record(
+    fn: Callable[[], Tensor], device: torch.device, pool, stream: torch.cuda.Stream
+) -> tuple[object, Tensor]:
+    """(graph, static output) of `fn` captured into `pool` on `stream` (a stream of `device`,
+    the same for every graph of the pool), after two warm-up calls on a side stream (kernels
+    pick their algorithms outside the capture).
+
+    On `device` as the current device: new threads start on cuda:0, and a capture on another
+    device's stream would record nothing (the model's kernels would run eagerly, outside it).
+    The capture forbids unsafe CUDA calls in this thread only ("thread_local"): a bucket
+    captured on first use while serving must not fail because another thread (the
+    `--cuda-overlap` completer, a shared-memory registration) makes a CUDA call meanwhile. A
+    failed capture leaves its stream current (torch's context exits at capture_end, which
+    raised): the thread's stream is put back."""
+    with _CAPTURE_LOCK, torch.cuda.device(device):
+        before = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(before)
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        before.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with (
+                torch.inference_mode(),
+                torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"),
+            ):
+                out = fn()
+        except BaseException:
+            torch.cuda.set_stream(before)
+            raise
     return graph, out
+
+
+def _new_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream `device`'s work is queued on by this thread (not the current device's)."""
+    return torch.cuda.current_stream(device)
 
 
 def _pinned(like: Tensor) -> Tensor:
@@ -128,6 +161,8 @@ class CudaGraphs:
         self.max_graphs = max_graphs
         self.graphs: dict[Key, _Graph] = {}
         self.failed: set[Key] = set()  # buckets whose capture failed: never tried again
+        self.stopped = False  # a capture failed: no more captures (the graphs held replay)
+        self._stream: torch.cuda.Stream | None = None  # every capture's, made at the first
         self.replays = 0
         self._memory: tuple[int, int] = (0, 0)  # (graph count, bytes) when last measured
         self._pool = torch.cuda.graph_pool_handle()
@@ -146,7 +181,7 @@ class CudaGraphs:
     def _capture(self, key: Key) -> _Graph | None:
         if key in self.graphs:
             return self.graphs[key]
-        if key in self.failed or len(self.graphs) >= self.max_graphs:
+        if self.stopped or key in self.failed or len(self.graphs) >= self.max_graphs:
             return None
         if len(key) == 3:  # self-attention
             tq, mq, causal = key
@@ -171,11 +206,22 @@ class CudaGraphs:
             def fn() -> Tensor:
                 return self.cross_run(inputs[0], inputs[1:], plan, cross)
 
+        if self._stream is None:
+            self._stream = _new_stream(self.device)
         try:
-            graph, out = _record(fn, self.device, self._pool)  # (tq, E)
-        except RuntimeError as exc:  # refused by the driver: this bucket runs eagerly from now on
+            graph, out = _record(fn, self.device, self._pool, self._stream)  # (tq, E)
+        except RuntimeError as exc:  # refused by the driver (or out of memory): eager from now
+            # on for it, and no further capture: what a failed capture leaves behind (the
+            # allocator's capture bookkeeping) is not worth a second try while serving
             self.failed.add(key)
-            log.warning("CUDA graph capture of bucket %s failed; it runs eagerly: %s", key, exc)
+            self.stopped = True
+            log.warning(
+                "CUDA graph capture of bucket %s failed; it and every bucket not yet captured "
+                "run eagerly (%d graphs held still replay): %s",
+                key,
+                len(self.graphs),
+                exc,
+            )
             return None
         hosts, events = (_pinned(cus), _pinned(cus)), (_event(), _event())
         self.graphs[key] = _Graph(graph, inputs, cus, out, hosts, events)
@@ -252,7 +298,7 @@ class CudaGraphs:
             graph.uploads[turn].synchronize()  # this host copy's last upload has left it
             graph.cu_hosts[turn].numpy()[:] = layout
             graph.cus.copy_(graph.cu_hosts[turn], non_blocking=True)
-            graph.uploads[turn].record()
+            graph.uploads[turn].record(_current_stream(self.device))
             graph.last_cu = layout
         for static, tensor in zip(graph.inputs, tensors, strict=True):
             n = tensor.shape[0]

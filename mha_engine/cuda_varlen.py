@@ -63,6 +63,10 @@ def kernel_for(dtype: torch.dtype) -> VarlenKernel:
     return flash_kernel if dtype in (torch.float16, torch.bfloat16) else efficient_kernel
 
 
+def _int32(cu: Tensor) -> Tensor:
+    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
+
+
 def varlen_attention(
     q: Tensor,
     k: Tensor,
@@ -82,8 +86,8 @@ def varlen_attention(
     N, M = q.shape[0], k.shape[0]
     heads_kv = k.shape[1] // head_dim
     kernel = kernel or kernel_for(q.dtype)
-    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k
+    cu = _int32(cu_seqlens)  # the kernels refuse any other index type
+    cu_k = cu if cu_seqlens_k is None else _int32(cu_seqlens_k)
     out = kernel(
         q.view(N, num_heads, head_dim),  # (N, H, hd): a view of the projection
         k.view(M, heads_kv, head_dim),  # (M, Hkv, hd)

@@ -258,11 +258,11 @@ def _onednn_linear(
 
 
 def _rows(fn: Callable[[Tensor, Tensor | None], Tensor], x2: Tensor, r2: Tensor | None) -> Tensor:
-    """fn(rows, residual rows) on x2 (N, K): in one call, or for bf16 on AMX in blocks of
+    """fn(rows, residual rows) on x2 (N, K): in one call, or for CPU bf16 on AMX in blocks of
     exactly AMX_BF16_BLOCK rows (the last padded with zero rows), so every call has the same
     row count and so the same kernel; (N, M)."""
     n = x2.shape[0]
-    if not (AMX and x2.dtype == torch.bfloat16) or torch.compiler.is_compiling():
+    if not (AMX and x2.dtype == torch.bfloat16 and x2.is_cpu) or torch.compiler.is_compiling():
         return fn(x2, r2)
     out = []
     block = AMX_BF16_BLOCK

@@ -285,14 +285,18 @@ def varlen_capable(attn: FusedAttention) -> bool:
 
 def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
     """The CUDA varlen kernel applies: on the GPU, a plan one call can do, no extra keys,
-    flash-sized heads; GQA only through flash (half precisions)."""
+    flash-sized heads; GQA only through flash (half precisions), and without empty query
+    sequences (flash's single-query GQA path reshapes the queries to one row per sequence)."""
     return (
         query.is_cuda
         and plan.varlen_ok
         and attn.extra_keys == 0
         and attn.head_dim % 8 == 0
         and attn.head_dim <= 256
-        and (not attn.is_gqa or query.dtype in (torch.float16, torch.bfloat16))
+        and (
+            not attn.is_gqa
+            or (query.dtype in (torch.float16, torch.bfloat16) and 0 not in plan.q_lens)
+        )
     )
 
 

@@ -138,6 +138,52 @@ def _decoder_cross(model, x, cu, memory, _value, cu_memory):
     return model.forward_packed(x, cu, memory, cu_memory, tgt_is_causal=True)
 
 
+def test_two_models_capturing_on_their_own_threads_replay_their_own_numbers():
+    """Two graphed models serving on two threads capture causal buckets on first use at the
+    same time (PyTorch allows one capture per process: they take turns); each replays its own
+    eager numbers, nothing fails to capture, and the main thread's stream is untouched."""
+    import threading
+
+    torch.manual_seed(0)
+    modules = [torch.nn.MultiheadAttention(256, 8, batch_first=True).eval() for _ in range(2)]
+
+    def build(module, graphs: bool):
+        model = model_from_state_dict(
+            module_config(module), module_state(module), "cuda", torch.float16
+        )
+        if graphs:  # nothing causal warmed: every causal bucket is captured on first use
+            model.enable_cuda_graphs(max_tokens=256, max_graphs=64, warm_max_len=16)
+        return model
+
+    graphed = [build(m, True) for m in modules]
+    eager = [build(m, False) for m in modules]
+    lens = [[37, 1, 64, 5], [100, 20, 3], [9, 9, 9, 9, 9], [120, 7]]
+    xs = [torch.randn(sum(n), 256, device="cuda", dtype=torch.float16) for n in lens]
+    stream = torch.cuda.current_stream()
+    errors: list[str] = []
+
+    def serve(i: int) -> None:
+        try:
+            for x, n in zip(xs, lens, strict=True):
+                got = graphed[i].forward_packed(x, cumulative(n), is_causal=True)
+                want = eager[i].forward_packed(x, cumulative(n), is_causal=True)
+                if not torch.equal(got, want):
+                    errors.append(f"model {i}, lengths {n}: not the eager numbers")
+        except Exception as exc:  # reported below with the thread's model
+            errors.append(f"model {i}: {exc!r}")
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert errors == []
+    assert [sorted(g.cuda_graphs.failed) for g in graphed] == [[], []]
+    assert all(g.cuda_graphs.replays >= len(lens) for g in graphed)
+    assert torch.cuda.current_stream() == stream
+
+
 def test_text_model_replays_its_encoder():
     """MiniLM's shape in fp16: encode_packed graphed equals eager, bit for bit."""
     import mha_engine

@@ -81,7 +81,7 @@ class _Event:
     def __init__(self, log: list[str]) -> None:
         self.log = log
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         self.log.append(f"record {id(self)}")
 
     def synchronize(self) -> None:
@@ -93,11 +93,13 @@ def stand_in(monkeypatch):
     """CudaGraphs on the CPU: captures recorded, pinned buffers plain, events logged."""
     log: list[str] = []
 
-    def record(fn, device, pool):
+    def record(fn, device, pool, stream):
         graph = _Recording(fn)
         return graph, graph.out
 
     monkeypatch.setattr(cuda_graphs, "_record", record)
+    monkeypatch.setattr(cuda_graphs, "_new_stream", lambda device: None)
+    monkeypatch.setattr(cuda_graphs, "_current_stream", lambda device: None)
     monkeypatch.setattr(cuda_graphs, "_pinned", lambda like: torch.empty_like(like))
     monkeypatch.setattr(cuda_graphs, "_event", lambda: _Event(log))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
@@ -203,9 +205,9 @@ def test_the_model_replays_unmasked_self_attention_causal_or_not(stand_in):
         torch.testing.assert_close(got, eager.forward_packed(x, cu, **kwargs), atol=1e-6, rtol=0)
 
 
-def test_record_warms_up_on_a_side_stream_then_captures_once(monkeypatch):
-    """_record's CUDA calls, stood in for: two warm-up calls on a side stream that waits for the
-    current one, the current stream waiting for them, then one call inside the capture."""
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's stream, device and capture calls as a log: (log, the current stream)."""
     log: list[str] = []
 
     class Stream:
@@ -224,51 +226,117 @@ def test_record_warms_up_on_a_side_stream_then_captures_once(monkeypatch):
         log.append(f"off {stream.name}")
 
     @contextlib.contextmanager
-    def capturing(graph, pool, capture_error_mode):
-        log.append(f"capture into pool {pool}, {capture_error_mode}")
-        yield
+    def capturing(graph, pool, stream, capture_error_mode):
+        log.append(f"capture on {stream.name} into pool {pool}, {capture_error_mode}")
+        yield  # torch's context: on an error, capture_end raises and the stream stays current
         log.append("captured")
+
+    @contextlib.contextmanager
+    def device(index):
+        log.append(f"on device {index}")
+        try:
+            yield
+        finally:  # torch.cuda.device puts the previous device back on any exit
+            log.append(f"off device {index}")
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: log.append(f"set {s.name}"))
+    monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
     monkeypatch.setattr(torch.cuda, "graph", capturing)
+    return log, Stream
+
+
+def test_record_warms_up_on_a_side_stream_then_captures_once(fake_cuda):
+    """_record's CUDA calls, stood in for: on the model's device (a new thread's current device
+    is cuda:0), two warm-up calls on a side stream that waits for the current one, the current
+    stream waiting for them, then one call inside the capture, on the pool's capture stream."""
+    log, Stream = fake_cuda
     calls = iter(range(10))
 
     def fn() -> torch.Tensor:
         log.append("call")
         return torch.full((1,), float(next(calls)))
 
-    graph, out = cuda_graphs._record(fn, torch.device("cuda"), (7, 1))
+    graph, out = cuda_graphs._record(fn, torch.device("cuda:1"), (7, 1), Stream("capture"))
     assert graph == "graph" and out.item() == 2.0  # the captured call's output
     assert log == [
-        "side waits for current", "on side", "call", "call", "off side",
-        "current waits for side", "capture into pool (7, 1), thread_local", "call", "captured",
+        "on device cuda:1", "side waits for current", "on side", "call", "call", "off side",
+        "current waits for side", "capture on capture into pool (7, 1), thread_local", "call",
+        "captured", "off device cuda:1",
     ]  # fmt: skip
+    assert not cuda_graphs._CAPTURE_LOCK.locked()
 
 
-def test_a_failed_capture_runs_eagerly_and_is_not_tried_again(stand_in, monkeypatch, caplog):
-    """A capture the driver refuses (another thread's CUDA call, out of memory) must not fail
-    the batch: that bucket runs eagerly from then on, the others still replay."""
+def test_a_capture_that_raises_puts_the_threads_stream_back(fake_cuda):
+    log, Stream = fake_cuda
+    state = {"calls": 0}
+
+    def fn() -> torch.Tensor:
+        state["calls"] += 1
+        if state["calls"] == 3:  # the captured call
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.zeros(1)
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        cuda_graphs._record(fn, torch.device("cuda"), (7, 1), Stream("capture"))
+    assert log[-3:] == ["capture on capture into pool (7, 1), thread_local", "set current",
+                        "off device cuda"]  # fmt: skip
+    assert not cuda_graphs._CAPTURE_LOCK.locked()
+
+
+def test_one_capture_at_a_time(fake_cuda):
+    """Two models capturing on their own threads (a load's warm-up while another model serves)
+    never capture at once: PyTorch allows one capture per process."""
+    import threading
+    import time
+
+    log, Stream = fake_cuda
+    inside, most = [0], [0]
+
+    def fn() -> torch.Tensor:
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.02)
+        inside[0] -= 1
+        return torch.zeros(1)
+
+    def capture() -> None:
+        cuda_graphs._record(fn, torch.device("cuda"), (7, 1), Stream("capture"))
+
+    threads = [threading.Thread(target=capture) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1 and log.count("captured") == 3
+
+
+def test_a_failed_capture_runs_eagerly_and_stops_further_captures(stand_in, monkeypatch, caplog):
+    """A capture the driver refuses (out of memory, an uncapturable call) must not fail the
+    batch: that bucket, and every one not yet captured, runs eagerly from then on (what a failed
+    capture leaves behind is not worth another try while serving); the graphs held replay."""
     attempts: list[int] = []
     record = cuda_graphs._record
 
-    def refuse_32(fn, device, pool):
+    def refuse_32(fn, device, pool, stream):
         out = fn()
         attempts.append(out.shape[0])
         if out.shape[0] == 32:
             raise RuntimeError("operation not permitted when stream is capturing")
-        return record(fn, device, pool)
+        return record(fn, device, pool, stream)
 
     monkeypatch.setattr(cuda_graphs, "_record", refuse_32)
     graphs = _graphs(_model(), max_tokens=64)
-    assert graphs.warm() == 6 - 2  # the two 32-token buckets failed, the rest were captured
-    assert "failed; it runs eagerly" in caplog.text
+    assert graphs.warm() == 1  # (16, 16); the first 32-token bucket failed; none after it
+    assert graphs.stopped and "every bucket not yet captured run eagerly" in caplog.text
     x = torch.randn(20, 32)
-    assert graphs(x, [20]) is None  # its bucket (32, 32) failed at warm-up: eager
-    assert graphs(x[:10], [10]) is not None
-    assert attempts.count(32) == 2  # never tried again
+    assert graphs(x, [20]) is None  # bucket (32, 32): never captured, eager
+    assert graphs(x[:10], [10]) is not None  # (16, 16) still replays
+    assert graphs(x[:10], [10], causal=True) is None  # a first-use bucket: no capture now
+    assert attempts == [16, 32]  # nothing tried after the failure
 
 
 def _decoder(d_model: int = 32) -> torch.nn.Module:

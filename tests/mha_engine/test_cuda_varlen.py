@@ -82,6 +82,13 @@ def test_cross_attention_and_gqa_through_the_kernel_equal_grouped_attention():
             kernel=reference_kernel, cu_seqlens_k=plan.cu_seqlens_k, max_len_k=max(kv_lens),
         )  # fmt: skip
         want = model.forward_packed(x, cumulative(LENGTHS), mem, mem, cumulative(kv_lens))
+        # int64 offsets (a library caller's) go to the kernel as int32, the keys' too
+        as_int64 = cuda_varlen.varlen_attention(
+            q, k, v, plan.cu_seqlens.long(), max(LENGTHS), attn.num_heads, attn.head_dim,
+            kernel=reference_kernel, cu_seqlens_k=plan.cu_seqlens_k.long(),
+            max_len_k=max(kv_lens),
+        )  # fmt: skip
+        torch.testing.assert_close(as_int64, merged, atol=0, rtol=0)
         torch.testing.assert_close(attn.out_proj(merged), want, **FP32)
 
 
@@ -108,6 +115,29 @@ def test_route_is_chosen_for_plans_one_call_can_do():
     assert use_varlen(attn, OnCuda(), make_plan(LENGTHS, key_padding_mask=mask))  # hides nothing
     mask[2] = True
     assert not use_varlen(attn, OnCuda(), make_plan(LENGTHS, key_padding_mask=mask))
+
+
+def test_gqa_with_an_empty_query_sequence_takes_the_groups():
+    """flash's GQA path for one-row queries reshapes them to one row per sequence, which an
+    empty sequence breaks: such a plan takes the grouped path; without it, the kernel."""
+    from mha_engine.checkpoint import model_from_state_dict
+    from mha_engine.save import module_config, module_state
+
+    module = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()  # head_dim 8
+    config = {**module_config(module), "num_kv_heads": 2}
+    state = {k: v.clone() for k, v in module_state(module).items()}
+    state["in_proj_weight"] = state["in_proj_weight"][: 32 + 2 * 16]
+    state["in_proj_bias"] = state["in_proj_bias"][: 32 + 2 * 16]
+    attn = model_from_state_dict(config, state, "cpu", "float32").attn
+    assert attn.is_gqa and attn.head_dim == 8
+
+    class OnCuda:
+        is_cuda = True
+        dtype = torch.float16
+
+    assert use_varlen(attn, OnCuda(), make_plan([1, 1, 1]))
+    assert not use_varlen(attn, OnCuda(), make_plan([0, 1, 1]))
+    assert use_varlen(engine_from(make_mha(32, 4)).attn, OnCuda(), make_plan([0, 1, 1]))
 
 
 def test_kernel_by_dtype():

@@ -195,3 +195,21 @@ def test_a_small_forward_dispatches_no_op_that_changes_nothing():
         model.forward_packed(x, list(range(17)))
     assert not [n for n in ops.names if n.startswith("aten.to.")], ops.names
     assert len(ops.names) <= 12, ops.names
+
+
+def test_amx_row_blocks_are_for_cpu_tensors_only(monkeypatch):
+    """The AMX bf16 blocks fix oneDNN's kernel choice on the host CPU; a GPU tensor (a meta
+    tensor stands in: not on the CPU) takes one call whatever the host has."""
+    monkeypatch.setattr(fused, "AMX", True)  # what an AMX host (e.g. an H100's Xeon) reports
+    calls: list[int] = []
+
+    def fn(rows, residual):
+        calls.append(rows.shape[0])
+        return rows
+
+    on_gpu = torch.empty(300, 8, dtype=torch.bfloat16, device="meta")
+    assert fused._rows(fn, on_gpu, None).shape == (300, 8) and calls == [300]
+    calls.clear()
+    on_cpu = torch.zeros(300, 8, dtype=torch.bfloat16)
+    assert fused._rows(fn, on_cpu, None).shape == (300, 8)
+    assert calls == [fused.AMX_BF16_BLOCK] * 3  # 128-row blocks, the last padded
