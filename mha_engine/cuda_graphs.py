@@ -14,9 +14,10 @@ stacks: causal self-attention, then cross-attention to the memory; an attention 
 own key and value tensors). Non-causal self-attention buckets are captured at load, the rest on
 first use. Masked calls, mixed causal flags and batches past the largest bucket run eagerly,
 and so does every bucket not yet captured once a capture failed. Captures run one at a time in
-the process, on the model's device and one capture stream per pool. The non-causal self-attention graphs were verified
-on an H100 by tests/gpu; the causal and cross-attention ones and the double-buffered cu_seqlens
-upload follow the same design and are tested on the CPU with the capture stood in for
+the process, on the model's device and one capture stream per pool. The non-causal
+self-attention graphs were verified on an H100 by tests/gpu; the causal and cross-attention
+ones, the double-buffered cu_seqlens upload and the capture's device, stream and lock follow
+the same design and are tested on the CPU with the capture stood in for
 (tests/mha_engine/test_cuda_graphs.py), not yet on a GPU.
 """
 

@@ -92,7 +92,9 @@ def test_cuda_graph_replay_gives_the_eager_numbers(dtype):
     count = graphs.count
     causal = graphed.forward_packed(x, cu, is_causal=True)  # its own graph, captured now
     assert graphs.replays == replays + 1 and graphs.count == count + 1
-    assert torch.equal(causal, eager.forward_packed(x, cu, is_causal=True))
+    # fp32 within FP32_DRIFT: a 1024-row bucket's GEMMs against 599 rows eagerly (the plain
+    # graph's equality above held on an H100; this causal one has not run on a GPU yet)
+    _same(causal, eager.forward_packed(x, cu, is_causal=True), dtype, "causal replay != eager")
     for i, n in enumerate(LENGTHS):
         alone = graphed.forward_packed(x[cu[i] : cu[i + 1]], [0, n], is_causal=True)
         _same(alone, causal[cu[i] : cu[i + 1]], dtype, f"causal sequence {i} depends on its batch")
