@@ -54,8 +54,10 @@ class TextEmbeddings(nn.Module):
         self.positions_from_padding = config.positions_from_padding
 
     def _apply(self, fn, recurse=True):
-        """Apply device moves only: the tables keep float32 (see the class docstring)."""
-        device = fn(torch.zeros(())).device
+        """Apply device moves only: the tables keep float32 (see the class docstring). The
+        device is what `fn` makes of a tensor where the tables are: a cast by dtype alone
+        keeps them there (a CPU probe would have moved a CUDA model's tables to the CPU)."""
+        device = fn(self.word_embeddings.weight.new_zeros(())).device
         return super()._apply(lambda t: t.to(device=device), recurse)
 
     def padded_positions(self, input_ids: Tensor) -> Tensor:
@@ -106,13 +108,20 @@ def pool_packed(hidden: Tensor, lengths: list[int], mode: str) -> Tensor:
     if mode != "mean":
         raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
     if hidden.is_cuda:  # index_add_ adds with atomics on CUDA: an order that varies per run
-        lens = upload(torch.tensor(lengths, dtype=torch.long), hidden.device)  # (B,)
-        return torch.segment_reduce(hidden.float(), "mean", lengths=lens, axis=0)  # (B, D)
+        return segment_mean(hidden, lengths)
     seg = segment_ids(lengths, hidden.device)  # (N,)
     sums = hidden.new_zeros(len(lengths), hidden.shape[-1], dtype=torch.float32)  # (B, D)
     sums.index_add_(0, seg, hidden.float())
     counts = torch.tensor(lengths, dtype=torch.float32)  # (B,)
     return sums / counts[:, None]  # (B, D)
+
+
+def segment_mean(hidden: Tensor, lengths: list[int]) -> Tensor:
+    """Mean of each sequence's rows of packed hidden (N, D) -> (B, D) float32, in a fixed
+    order (CUDA's pooling). `unsafe`: the lengths come from the host (each >= 1, summing to N),
+    and its checks would read two values back from the device (.item()) in every batch."""
+    lens = upload(torch.tensor(lengths, dtype=torch.long), hidden.device)  # (B,)
+    return torch.segment_reduce(hidden.float(), "mean", lengths=lens, axis=0, unsafe=True)
 
 
 def pool_padded(hidden: Tensor, attention_mask: Tensor, mode: str) -> Tensor:

@@ -104,7 +104,7 @@ def test_cuda_regions_with_the_unmodified_client(served, module, protocol) -> No
             assert status.regions["in"].byte_size == PAD + NBYTES
 
         _infer(lib, client, "in", "out")
-        got = cudashm.get_contents_as_numpy(handle_out, "FP32", list(SHAPE))
+        got = cudashm.get_contents_as_numpy(handle_out, np.float32, list(SHAPE))
         np.testing.assert_allclose(got, want, **TOL)
         answered = _infer(lib, client, "in", None).as_numpy("output")  # output in the answer
         np.testing.assert_allclose(answered, want, **TOL)

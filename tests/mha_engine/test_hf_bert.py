@@ -162,6 +162,31 @@ def test_pooling_and_normalisation(tmp_path):
         st.embed_varlen([torch.arange(2, 19)])
 
 
+def test_cuda_mean_pooling_equals_the_cpu_one(tmp_path):
+    """CUDA's mean pooling (segment_reduce in a fixed order, no device reads) run here on the
+    CPU's hidden states: the same means as the CPU path's index_add."""
+    from mha_engine.text import pool_packed, segment_mean
+
+    torch.manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    hidden = torch.randn(sum(lengths), D)
+    torch.testing.assert_close(
+        segment_mean(hidden, lengths), pool_packed(hidden, lengths, "mean"), **FP32
+    )
+
+
+def test_a_dtype_cast_keeps_the_embedding_tables_where_they_are(tmp_path):
+    """The tables stay float32 on a cast and move only with the model: a cast by dtype alone
+    (model.to(torch.bfloat16), .half()) must not move a CUDA model's tables to the CPU. A meta
+    model stands in for the CUDA one."""
+    model = load_model(save_hf(make_hf("bert"), tmp_path), device="cpu")
+    embeddings = model.embeddings
+    embeddings.to("meta")
+    embeddings.to(torch.bfloat16)
+    table = embeddings.word_embeddings.weight
+    assert (table.device.type, table.dtype) == ("meta", torch.float32)
+
+
 def test_bf16_model_stays_close(tmp_path):
     ref = make_hf("bert")
     model = load_model(save_hf(ref, tmp_path), device="cpu", dtype="bfloat16")
