@@ -30,7 +30,7 @@ from service.grpc.tensors import (
     decode_infer_request,
     encode_infer_response,
     in_shared_memory,
-    shared_input_bytes,
+    reads_shared_memory,
 )
 from service.http.middleware import bearer_credential, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
@@ -260,8 +260,8 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
                 request_id=rid,
                 decode=functools.partial(decode_infer_request, request, shm),
                 # Raw contents decode to views (no pass over the values); large typed contents
-                # and large shared-memory inputs are copied, off the event loop.
-                offload=shared_input_bytes(request) > OFFLOAD_BYTES
+                # and shared-memory inputs are copied, off the event loop.
+                offload=reads_shared_memory(request)
                 or (not raw and request.ByteSize() > OFFLOAD_BYTES),
                 deadline_s=deadline_s,
                 output_sink=functools.partial(shm.device_sink, OUTPUT_NAME),

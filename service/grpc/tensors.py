@@ -16,7 +16,7 @@ from service.grpc import grpc_service_pb2 as pb
 from service.oip.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor, check_shape
 from service.oip.datatypes import DATATYPES
 from service.pipeline.errors import BadInput
-from service.shm import BYTE_SIZE, REGION
+from service.shm import REGION
 
 if TYPE_CHECKING:
     from service.shm.tensors import SharedMemoryIO
@@ -91,11 +91,11 @@ def in_shared_memory(request: pb.ModelInferRequest) -> bool:
     return any(REGION in t.parameters for t in (*request.inputs, *request.outputs))
 
 
-def shared_input_bytes(request: pb.ModelInferRequest) -> int:
-    """The bytes its inputs in shared memory say they hold (what decoding copies)."""
-    return sum(
-        t.parameters[BYTE_SIZE].int64_param for t in request.inputs if REGION in t.parameters
-    )
+def reads_shared_memory(request: pb.ModelInferRequest) -> bool:
+    """Whether an input is read from a shared-memory region: its decode goes off the event
+    loop whatever its size, as over HTTP (a CUDA region's copy waits for the work queued on
+    the device, a forward included)."""
+    return any(REGION in t.parameters for t in request.inputs)
 
 
 def decode_infer_request(
