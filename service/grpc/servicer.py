@@ -30,7 +30,7 @@ from service.grpc.tensors import (
     decode_infer_request,
     encode_infer_response,
     in_shared_memory,
-    reads_shared_memory,
+    shared_inputs,
 )
 from service.http.middleware import bearer_credential, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
@@ -252,6 +252,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
         shared = in_shared_memory(request)
         # tritonclient reads raw outputs only: raw unless the request sent typed contents
         raw = bool(request.raw_input_contents) or shared
+        regions, shared_bytes = shared_inputs(request)
         with SharedMemoryIO(self.state.shared_memory) as shm:
             work = TensorRequest(
                 model=name,
@@ -260,8 +261,10 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
                 request_id=rid,
                 decode=functools.partial(decode_infer_request, request, shm),
                 # Raw contents decode to views (no pass over the values); large typed contents
-                # and shared-memory inputs are copied, off the event loop.
-                offload=reads_shared_memory(request)
+                # and large shared-memory inputs are copied, off the event loop, and so is any
+                # read of a CUDA region (its copy waits for the forward queued on the device).
+                offload=shared_bytes > OFFLOAD_BYTES
+                or self.state.shared_memory.on_device(regions)
                 or (not raw and request.ByteSize() > OFFLOAD_BYTES),
                 deadline_s=deadline_s,
                 output_sink=functools.partial(shm.device_sink, OUTPUT_NAME),

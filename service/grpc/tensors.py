@@ -16,7 +16,7 @@ from service.grpc import grpc_service_pb2 as pb
 from service.oip.codecs import MAX_RANK, InferRequest, InferTensor, OutputTensor, check_shape
 from service.oip.datatypes import DATATYPES
 from service.pipeline.errors import BadInput
-from service.shm import REGION
+from service.shm import BYTE_SIZE, REGION
 
 if TYPE_CHECKING:
     from service.shm.tensors import SharedMemoryIO
@@ -91,11 +91,12 @@ def in_shared_memory(request: pb.ModelInferRequest) -> bool:
     return any(REGION in t.parameters for t in (*request.inputs, *request.outputs))
 
 
-def reads_shared_memory(request: pb.ModelInferRequest) -> bool:
-    """Whether an input is read from a shared-memory region: its decode goes off the event
-    loop whatever its size, as over HTTP (a CUDA region's copy waits for the work queued on
-    the device, a forward included)."""
-    return any(REGION in t.parameters for t in request.inputs)
+def shared_inputs(request: pb.ModelInferRequest) -> tuple[list[str], int]:
+    """The regions its inputs in shared memory name, and the bytes they say they hold (what
+    decoding copies)."""
+    shared = [t for t in request.inputs if REGION in t.parameters]
+    names = [t.parameters[REGION].string_param for t in shared]
+    return names, sum(t.parameters[BYTE_SIZE].int64_param for t in shared)
 
 
 def decode_infer_request(

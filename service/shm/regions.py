@@ -291,6 +291,10 @@ class Regions:
             raise RegionNotFound(f"unable to find {kind} shared memory region: '{name}'")
         return [region.status()]
 
+    def on_device(self, names: list[str]) -> bool:
+        """Whether one of the regions `names` is CUDA shared memory (unknown names: no)."""
+        return any(getattr(self._regions.get(n), "kind", None) == "cuda" for n in names)
+
     def acquire(self, name: str) -> Leased:
         """A lease on the region `name` (400 when not registered); end it with release()."""
         with self._lock:

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import ctypes
 import itertools
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -336,8 +337,19 @@ def _infer_body(in_offset: int = 0, out_size: int = NBYTES, **input_params) -> d
 
 
 def test_inference_reads_and_writes_cuda_regions_with_checked_bounds(
-    model_dir, module, fake_gpu
+    model_dir, module, fake_gpu, monkeypatch
 ) -> None:
+    # Inputs are read from a CUDA region off the event loop (here: the main thread), even a
+    # small gRPC request's: the copy waits for the forward queued on the device. (Outputs are
+    # written where the batch runs: on this CPU model, short batches run on the loop.)
+    read_on: list[str] = []
+    read = cuda_regions.CudaRegion.read
+
+    def reading(self, offset: int, nbytes: int) -> np.ndarray:
+        read_on.append(threading.current_thread().name)
+        return read(self, offset, nbytes)
+
+    monkeypatch.setattr(cuda_regions.CudaRegion, "read", reading)
     x = np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
     q = torch.from_numpy(x)
     want = module(q, q, q, need_weights=False)[0].detach().numpy()
@@ -368,6 +380,7 @@ def test_inference_reads_and_writes_cuda_regions_with_checked_bounds(
             result = await grpc_client.infer("attn", [item], outputs=[requested])
             assert result.get_output("output").parameters["shared_memory_byte_size"].int64_param
             np.testing.assert_allclose(out_memory.view(np.float32).reshape(SHAPE), want, **FP32_TOL)
+            assert len(read_on) == 2 and threading.main_thread().name not in read_on
 
             # the bounds, checked before any access, with each protocol's error shape
             past = await http.post("/v2/models/attn/infer", json=_infer_body(in_offset=16))
