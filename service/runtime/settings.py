@@ -172,8 +172,8 @@ class Settings(BaseSettings):
         32,
         ge=1,
         description="TEI routes: most inputs (or texts to rank, or ids to decode) in one "
-        "request; more get 413. TEI's flag of the same name and default; when set, at most "
-        "--max-queue.",
+        "request; more get 413. TEI's flag of the same name and default. Each input takes a "
+        "queue slot: a request with more inputs than the model's --max-queue gets 429.",
     )
     auto_truncate: bool = Field(
         False,
@@ -320,16 +320,6 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"max_queue ({self.max_queue}) must be >= max_batch_size "
                 f"({self.max_batch_size}); raise --max-queue"
-            )
-        # Only when set: the default (TEI's 32) stays valid under a small --max-queue, where a
-        # request with more inputs than the whole queue is answered 429 as before.
-        if "max_client_batch_size" in self.model_fields_set and (
-            self.max_client_batch_size > self.max_queue
-        ):
-            raise ValueError(
-                f"max_client_batch_size ({self.max_client_batch_size}) must be <= max_queue "
-                f"({self.max_queue}): each input takes a queue slot, so a larger request could "
-                "never be admitted; lower --max-client-batch-size or raise --max-queue"
             )
         return self
 

@@ -38,22 +38,25 @@ def _chars(text: Text) -> int:
     return len(text) if isinstance(text, str) else sum(map(len, text))
 
 
-def check_chars(texts: list[Text], limits: CharLimits) -> None:
-    """413 naming the limit and its flag, before a single character is tokenized (a pair
-    counts both its texts)."""
+def check_chars(texts: list[Text], limits: CharLimits, field: str = "input") -> None:
+    """413 naming the request's field, the limit and its flag, before a single character is
+    tokenized (a pair counts both its texts: a query paired with each text counts once per
+    text)."""
     total = 0
     for i, text in enumerate(texts):
         if _chars(text) > limits.per_input:
+            paired = " (with the query it is paired with)" if isinstance(text, tuple) else ""
             raise PayloadTooLarge(
-                f"input[{i}] has {_chars(text)} characters, over the limit of {limits.per_input} "
-                "per input (--max-input-chars); inputs are truncated to the model's max length "
-                "anyway, so send less text"
+                f"{field}[{i}] has {_chars(text)} characters{paired}, over the limit of "
+                f"{limits.per_input} per input (--max-input-chars); inputs are truncated to "
+                "the model's max length anyway, so send less text"
             )
         total += _chars(text)
     if total > limits.per_request:
         raise PayloadTooLarge(
-            f"'input' has {total} characters in all, over the limit of {limits.per_request} "
-            "per request (--max-request-chars); split it into several requests"
+            f"'{field}' has {total} characters in all, over the limit of {limits.per_request} "
+            "per request (--max-request-chars; a query counts once per text it is paired with); "
+            "split it into several requests"
         )
 
 

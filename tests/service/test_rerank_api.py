@@ -82,6 +82,26 @@ def test_scores_order_top_n_and_documents_equal_transformers(models):
         assert [r["document"] for r in strings.json()["results"]] == [
             {"text": PASSAGES[i]} for i in order
         ]
+        # What other clients send: vLLM's top_n 0 (all) and truncate_prompt_tokens -1 (the
+        # model's maximum), Cohere v2's relevant_spans off, infinity-emb's raw_scores (logits).
+        others = await client.post(
+            "/v1/rerank",
+            json={
+                "model": "rr",
+                "query": QUERY,
+                "documents": PASSAGES,
+                "top_n": 0,
+                "truncate_prompt_tokens": -1,
+                "relevant_spans": {"mode": "disabled"},
+                "raw_scores": True,
+            },
+        )
+        assert others.status_code == 200, others.text
+        results = others.json()["results"]
+        assert [r["index"] for r in results] == order
+        rr, rr_dir = models["rr"]
+        logit = logits(rr, rr_dir, [(QUERY, p) for p in PASSAGES], pairs=True)[:, 0]
+        np.testing.assert_allclose([r["relevance_score"] for r in results], logit[order], **TOL)
 
     serve([d for _, d in models.values()], test)
 
@@ -162,7 +182,17 @@ BAD = [  # (body, status, words in the message)
         "documents[0] has no string field(s) ['title']",
     ),
     ({"query": "q", "documents": ["a"], "rank_fields": []}, 400, "'rank_fields' must name"),
-    ({"query": "q", "documents": ["a"], "top_n": 0}, 400, "body.top_n"),
+    ({"query": "q", "documents": ["a"], "top_n": -1}, 400, "body.top_n"),
+    (
+        {"query": "q", "documents": ["a"], "relevant_spans": {"mode": "enabled"}},
+        400,
+        "'relevant_spans' must be absent",
+    ),
+    (
+        {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 4},
+        400,
+        "'truncate_prompt_tokens' must be at least",
+    ),
     ({"query": "q", "documents": ["a"], "top_n": True}, 400, "body.top_n"),
     ({"query": "q", "documents": ["a"], "return_documents": "yes"}, 400, "return_documents"),
     ({"query": "q", "documents": ["a"], "max_chunks_per_doc": 3}, 400, "'max_chunks_per_doc'"),
@@ -170,6 +200,11 @@ BAD = [  # (body, status, words in the message)
     ({"query": "q", "documents": ["a"], "temperature": 1}, 400, "temperature"),
     ({"query": "q"}, 400, "body.documents"),
     ({"query": "q", "documents": ["a"] * 9}, 413, "'documents' has 9 items; at most 8"),
+    (
+        {"query": "q", "documents": ["a", "x" * 3000]},
+        413,
+        "documents[1] has 3001 characters (with the query it is paired with), over the limit",
+    ),
 ]
 
 

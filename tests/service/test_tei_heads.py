@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import scrape
+from service.runtime.repository import ModelSource, model_settings
 from service.runtime.settings import Settings
 from tests.inprocess import asgi_client
 
@@ -229,8 +230,11 @@ def test_client_batch_size_and_auto_truncate_follow_the_flags(models):
 
     serve(reranker, flagged, max_client_batch_size=3, auto_truncate=True)
     serve(reranker, default)
-    with pytest.raises(ValueError, match="max_client_batch_size \\(64\\) must be <= max_queue"):
-        Settings(max_client_batch_size=64, max_queue=32)
+    # A model's own settings with a queue shorter than the default bound still load (a
+    # request with more inputs than the queue gets 429, as before the flag).
+    small = ModelSource("m", None, overrides={"max_queue": 16, "max_batch_size": 8})
+    chosen = model_settings(Settings(), small)
+    assert (chosen.max_queue, chosen.max_client_batch_size) == (16, 32)
 
 
 def test_rerank_is_batched_invariant_and_counted(models):

@@ -38,7 +38,9 @@ router = APIRouter(tags=["rerank (Cohere, Jina)"])
 
 
 class RerankApiRequest(BaseModel):
-    """Cohere v1 and v2's fields, which Jina's are a subset of."""
+    """Cohere v1 and v2's fields (Jina's are a subset), infinity-emb's raw_scores and vLLM's
+    truncate_prompt_tokens; an option that would change the answer and is not computed here
+    is refused by _check, saying so."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="A served reranker; absent: the first one")
@@ -46,7 +48,8 @@ class RerankApiRequest(BaseModel):
     documents: list[str | dict[str, Any]] = Field(
         description='Texts, or objects with "text" (or the fields rank_fields names)'
     )
-    top_n: int | None = Field(None, ge=1, description="Return the best n only")
+    top_n: int | None = Field(None, ge=0, description="The best n only; 0 or absent: all")
+    raw_scores: bool = Field(False, description="relevance_score is the logit (infinity-emb)")
     return_documents: bool = Field(False, description="Each result carries its document")
     rank_fields: list[str] | None = Field(None, description="Object fields ranked (Cohere v1)")
     max_chunks_per_doc: int | None = Field(None, ge=1, description="Only 1 (no chunking)")
@@ -54,6 +57,12 @@ class RerankApiRequest(BaseModel):
         None, ge=1, description="At least the model's maximum length (pairs are cut to it)"
     )
     priority: int | None = Field(None, description="Accepted; requests run in arrival order")
+    relevant_spans: dict[str, Any] | None = Field(
+        None, description='Cohere v2: only {"mode": "disabled"} (no spans are computed)'
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="vLLM: -1 or at least the model's maximum length"
+    )
 
 
 class RankedDocument(BaseModel):
@@ -116,10 +125,20 @@ def _check(body: RerankApiRequest, state: ServiceState, entry: ModelEntry) -> li
             "with the query is truncated to the model's maximum length"
         )
     max_length = entry.tokenizer.max_length  # type: ignore[union-attr]
-    if body.max_tokens_per_doc is not None and body.max_tokens_per_doc < max_length:
+    for name, value in (
+        ("max_tokens_per_doc", body.max_tokens_per_doc),
+        ("truncate_prompt_tokens", body.truncate_prompt_tokens),
+    ):
+        if value is not None and value != -1 and value < max_length:
+            raise BadInput(
+                f"'{name}' must be at least this model's {max_length} tokens (or absent): "
+                "pairs are truncated to the model's maximum, not shorter"
+            )
+    spans = body.relevant_spans
+    if spans is not None and spans.get("mode") != "disabled":
         raise BadInput(
-            f"'max_tokens_per_doc' must be at least this model's {max_length} tokens (or "
-            "absent): pairs are truncated to the model's maximum, not shorter"
+            '\'relevant_spans\' must be absent or {"mode": "disabled"}: this server does '
+            "not compute spans"
         )
     fields = ["text"] if body.rank_fields is None else body.rank_fields
     if not fields or len(set(fields)) != len(fields):
@@ -144,10 +163,10 @@ async def _rerank(request: Request, version: str) -> Response:
             logits = await run_parts(
                 state, entry, gone, encoded, deadline, classify_runner, typed_payload
             )
-        values = [float(scores(x, None, raw=False)[0]) for x in logits]
+        values = [float(scores(x, None, raw=body.raw_scores)[0]) for x in logits]
         order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties by index
         results = []
-        for i in order[: body.top_n]:
+        for i in order[: body.top_n or None]:  # 0: all (vLLM's default)
             result: dict[str, Any] = {"index": i, "relevance_score": values[i]}
             if body.return_documents:
                 document = body.documents[i]

@@ -135,7 +135,7 @@ async def encode_texts(
             raise BadInput(f"{field}[{i}] is an empty string; empty inputs have no result")
         if not isinstance(text, str) and not all(text):
             raise BadInput(f"{field}[{i}] holds an empty string; empty inputs have no result")
-    check_chars(texts, entry.char_limits)
+    check_chars(texts, entry.char_limits, field)
     async with entry.batcher.reserve(len(texts)):
         encode = (lambda part: tokenizer.encode(part, direction)) if direction != "Right" else None
         encoded = await tokenize(state, entry, gone, texts, deadline, encode)
