@@ -53,10 +53,12 @@ def check_chars(texts: list[Text], limits: CharLimits, field: str = "input") -> 
             )
         total += _chars(text)
     if total > limits.per_request:
+        pairs = any(isinstance(text, tuple) for text in texts)
         raise PayloadTooLarge(
             f"'{field}' has {total} characters in all, over the limit of {limits.per_request} "
-            "per request (--max-request-chars; a query counts once per text it is paired with); "
-            "split it into several requests"
+            "per request (--max-request-chars)"
+            + ("; a query counts once per text it is paired with" if pairs else "")
+            + "; split it into several requests"
         )
 
 
