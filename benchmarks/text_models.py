@@ -131,7 +131,6 @@ def run(args: argparse.Namespace, minilm: Path, reranker_dir: Path) -> None:
         running("--model-dir", str(minilm), *common, env=env) as embed_server,
     ):
         ports = {"rerank": rerank_server.port, "embed": embed_server.port}
-        ports["rerank api"] = ports["rerank"]
         for _ in range(args.repeats):
             for kind in raw:
                 load = os.getloadavg()[0]

@@ -161,12 +161,16 @@ class CudaGraphs:
         self.max_tokens, self.max_sequences = max_tokens, max_sequences
         self.max_graphs = max_graphs
         self.graphs: dict[Key, _Graph] = {}
-        self.failed: set[Key] = set()  # buckets whose capture failed: never tried again
-        self.stopped = False  # a capture failed: no more captures (the graphs held replay)
+        self.failed: set[Key] = set()  # the bucket whose capture failed (then none is tried)
         self._stream: torch.cuda.Stream | None = None  # every capture's, made at the first
         self.replays = 0
         self._memory: tuple[int, int] = (0, 0)  # (graph count, bytes) when last measured
         self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def stopped(self) -> bool:
+        """A capture failed: no more are tried (the graphs held still replay)."""
+        return bool(self.failed)
 
     @property
     def count(self) -> int:
@@ -182,7 +186,7 @@ class CudaGraphs:
     def _capture(self, key: Key) -> _Graph | None:
         if key in self.graphs:
             return self.graphs[key]
-        if self.stopped or key in self.failed or len(self.graphs) >= self.max_graphs:
+        if self.stopped or len(self.graphs) >= self.max_graphs:
             return None
         if len(key) == 3:  # self-attention
             tq, mq, causal = key
@@ -215,7 +219,6 @@ class CudaGraphs:
             # on for it, and no further capture: what a failed capture leaves behind (the
             # allocator's capture bookkeeping) is not worth a second try while serving
             self.failed.add(key)
-            self.stopped = True
             log.warning(
                 "CUDA graph capture of bucket %s failed; it and every bucket not yet captured "
                 "run eagerly (%d graphs held still replay): %s",

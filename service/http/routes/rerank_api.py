@@ -25,10 +25,10 @@ from service.http.openapi import ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, json_b
 from service.http.routes.common import client_gone, observed
 from service.http.routes.embeddings import max_inputs
 from service.http.routes.tei_common import encode_texts, parse_body, text_entry
-from service.http.routes.tei_rank import json_response
+from service.http.routes.tei_rank import check_query, json_response, ranked
 from service.pipeline.errors import BadInput, PayloadTooLarge, WrongModelKind
 from service.pipeline.models import ensure_serving
-from service.text.tokenizer import Text, classify_runner, scores, typed_payload
+from service.text.tokenizer import Text, classify_runner, typed_payload
 from service.text.work import run_parts
 
 if TYPE_CHECKING:
@@ -110,8 +110,7 @@ def _reranker(state: ServiceState, path: str, name: str | None) -> ModelEntry:
 
 def _check(body: RerankApiRequest, state: ServiceState, entry: ModelEntry) -> list[str]:
     """The bounds and the options this server cannot honour, before any work; the texts."""
-    if not body.query:
-        raise BadInput("'query' is an empty string; send the text to rank against")
+    check_query(body.query)
     if not body.documents:
         raise BadInput("'documents' is an empty list; send at least one document")
     limit = max_inputs(state)
@@ -163,8 +162,7 @@ async def _rerank(request: Request, version: str) -> Response:
             logits = await run_parts(
                 state, entry, gone, encoded, deadline, classify_runner, typed_payload
             )
-        values = [float(scores(x, None, raw=body.raw_scores)[0]) for x in logits]
-        order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties by index
+        values, order = ranked(logits, body.raw_scores)
         results = []
         for i in order[: body.top_n or None]:  # 0: all (vLLM's default)
             result: dict[str, Any] = {"index": i, "relevance_score": values[i]}

@@ -111,6 +111,19 @@ def json_response(content: object) -> Response:
     return Response(orjson.dumps(content), media_type="application/json")
 
 
+def check_query(query: str) -> None:
+    """A reranker's query must hold text (400); /rerank and /v1/rerank alike."""
+    if not query:
+        raise BadInput("'query' is an empty string; send the text to rank against")
+
+
+def ranked(logits: list[np.ndarray], raw: bool) -> tuple[list[float], list[int]]:
+    """A reranker's score per pair (sigmoid of its one logit; the logit when `raw`) and the
+    pairs' indices best first, ties by index."""
+    values = [float(scores(x, None, raw)[0]) for x in logits]
+    return values, sorted(range(len(values)), key=lambda i: -values[i])  # stable
+
+
 def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[dict]:
     """Every label with its score ({"label", "score"}, a Prediction), best first; how: None
     (the model's problem type), "none" (raw logits), "sigmoid" or "softmax"."""
@@ -159,15 +172,13 @@ async def rerank(request: Request) -> Response:
     with text_route(request, state, "rerank", "/rerank", "reranker") as entry:
         body = await parse_body(request, state, RerankRequest)
         ensure_serving(state)
-        if not body.query:
-            raise BadInput("'query' is an empty string; send the text to rank against")
+        check_query(body.query)
         check_batch(state, len(body.texts), "texts")
         pairs: list[Text] = [(body.query, text) for text in body.texts]
         logits = await _logits(
             request, state, entry, pairs, body.truncate, body.truncation_direction, "texts"
         )
-        values = [float(scores(x, None, body.raw_scores)[0]) for x in logits]
-        order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties by index
+        values, order = ranked(logits, body.raw_scores)
         ranks = [{"index": i, "score": values[i]} for i in order]  # Rank, without a None text
         if body.return_text:
             for rank in ranks:
