@@ -73,9 +73,10 @@ RUN python3 -m venv /opt/venv \
     ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "torch==${TORCH_VERSION}"
 WORKDIR /src
 # Optional extras of pyproject.toml, comma-separated: `embeddings` (tokenizers, for
-# /v1/embeddings on text models) by default; add `debug` for PNG attention heatmaps
-# (matplotlib), or pass EXTRAS="" for the tensor API alone.
-ARG EXTRAS=embeddings
+# /v1/embeddings on text models) and `tracing` (OpenTelemetry, for --otlp-endpoint) by
+# default; add `debug` for PNG attention heatmaps (matplotlib), or pass EXTRAS="" for the
+# tensor API alone.
+ARG EXTRAS=embeddings,tracing
 # The dependencies first, read from pyproject.toml alone: this layer is rebuilt only when they
 # change, not on every source edit (the next one is, in seconds).
 COPY pyproject.toml ./

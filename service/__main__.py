@@ -28,6 +28,7 @@ from service.runtime.startup import (
     check_grpc_port,
     check_model_dirs,
 )
+from service.runtime.trace_export import MISSING
 
 PROG = "mha-serve"
 
@@ -62,6 +63,7 @@ def start(settings: Settings) -> None:
     check_devices(settings)
     check_model_dirs(settings)
     check_grpc_port(settings)
+    check_tracing(settings)
     if settings.workers > 1:
         # By its importable name: run as `python -m service` this module is `__main__`, which a
         # spawned child cannot import a function from.
@@ -75,6 +77,19 @@ def start(settings: Settings) -> None:
 
     set_interop_threads()
     run_uvicorn(settings, create_app(settings), sock=listener)
+
+
+def check_tracing(settings: Settings) -> None:
+    """--otlp-endpoint without the OpenTelemetry SDK installed: say how to install it."""
+    if settings.otlp_endpoint:
+        import importlib
+
+        transport = "grpc" if settings.otlp_protocol == "grpc" else "http"
+        try:
+            importlib.import_module("opentelemetry.sdk.trace")
+            importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.trace_exporter")
+        except ImportError as exc:
+            raise StartupError(f"{MISSING} ({exc})", EXIT_CONFIG) from None
 
 
 def _fail(exc: StartupError) -> NoReturn:
@@ -137,6 +152,8 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -
         plain = [k for k in kinds if k != "null"]
         if len(plain) == 1:  # "{Path,null}" -> PATH; a choice list stays as it is
             kwargs["metavar"] = {"SecretStr": "TEXT", "str": "TEXT"}.get(plain[0], plain[0]).upper()
+        elif metavar.startswith("{{") and metavar.endswith("},null}"):  # an optional choice
+            kwargs["metavar"] = metavar[1 : -len(",null}")]  # "{{A,B},null}" -> "{A,B}"
     if isinstance(kwargs.get("help"), str):  # pydantic's "null" is JSON, not what a user types
         kwargs["help"] = (
             kwargs["help"]

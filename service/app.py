@@ -34,6 +34,7 @@ from service.http.routes import (
     rerank_api,
     shared_memory,
     tei_mount,
+    trace_route,
 )
 from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError, error_body
@@ -42,6 +43,8 @@ from service.runtime.log_settings import LogControl
 from service.runtime.model_control import ModelControl
 from service.runtime.settings import Settings
 from service.runtime.state import ServiceState
+from service.runtime.trace_export import OtlpSink
+from service.runtime.tracing import TraceControl
 from service.workers.frontend import frontend_lifespan
 from service.workers.link import EngineLink
 
@@ -65,6 +68,13 @@ async def _warm_up(state: ServiceState) -> None:
     log.info("ready: %s", ", ".join(repr(name) for name in state.models))
 
 
+def _trace_sink(settings: Settings) -> OtlpSink | None:
+    """Where traced requests' spans go: the OTLP exporter when --otlp-endpoint is set."""
+    if not settings.otlp_endpoint:
+        return None
+    return OtlpSink(settings.otlp_endpoint, settings.otlp_protocol, settings.otlp_service_name)
+
+
 def create_app(settings: Settings | None = None, engine: EngineLink | None = None) -> FastAPI:
     """Build the app; the model loads in the lifespan, so importing or creating loads nothing.
     With `engine` (a --workers front-end) the models live in the engine process instead."""
@@ -75,6 +85,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
         metrics, versions = await load_entries(settings)
         state = ServiceState(settings, metrics, versions)
         state.log_control = app.state.log_control
+        state.trace_control = app.state.trace_control
         state.loop = asyncio.get_running_loop()
         app.state.service = state
         for entry in state.entries():
@@ -92,6 +103,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
             await state.drain(grpc_listener.stop if grpc_listener is not None else None)
             for entry in state.entries():  # as served now (explicit loads included)
                 await asyncio.to_thread(entry.batcher.stop, settings.drain_grace_s)
+            await asyncio.to_thread(state.trace_control.shutdown)
 
     app = FastPathApp(
         title="mha-serve",
@@ -103,6 +115,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     )
     app.state.settings = settings
     app.state.log_control = log_control = LogControl(settings)
+    app.state.trace_control = TraceControl.for_settings(settings, _trace_sink(settings))
     add_body_schemas(app)
     if settings.api_key is not None:
         app.add_middleware(
@@ -135,6 +148,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     app.include_router(repository.router)
     app.include_router(shared_memory.router)
     app.include_router(logging_route.router)
+    app.include_router(trace_route.router)
     app.include_router(metrics_route.router)
     docs.install(app)
     app.include_router(openai_models.router)

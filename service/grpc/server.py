@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
-from service.grpc import log_settings
+from service.grpc import log_settings, trace_settings
 from service.grpc.decode_errors import DecodeErrors
 from service.grpc.servicer import InferenceServicer
 from service.runtime.startup import EXIT_PORT, GRPC_FLAGS, StartupError, check_grpc_port
@@ -42,7 +42,9 @@ class GrpcListener:
         )
         servicer = InferenceServicer(state, control)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self.server)
-        self.server.add_generic_rpc_handlers((log_settings.handler(servicer),))
+        self.server.add_generic_rpc_handlers(
+            (log_settings.handler(servicer), trace_settings.handler(servicer))
+        )
         host = settings.grpc_host or settings.host
         address = (
             f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"

@@ -60,6 +60,7 @@ class Call:
     def __init__(self, method: str, rid: str) -> None:
         self.method = method
         self.request_id = rid
+        self.started = time.perf_counter()
         self.status = 200
         self.reason: str | None = None
 
@@ -112,7 +113,6 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
     ) -> Iterator[Call]:
         """One request's access-log line and (for `endpoint`) in-flight gauge and metrics, with
         the status the caller sets on the Call (a cancelled one records 499)."""
-        started = time.perf_counter()
         call = Call(method, rid)
         metrics = self.state.metrics_for(model, version)
         gauge = metrics.in_flight_child if endpoint else None
@@ -124,7 +124,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
             call.status, call.reason = CANCELLED_STATUS, "client_disconnected"
             raise
         finally:
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - call.started
             if gauge is not None:
                 gauge.dec()
                 metrics.request_done(endpoint, call.status, seconds, call.reason, "grpc")
@@ -236,17 +236,22 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
     async def ModelInfer(self, request, context):
         name, version = request.model_name, request.model_version
         async with self._call("ModelInfer", context, "infer", name, version) as call:
-            return await self.infer(request, call.request_id, context.time_remaining())
+            return await self.infer(request, call.request_id, context, call.started)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async with self._call("ModelStreamInfer", context) as call:
             await stream_infer(self, request_iterator, context, call.request_id)
 
     async def infer(
-        self, request: pb.ModelInferRequest, rid: str, deadline_s: float | None
+        self,
+        request: pb.ModelInferRequest,
+        rid: str,
+        context: grpc.aio.ServicerContext,
+        received_at: float | None = None,
     ) -> pb.ModelInferResponse:
         """One ModelInferRequest through the OIP core (unary calls and each request of a
-        stream); `deadline_s`: the call's gRPC deadline, if any. Raises ServiceError."""
+        stream), within the call's gRPC deadline if it has one; `received_at`: when the call
+        (or the stream's request) arrived, perf_counter. Raises ServiceError."""
         name, version = request.model_name, request.model_version
         admit(self.state, name, version or None)  # 404 / 503 before any work
         shared = in_shared_memory(request)
@@ -266,9 +271,14 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
                 offload=shared_bytes > OFFLOAD_BYTES
                 or self.state.shared_memory.on_device(regions)
                 or (not raw and request.ByteSize() > OFFLOAD_BYTES),
-                deadline_s=deadline_s,
+                deadline_s=context.time_remaining(),
                 output_sink=functools.partial(shm.device_sink, OUTPUT_NAME),
             )
+            if self.state.trace_control.active:
+                metadata = dict(context.invocation_metadata() or ())
+                work.traceparent = metadata.get("traceparent")
+                work.tracestate = metadata.get("tracestate")
+                work.received_at = received_at
             return await infer(self.state, work, functools.partial(_encode, raw, shm))
 
     # -- model repository (service/runtime/model_control.py) --------------------------------

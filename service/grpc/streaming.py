@@ -54,7 +54,7 @@ async def _answer(
     name, version = request.model_name, request.model_version
     with servicer.observed(METHOD, rid, "infer", name, version) as call:
         try:
-            response = await servicer.infer(request, rid, context.time_remaining())
+            response = await servicer.infer(request, rid, context, call.started)
             answer = pb.ModelStreamInferResponse(infer_response=response)
         except ServiceError as exc:
             call.status, call.reason = exc.status, exc.reason

@@ -3,13 +3,14 @@ never service.app."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
 from service.http.flow import ResponseBudget
 from service.pipeline.errors import NotReady
 from service.runtime.state import ModelEntry, ServiceState
+from service.runtime.tracing import CURRENT
 
 
 def get_state(request: Request) -> ServiceState:
@@ -44,3 +45,52 @@ PathModel = Annotated[ModelEntry, Depends(path_model)]
 def response_budget(request: Request) -> ResponseBudget:
     """The bound on response bytes being written at once (--max-pending-response-bytes)."""
     return request.app.state.response_budget
+
+
+def trace_context(scope: dict[str, Any]) -> tuple[str | None, str | None, float | None]:
+    """W3C Trace Context (traceparent, tracestate) of the HTTP request and the time it arrived
+    (perf_counter; RequestContext or the fast path wrote it): what tracing needs of it."""
+    traceparent = tracestate = None
+    for key, value in scope["headers"]:
+        if key == b"traceparent":
+            traceparent = value.decode("latin-1")
+        elif key == b"tracestate":
+            tracestate = value.decode("latin-1")
+    return traceparent, tracestate, scope.get("state", {}).get("started")
+
+
+class traced:  # named for its use: `with traced(...)`
+    """Traces a text request of `entry` (TEI's routes, /v1/embeddings, /v1/rerank) when tracing
+    picks it: its span starts when the request arrived; service.text.work adds the tokenize,
+    queue and compute steps through tracing.CURRENT. Costs one check when tracing is off."""
+
+    __slots__ = ("token", "trace")
+
+    def __init__(self, state: ServiceState, scope: dict[str, Any], entry: ModelEntry, op: str):
+        self.trace = self.token = None
+        tracing = state.trace_control
+        if tracing.active:
+            traceparent, tracestate, started = trace_context(scope)
+            self.trace = tracing.begin(entry.name, op, traceparent, tracestate, started)
+            if self.trace is not None:
+                self.trace.attributes.update(
+                    {
+                        "mha.model.name": entry.name,
+                        "mha.model.version": entry.version,
+                        "mha.protocol": "http",
+                        "mha.request_id": scope.get("state", {}).get("request_id", ""),
+                    }
+                )
+
+    def __enter__(self) -> None:
+        if self.trace is not None:
+            self.token = CURRENT.set(self.trace)
+
+    def __exit__(self, kind: Any, exc: BaseException | None, _: Any) -> None:
+        trace = self.trace
+        if trace is None:
+            return
+        CURRENT.reset(self.token)
+        if exc is not None:
+            trace.fail(exc)
+        trace.end()

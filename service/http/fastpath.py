@@ -134,8 +134,9 @@ class FastPath:
         self.answered += 1
         given, has_body = taken
         rid = request_id(None if given is None else given.decode("latin-1"))
-        scope.setdefault("state", {})["request_id"] = rid
         started = time.perf_counter()
+        values = scope.setdefault("state", {})
+        values["request_id"], values["started"] = rid, started
         status = 500
         timed = None
         if has_body and self.body_rate.min_rate > 0:  # BodyRate.applies

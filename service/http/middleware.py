@@ -79,8 +79,9 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         rid = request_id(first_header(scope, b"x-request-id"))
-        scope.setdefault("state", {})["request_id"] = rid
         started = time.perf_counter()
+        values = scope.setdefault("state", {})
+        values["request_id"], values["started"] = rid, started
         status = 500
 
         async def send_with_id(message: dict) -> None:

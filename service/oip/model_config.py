@@ -30,6 +30,7 @@ def extensions(settings: Settings) -> list[str]:
         *EXTENSIONS,
         *(["model_repository"] if explicit else []),
         "logging",  # GET/POST /v2/logging, gRPC LogSettings
+        "trace",  # GET/POST /v2[/models/{name}]/trace/setting, gRPC TraceSetting
         *(["system_shared_memory"] if unavailable(settings) is None else []),
         *(["cuda_shared_memory"] if cuda_unavailable(settings) is None else []),
     ]

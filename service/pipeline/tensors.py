@@ -20,6 +20,7 @@ from service.pipeline.models import submit
 from service.pipeline.waiting import Gone, await_queued
 from service.runtime.forward import hidden_states
 from service.runtime.statistics import Timing
+from service.runtime.tracing import queue_and_compute
 from service.runtime.work import Work
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from service.oip.codecs import InferRequest
     from service.runtime.state import ModelEntry, ServiceState
+    from service.runtime.tracing import Trace
 
 R = TypeVar("R")
 
@@ -45,6 +47,9 @@ class TensorRequest:
     gone: Gone | None = None  # fires when the client leaves (None: cancellation tells)
     # after decoding: where the engine writes the output from the device (Payload.output_sink)
     output_sink: Callable[[], Callable[[Any], None] | None] | None = None
+    traceparent: str | None = None  # W3C Trace Context from the caller (service.runtime.tracing)
+    tracestate: str | None = None
+    received_at: float | None = None  # time.perf_counter() when the front got the request
 
 
 @dataclass(slots=True)
@@ -67,8 +72,17 @@ async def infer(
     started = time.perf_counter()
     # The current copy, looked up after the front read the body (unknown: 404, not counted).
     entry = state.find(request.model, request.version)
+    tracing, trace = state.trace_control, None
+    if tracing.active:  # one check per request when tracing is off
+        trace = tracing.begin(
+            entry.name, "infer", request.traceparent, request.tracestate, request.received_at
+        )
+    work: Work | None = None
     try:
         decoded, payload, input_s = await _decode(entry, request)
+        if trace is not None:
+            decoded_at = time.perf_counter()
+            trace.step("decode", decoded_at - input_s, decoded_at)
         if request.output_sink is not None:
             payload.output_sink = request.output_sink()
         metrics = entry.metrics or state.metrics
@@ -90,13 +104,44 @@ async def infer(
         rid = decoded.id or request.request_id
         answer = await encode(TensorResult(entry, decoded, payload, array, rid))
         output_s = time.perf_counter() - encoding
-    except BaseException:
+    except BaseException as exc:
         entry.stats.failed(time.perf_counter() - started)
+        if trace is not None:
+            _trace_end(trace, entry, request, work, exc)
         raise
     metrics.codec(metrics.encode, request.protocol, output_s)
     total_s = time.perf_counter() - started
     entry.stats.executed(Timing(input_s, work.queue_s, work.infer_s, output_s, total_s))
+    if trace is not None:
+        trace.step("encode", encoding, encoding + output_s)
+        _trace_end(trace, entry, request, work, None, rid)
     return answer
+
+
+def _trace_end(
+    trace: Trace,
+    entry: ModelEntry,
+    request: TensorRequest,
+    work: Work | None,
+    error: BaseException | None,
+    rid: str | None = None,
+) -> None:
+    """The traced request's attributes, its queue and compute steps, and its end."""
+    trace.attributes.update(
+        {
+            "mha.model.name": entry.name,
+            "mha.model.version": entry.version,
+            "mha.protocol": request.protocol,
+            "mha.request_id": rid or request.request_id,
+        }
+    )
+    if work is not None:
+        trace.attributes["mha.sequences"] = work.payload.num_sequences
+        trace.attributes["mha.tokens"] = work.payload.num_tokens
+        queue_and_compute(trace, work)
+    if error is not None:
+        trace.fail(error)
+    trace.end()
 
 
 async def _decode(entry: ModelEntry, request: TensorRequest) -> tuple[InferRequest, Payload, float]:

@@ -115,8 +115,10 @@ class BatchRunner:
         self._report_batch(works, compute_s, ok=True)
         self.drain.batch_done(works, time.monotonic())
         outcomes = []
+        sequences = sum(work.sequences for work in works)
         for work, result in zip(works, results, strict=True):
             work.infer_s = compute_s
+            work.batch_sequences = sequences
             error = result if isinstance(result, ServiceError) else None
             outcomes.append((work, None if error is not None else result, error))
         resolve_all(outcomes)

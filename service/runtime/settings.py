@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.runtime.trace_export import traces_url
+
 
 class Settings(BaseSettings):
     """mha-serve settings; CLI flags win over MHA_* env vars, which win over defaults."""
@@ -247,6 +249,33 @@ class Settings(BaseSettings):
         "status >= 400, always do). Each line costs ~15 us of CPU on the event loop; 0.01 "
         "keeps one in a hundred. Changeable at run time: POST /v2/logging.",
     )
+    trace_level: Literal["OFF", "TIMESTAMPS"] | None = Field(
+        None,
+        description="Triton's trace level: TIMESTAMPS traces inference requests as OpenTelemetry "
+        "spans (decode, queue, compute, encode) sent to --otlp-endpoint. Unset: TIMESTAMPS when "
+        "--otlp-endpoint is set, else OFF. Changeable at run time: POST /v2/trace/setting.",
+    )
+    trace_rate: int = Field(
+        1000,
+        ge=1,
+        description="Trace every N-th request that carries no W3C traceparent (one that does "
+        "is traced when its caller sampled it). Changeable at run time, per model too.",
+    )
+    trace_count: int = Field(
+        -1, ge=-1, description="Traces to take before tracing stops (-1: no limit)."
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector to send traces to (OTLP): http://host:4318 for "
+        "OTLP/HTTP (/v1/traces is added), or http://host:4317 with --otlp-protocol grpc. Needs "
+        "pip install 'mha-serve[tracing]'.",
+    )
+    otlp_protocol: Literal["http/protobuf", "grpc"] = Field(
+        "http/protobuf", description="OTLP transport for --otlp-endpoint."
+    )
+    otlp_service_name: str = Field(
+        "mha-serve", description="service.name of the spans sent to --otlp-endpoint."
+    )
     fast_path: bool = Field(
         True,
         description="Answer POST /v2/models/*/infer, /v1/embeddings and TEI's /embed, /rerank, "
@@ -316,6 +345,10 @@ class Settings(BaseSettings):
                 "--workers > 1 serves the models loaded at start-up: explicit model control "
                 "(--model-control-mode explicit) needs --workers 1"
             )
+        if self.trace_level == "TIMESTAMPS" and not self.otlp_endpoint:
+            raise ValueError("--trace-level TIMESTAMPS needs --otlp-endpoint (where the spans go)")
+        if self.otlp_endpoint:
+            traces_url(self.otlp_endpoint, self.otlp_protocol)  # ValueError saying what is wrong
         if self.max_queue < self.max_batch_size:
             raise ValueError(
                 f"max_queue ({self.max_queue}) must be >= max_batch_size "

@@ -17,6 +17,7 @@ from service.runtime.log_settings import LogControl
 from service.runtime.metrics import Metrics
 from service.runtime.settings import Settings
 from service.runtime.statistics import ModelStats
+from service.runtime.tracing import TraceControl
 from service.runtime.work import Batcher
 from service.shm.regions import Regions
 from service.text.tokenizer import CharLimits, TextTokenizer
@@ -69,6 +70,7 @@ class ServiceState:
     grace_timer: asyncio.TimerHandle | None = None
     shared_memory: Regions = field(init=False)  # Triton's system and CUDA shared memory
     log_control: LogControl | None = None  # the app's (Triton's logging extension)
+    trace_control: TraceControl = field(default_factory=TraceControl.off)  # the app's
 
     def __post_init__(self) -> None:
         self.models = {}

@@ -34,6 +34,7 @@ class QueueItem:
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     infer_s: float = 0.0  # its batch's forward (set by the batcher before it resolves)
+    batch_sequences: int = 0  # sequences in its batch (likewise; 0: not known, as over --workers)
     # False: at the head of the queue it starts its batch at once rather than waiting the batch
     # delay for batch-mates (the warm-up, which nothing else can join before the model is ready)
     wait_for_batch: bool = True

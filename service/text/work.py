@@ -17,6 +17,7 @@ from service.oip.inputs import Payload
 from service.pipeline.errors import ClientDisconnected, DeadlineExceeded, PayloadTooLarge
 from service.pipeline.models import submit
 from service.pipeline.waiting import Gone, await_queued
+from service.runtime.tracing import CURRENT, queue_and_compute
 from service.runtime.work import Runner, Work
 from service.text.tokenizer import (
     CharLimits,
@@ -89,6 +90,24 @@ async def tokenize(
     A few short texts are tokenized on the event loop: a thread hop would cost more."""
     tokenizer: TextTokenizer = entry.tokenizer  # type: ignore[assignment]  # a text entry
     encode = encode or tokenizer.encode
+    trace = CURRENT.get()
+    if trace is None:
+        return await _tokenize(state, entry, gone, texts, deadline, encode)
+    started = time.perf_counter()
+    try:
+        return await _tokenize(state, entry, gone, texts, deadline, encode)
+    finally:
+        trace.step("tokenize", started, time.perf_counter(), **{"mha.inputs": len(texts)})
+
+
+async def _tokenize(
+    state: ServiceState,
+    entry: ModelEntry,
+    gone: Gone,
+    texts: list[Text],
+    deadline: float,
+    encode: Callable[[list[Text]], list[Any]],
+) -> list[Any]:
     if sum(_chars(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
         return encode(texts)
     encoded: list[Any] = []
@@ -160,4 +179,9 @@ async def run_parts(
         for work in works:
             entry.batcher.cancel(work)
         raise
+    finally:
+        trace = CURRENT.get()
+        if trace is not None:
+            for work in works:
+                queue_and_compute(trace, work)
     return [vector for part in results for vector in part]

@@ -84,6 +84,7 @@ def frontend_lifespan(
                 state = await asyncio.to_thread(build_state, settings, link, welcome)
                 state.loop = asyncio.get_running_loop()
                 state.log_control = app.state.log_control
+                state.trace_control = app.state.trace_control
                 app.state.service = state
                 app.state.model_control = control = ModelControl(state)
                 if settings.grpc_port:
@@ -114,6 +115,7 @@ def frontend_lifespan(
             state = getattr(app.state, "service", None)
             if state is not None:
                 await state.drain(grpc_listener.stop if grpc_listener is not None else None)
+            await asyncio.to_thread(app.state.trace_control.shutdown)
             watching.cancel()
             link.stop()
             connecting.cancel()

@@ -104,7 +104,7 @@ def test_health_and_metadata_over_grpc(server: GrpcServer) -> None:
     meta = client.get_server_metadata(as_json=True)
     assert meta["name"] == "mha-serve"
     assert set(meta["extensions"]) == {
-        "binary_tensor_data", "model_configuration", "statistics", "logging",
+        "binary_tensor_data", "model_configuration", "statistics", "logging", "trace",
         "system_shared_memory",
     }  # fmt: skip
     model = client.get_model_metadata(NAME, as_json=True)

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from service.http.body import parse_json, read_body
-from service.http.deps import get_state
+from service.http.deps import get_state, traced
 from service.http.openapi import OPENAI_ERROR_RESPONSES, schema_body
 from service.http.routes.common import LeanRoute, Observation, client_gone, observed
 from service.pipeline.errors import (
@@ -289,6 +289,23 @@ async def _embeddings(state: ServiceState, request: Request, seen: Observation) 
     del body
     metrics = entry.metrics or state.metrics
     seen.label(metrics)  # counted under the model the body names
+    with traced(state, request.scope, entry, "embeddings"):
+        return await _embed(state, request, entry, texts, fmt, dims, started, deadline)
+
+
+async def _embed(
+    state: ServiceState,
+    request: Request,
+    entry: ModelEntry,
+    texts: list[Any],
+    fmt: str,
+    dims: int | None,
+    started: float,
+    deadline: float,
+) -> Response:
+    """Tokenize (or take the token ids), run the parts, answer: the request once its body is
+    parsed and its model known."""
+    metrics = entry.metrics or state.metrics
     if isinstance(texts[0], np.ndarray):  # token ids, already bounded by parse_request
         encoded = [Encoded(ids, truncated=False) for ids in texts]
     else:

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from service.http.body import read_body
-from service.http.deps import get_state, response_budget
+from service.http.deps import get_state, response_budget, trace_context
 from service.http.openapi import INFER_OPENAPI, INFER_RESPONSES
 from service.http.routes.common import LeanRoute, PartsResponse, client_gone, observed
 from service.oip.codecs import (
@@ -54,6 +54,8 @@ async def _infer(
             gone=gone,
             output_sink=functools.partial(shm.device_sink, OUTPUT_NAME),
         )
+        if state.trace_control.active:
+            work.traceparent, work.tracestate, work.received_at = trace_context(request.scope)
         return await run_infer(state, work, functools.partial(_encode, request, version, shm))
 
 

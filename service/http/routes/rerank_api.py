@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.http.deps import get_state
+from service.http.deps import get_state, traced
 from service.http.openapi import ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, json_body
 from service.http.routes.common import client_gone, observed
 from service.http.routes.embeddings import max_inputs
@@ -151,35 +151,43 @@ async def _rerank(request: Request, version: str) -> Response:
         body = await parse_body(request, state, RerankApiRequest)
         entry = _reranker(state, request.url.path, body.model)
         seen.label(entry.metrics or state.metrics)
-        ensure_serving(state)
-        texts = _check(body, state, entry)
-        pairs: list[Text] = [(body.query, text) for text in texts]
-        deadline = time.monotonic() + state.settings.request_timeout_s
-        with client_gone(request) as gone:
-            encoded = await encode_texts(
-                gone, state, entry, pairs, True, "Right", deadline, "documents"
-            )
-            logits = await run_parts(
-                state, entry, gone, encoded, deadline, classify_runner, typed_payload
-            )
-        values, order = ranked(logits, body.raw_scores)
-        results = []
-        for i in order[: body.top_n or None]:  # 0: all (vLLM's default)
-            result: dict[str, Any] = {"index": i, "relevance_score": values[i]}
-            if body.return_documents:
-                document = body.documents[i]
-                result["document"] = {"text": document} if isinstance(document, str) else document
-            results.append(result)
-        tokens = sum(len(e.ids) for e in encoded)
-        return json_response(
-            {
-                "id": request.scope["state"]["request_id"],
-                "model": entry.name,
-                "results": results,
-                "usage": {"total_tokens": tokens},
-                "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
-            }
+        with traced(state, request.scope, entry, "rerank_api"):
+            return await _ranked(request, state, entry, body, version)
+
+
+async def _ranked(
+    request: Request, state: ServiceState, entry: ModelEntry, body: RerankApiRequest, version: str
+) -> Response:
+    """The request once its body is parsed and its reranker chosen: tokenize, score, rank."""
+    ensure_serving(state)
+    texts = _check(body, state, entry)
+    pairs: list[Text] = [(body.query, text) for text in texts]
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    with client_gone(request) as gone:
+        encoded = await encode_texts(
+            gone, state, entry, pairs, True, "Right", deadline, "documents"
         )
+        logits = await run_parts(
+            state, entry, gone, encoded, deadline, classify_runner, typed_payload
+        )
+    values, order = ranked(logits, body.raw_scores)
+    results = []
+    for i in order[: body.top_n or None]:  # 0: all (vLLM's default)
+        result: dict[str, Any] = {"index": i, "relevance_score": values[i]}
+        if body.return_documents:
+            document = body.documents[i]
+            result["document"] = {"text": document} if isinstance(document, str) else document
+        results.append(result)
+    tokens = sum(len(e.ids) for e in encoded)
+    return json_response(
+        {
+            "id": request.scope["state"]["request_id"],
+            "model": entry.name,
+            "results": results,
+            "usage": {"total_tokens": tokens},
+            "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
+        }
+    )
 
 
 @router.post(

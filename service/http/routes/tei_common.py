@@ -11,6 +11,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from service.http.body import read_object
+from service.http.deps import traced
 from service.http.routes.common import observed
 from service.pipeline.errors import (
     BadInput,
@@ -97,7 +98,10 @@ def text_route(
     except ServiceError:
         with observed(state, endpoint):
             raise
-    with observed(state, endpoint, model=entry.name, version=entry.version):
+    with (
+        observed(state, endpoint, model=entry.name, version=entry.version),
+        traced(state, request.scope, entry, endpoint),
+    ):
         yield entry
 
 

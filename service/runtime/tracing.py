@@ -1,0 +1,321 @@
+"""Request tracing: Triton's trace settings (global, and per model) decide which inference
+requests are traced; a traced request's spans go to an OpenTelemetry collector over OTLP
+(service.runtime.trace_export).
+
+A traced request is one span (SERVER, child of the caller's W3C `traceparent` when it sends
+one) with a child per step: decode, queue, compute (its batch's forward), encode for the OIP
+core; tokenize, queue, compute per batch part, encode for the text routes. The spans are built
+after the request ends from the times the request core already takes: nothing is added to the
+engine or the batcher, and a request that is not traced costs one attribute check.
+
+Sampling: a request whose `traceparent` says "sampled" is traced, one that says "not sampled"
+is not (the caller decided for the whole trace); without one, every `trace_rate`-th request is.
+`trace_count` traces are taken, then no more (-1: no limit). Triton's `trace_file`,
+`log_frequency` and `trace_mode` are shown with their only values here ("", "0",
+"opentelemetry").
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from service.pipeline.errors import BadInput
+
+log = logging.getLogger("service.tracing")
+
+LEVELS = ("OFF", "TIMESTAMPS")
+FIXED = {"trace_file": "", "log_frequency": "0", "trace_mode": "opentelemetry"}
+SETTINGS = ("trace_level", "trace_rate", "trace_count", *FIXED)
+# version 00: trace id (32 hex, not all zero), parent span id (16 hex, not all zero), flags
+# The traced request this task serves, for the steps of the text routes (service.text.work)
+CURRENT: ContextVar[Trace | None] = ContextVar("mha_trace", default=None)
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+@dataclass(frozen=True, slots=True)
+class Parent:
+    """The caller's span, from its `traceparent` (and `tracestate`) header."""
+
+    trace_id: int
+    span_id: int
+    sampled: bool
+    tracestate: str | None = None
+
+
+def parse_traceparent(value: str | None, tracestate: str | None = None) -> Parent | None:
+    """The caller's span, or None for a missing or malformed header (W3C Trace Context: a
+    malformed traceparent is ignored, and the request starts a trace of its own)."""
+    if not value:
+        return None
+    match = _TRACEPARENT.match(value.strip())
+    if match is None:
+        return None
+    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    if trace_id == 0 or span_id == 0:
+        return None
+    return Parent(trace_id, span_id, bool(int(match[3], 16) & 1), tracestate)
+
+
+class Sink(Protocol):
+    """Where finished traces go (trace_export.OtlpSink; tests may pass their own)."""
+
+    def write(self, trace: Trace) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class Trace:
+    """One traced request: its span's name, times and attributes, and its steps' spans; written
+    to the sink by end(). Times are time.perf_counter() seconds (CLOCK_MONOTONIC on Linux, the
+    clock time.monotonic() reads too), turned into epoch nanoseconds with one offset."""
+
+    __slots__ = (
+        "attributes",
+        "end_s",
+        "error",
+        "name",
+        "offset",
+        "parent",
+        "sink",
+        "start",
+        "steps",
+    )
+
+    def __init__(self, sink: Sink, parent: Parent | None, name: str, start: float) -> None:
+        self.sink = sink
+        self.parent = parent
+        self.name = name
+        self.start = start
+        self.end_s = start
+        self.attributes: dict[str, Any] = {}
+        self.steps: list[tuple[str, float, float, dict[str, Any]]] = []
+        self.error: tuple[str, str] | None = None  # (reason, message)
+        self.offset = time.time_ns() - time.perf_counter_ns()
+
+    def ns(self, seconds: float) -> int:
+        """Epoch nanoseconds of a time.perf_counter() reading."""
+        return int(seconds * 1e9) + self.offset
+
+    def step(self, name: str, start: float, end: float, **attributes: Any) -> None:
+        """A child span from `start` to `end` (perf_counter seconds)."""
+        self.steps.append((name, start, max(start, end), attributes))
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the request failed: the span's status is ERROR with the error's reason."""
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        self.error = (str(reason), str(message))
+        status = getattr(exc, "status", None)
+        if isinstance(status, int):
+            self.attributes["mha.status_code"] = status
+
+    def end(self, end: float | None = None) -> None:
+        """The request is over: write its spans (the sink queues them for export)."""
+        self.end_s = time.perf_counter() if end is None else end
+        try:
+            self.sink.write(self)
+        except Exception:  # tracing never fails a request
+            log.exception("could not write the trace of %s", self.name)
+
+
+def queue_and_compute(trace: Trace, work: Any) -> None:
+    """A queued work's wait and its batch's forward as steps (their times are time.monotonic(),
+    the same clock as perf_counter on Linux); nothing for work that never started."""
+    if work.started_at is None:
+        return
+    trace.step("queue", work.enqueued_at, work.started_at)
+    attributes = {"mha.batch.sequences": work.batch_sequences} if work.batch_sequences else {}
+    trace.step("compute", work.started_at, work.started_at + work.infer_s, **attributes)
+
+
+class Scope:
+    """Trace settings (level, rate, count): all three for the global scope, the ones a model
+    overrides for a model's; and the scope's sampling counter."""
+
+    __slots__ = ("seen", "values")
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self.seen = 0  # requests without a traceparent that reached this scope
+
+
+class TraceControl:
+    """The trace settings of one process (from its Settings; changed by Triton's trace
+    extension) and the decision, per request, to trace it. A model's settings override the
+    global ones one by one (a model that overrides none follows them)."""
+
+    def __init__(self, level: str, rate: int, count: int, sink: Sink | None, updatable: bool):
+        self.sink = sink
+        self.updatable = updatable
+        self.start_values = {"level": level, "rate": rate, "count": count}
+        self.default = Scope(dict(self.start_values))
+        self.models: dict[str, Scope] = {}  # models with settings of their own
+        self.active = False  # any scope traces: read on every request
+        self._refresh()
+
+    @classmethod
+    def off(cls) -> TraceControl:
+        """No tracing (a state built without an app, as in the engine's own tests)."""
+        return cls("OFF", 1000, -1, None, updatable=False)
+
+    @classmethod
+    def for_settings(cls, settings: Any, sink: Sink | None) -> TraceControl:
+        level = settings.trace_level or ("TIMESTAMPS" if sink is not None else "OFF")
+        return cls(level, settings.trace_rate, settings.trace_count, sink, settings.workers == 1)
+
+    def _refresh(self) -> None:
+        levels = [self.default.values["level"]]
+        levels += [s.values["level"] for s in self.models.values() if "level" in s.values]
+        self.active = self.sink is not None and any(level != "OFF" for level in levels)
+
+    def _effective(self, model: str | None) -> dict[str, Any]:
+        scope = self.models.get(model) if model else None
+        return self.default.values if scope is None else {**self.default.values, **scope.values}
+
+    # -- per request -------------------------------------------------------------------------
+    def begin(
+        self,
+        model: str,
+        operation: str,
+        traceparent: str | None,
+        tracestate: str | None = None,
+        start: float | None = None,
+    ) -> Trace | None:
+        """A Trace for this request of `model` when it is to be traced, else None. Its span is
+        named "`operation` `model`"; `start`: its perf_counter start (default: now)."""
+        if not self.active:
+            return None
+        scope = self.models.get(model) or self.default
+        values = scope.values
+        level = values.get("level", self.default.values["level"])
+        counted = scope if "count" in values else self.default  # whose trace_count is spent
+        if level == "OFF" or counted.values["count"] == 0:
+            return None
+        parent = parse_traceparent(traceparent, tracestate)
+        if parent is not None:
+            if not parent.sampled:
+                return None
+        else:
+            scope.seen += 1
+            if scope.seen % values.get("rate", self.default.values["rate"]):
+                return None
+        if counted.values["count"] > 0:
+            counted.values["count"] -= 1
+        assert self.sink is not None  # active
+        start = time.perf_counter() if start is None else start
+        return Trace(self.sink, parent, f"{operation} {model}", start)
+
+    # -- Triton's trace extension ------------------------------------------------------------
+    def snapshot(self, model: str | None = None) -> dict[str, Any]:
+        """Triton's trace setting response for `model` (the global settings where it has
+        none of its own) or the global scope: trace_level a list, the others strings."""
+        values = self._effective(model)
+        return {
+            "trace_level": [values["level"]],
+            "trace_rate": str(values["rate"]),
+            "trace_count": str(values["count"]),
+            **FIXED,
+        }
+
+    def update(self, changes: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+        """Apply Triton's trace setting request: only the settings named change; a value of
+        None (or []) clears one (a model's follows the global value again, a global one gets
+        its start-up value). BadInput names every problem, and then nothing changes. Returns
+        the settings in force after it."""
+        if not changes:
+            return self.snapshot(model)
+        if not self.updatable:
+            raise BadInput(
+                "trace settings cannot be changed with --workers > 1 (each front-end process "
+                "has its own); restart with the flags instead"
+            )
+        unknown = sorted(set(changes) - set(SETTINGS))
+        if unknown:
+            raise BadInput(f"unknown trace setting(s) {unknown}; this server has {list(SETTINGS)}")
+        parsed: dict[str, Any] = {}
+        problems = []
+        for name, value in changes.items():
+            try:
+                parsed[name] = _parse(name, value)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if parsed.get("trace_level") not in (None, "OFF") and self.sink is None:
+            problems.append(
+                "'trace_level' TIMESTAMPS needs somewhere to send spans: start the server "
+                "with --otlp-endpoint"
+            )
+        if problems:
+            raise BadInput("; ".join(problems))
+        scope = self.models.setdefault(model, Scope({})) if model else self.default
+        for name, value in parsed.items():
+            if name in FIXED:
+                continue
+            key = name.removeprefix("trace_")
+            if value is not None:
+                scope.values[key] = value
+            elif model:
+                scope.values.pop(key, None)
+            else:
+                scope.values[key] = self.start_values[key]
+            if key == "rate":
+                scope.seen = 0
+        if model and not scope.values:
+            del self.models[model]
+        self._refresh()
+        log.info("trace settings changed%s: %s", f" for model {model!r}" if model else "", changes)
+        return self.snapshot(model)
+
+    def shutdown(self) -> None:
+        """Send what is queued (at the server's stop)."""
+        if self.sink is not None:
+            self.sink.shutdown()
+
+
+def _one(name: str, value: Any) -> Any:
+    """A setting's single value: Triton's clients send strings, lists of strings, or numbers."""
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ValueError(f"'{name}' takes one value, got {value!r}")
+        value = value[0]
+    return value
+
+
+def _parse(name: str, value: Any) -> Any:
+    """A setting's value as TraceControl keeps it (None: clear); ValueError saying why not."""
+    if value is None or value == []:
+        return None
+    value = _one(name, value)
+    if name == "trace_level":
+        level = str(value).upper()
+        if level == "TENSORS":
+            raise ValueError("'trace_level' TENSORS is not supported: spans carry timestamps only")
+        if level not in LEVELS:
+            raise ValueError(f"'trace_level' must be one of {list(LEVELS)}, got {value!r}")
+        return level
+    if name in FIXED:
+        if str(value) != FIXED[name]:
+            raise ValueError(
+                f"'{name}' can only be {FIXED[name]!r} here (spans go to the OTLP endpoint, "
+                f"--otlp-endpoint), got {value!r}"
+            )
+        return value
+    number = _integer(name, value)
+    if name == "trace_rate" and number < 1:
+        raise ValueError(f"'trace_rate' must be an integer >= 1, got {value!r}")
+    if name == "trace_count" and number < -1:
+        raise ValueError(f"'trace_count' must be -1 (no limit) or an integer >= 0, got {value!r}")
+    return number
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"'{name}' must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,18}", value.strip()):
+        return int(value)
+    raise ValueError(f"'{name}' must be an integer, got {value!r}")

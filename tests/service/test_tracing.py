@@ -1,0 +1,451 @@
+"""Request tracing: a real server sends OpenTelemetry spans over OTLP/HTTP (the SDK's own
+exporter) to a collector endpoint run here (a plain HTTP server decoding the protobuf export
+requests), for OIP infer over HTTP (JSON and binary) and gRPC (unary and streaming) and for the
+text routes; W3C traceparent from the caller is the parent; Triton's trace extension (the
+unmodified tritonclient, HTTP and gRPC) changes the sampling at run time, per model too."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from torch import nn
+from tritonclient.utils import InferenceServerException
+
+import mha_engine
+from service.runtime.tracing import TraceControl, parse_traceparent
+from tests import text_models as tm
+from tests.support import Server, binary_request, free_port, run_server
+
+E = 16
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+SAMPLED = f"00-{TRACE_ID}-{PARENT}-01"
+STEPS = {"decode", "queue", "compute", "encode"}
+START = {
+    "trace_level": ["TIMESTAMPS"],
+    "trace_rate": "1",
+    "trace_count": "-1",
+    "trace_file": "",
+    "log_frequency": "0",
+    "trace_mode": "opentelemetry",
+}
+
+
+class Collector:
+    """An OTLP trace endpoint on loopback, OTLP/HTTP (`url`) or OTLP/gRPC (`grpc_url`): every
+    span it is sent, decoded, in a queue."""
+
+    def __init__(self) -> None:
+        self.spans: queue.Queue = queue.Queue()
+        spans = self.spans
+
+        def keep(export: trace_service_pb2.ExportTraceServiceRequest) -> None:
+            for resource in export.resource_spans:
+                for scope in resource.scope_spans:
+                    for span in scope.spans:
+                        spans.put((resource.resource, span))
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                keep(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                keep(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.grpc_server = grpc.server(ThreadPoolExecutor(2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), self.grpc_server)
+        self.grpc_url = f"http://127.0.0.1:{self.grpc_server.add_insecure_port('127.0.0.1:0')}"
+        self.grpc_server.start()
+
+    def trace(
+        self, root_name: str, count: int, steps: bool = True, timeout: float = 15.0
+    ) -> dict[bytes, list]:
+        """Spans until `count` traces with a root named `root_name` have arrived (with steps,
+        if `steps`), by span id of the root: {root id: [root, *steps]}."""
+        got: list = []
+        while True:
+            roots = [s for _, s in got if s.name == root_name]
+            done = {
+                r.span_id: [r, *(s for _, s in got if s.parent_span_id == r.span_id)] for r in roots
+            }
+            if len(done) >= count and all(len(v) > steps for v in done.values()):
+                return done
+            try:
+                got.append(self.spans.get(timeout=timeout))
+            except queue.Empty:
+                names = sorted(s.name for _, s in got)
+                message = f"{len(done)} of {count} '{root_name}' traces; got {names}"
+                raise AssertionError(message) from None
+
+    def nothing_for(self, seconds: float) -> list:
+        """Whatever arrives within `seconds` (expected: nothing)."""
+        got = []
+        try:
+            while True:
+                got.append(self.spans.get(timeout=seconds))
+        except queue.Empty:
+            return got
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.grpc_server.stop(None)
+
+
+def attributes(span) -> dict:
+    values = {}
+    for kv in span.attributes:
+        kind = kv.value.WhichOneof("value")
+        values[kv.key] = getattr(kv.value, kind)
+    return values
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[Collector]:
+    c = Collector()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, collector) -> Iterator[tuple[Server, str]]:
+    root = tmp_path_factory.mktemp("tracing")
+    torch.manual_seed(0)
+    mha_engine.save_model(nn.MultiheadAttention(E, 2, batch_first=True).eval(), root / "attn")
+    tm.sentence_transformer(root / "emb")
+    grpc_port = free_port()
+    args = ["--model-dir", str(root / "attn"), "--model-dir", str(root / "emb")]
+    args += ["--grpc-port", str(grpc_port), "--otlp-endpoint", collector.url, "--trace-rate", "1"]
+    args += ["--otlp-service-name", "mha-test"]
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # export within 50 ms (the SDK's default: 5 s)
+    with run_server(root, *args, env=env) as server:
+        yield server, f"127.0.0.1:{grpc_port}"
+
+
+@pytest.fixture
+def clients(served) -> Iterator[tuple[thttp.InferenceServerClient, tgrpc.InferenceServerClient]]:
+    server, address = served
+    h, g = thttp.InferenceServerClient(server.address), tgrpc.InferenceServerClient(address)
+    yield h, g
+    # each test starts from the start-up settings: every rate back, the model's own cleared
+    h.update_trace_settings(settings={"trace_rate": None, "trace_level": None, "trace_count": None})
+    clear = {"trace_rate": None, "trace_level": None, "trace_count": None}
+    h.update_trace_settings("attn", clear)
+
+
+def _infer_body(seq_len: int = 3) -> tuple[bytes, dict[str, str]]:
+    x = np.random.default_rng(0).standard_normal((1, seq_len, E)).astype(np.float32)
+    header = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                          "parameters": {"binary_data_size": x.nbytes}}]}  # fmt: skip
+    return binary_request(header, x.tobytes())
+
+
+def test_http_infer_is_a_child_of_the_callers_span_with_its_steps(served, collector):
+    server, _ = served
+    collector.nothing_for(0.2)
+    body, headers = _infer_body()
+    headers = {**headers, "traceparent": SAMPLED, "x-request-id": "traced-1"}
+    r = httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    (spans,) = collector.trace("infer attn", 1).values()
+    root, *steps = spans
+    assert root.trace_id.hex() == TRACE_ID and root.parent_span_id.hex() == PARENT
+    assert root.kind == root.SPAN_KIND_SERVER
+    assert {s.name for s in steps} == STEPS
+    assert all(s.trace_id == root.trace_id for s in steps)
+    assert all(root.start_time_unix_nano <= s.start_time_unix_nano for s in steps)
+    assert all(s.end_time_unix_nano <= root.end_time_unix_nano for s in steps)
+    by_name = {s.name: s for s in steps}
+    order = [by_name[n].start_time_unix_nano for n in ("decode", "queue", "compute", "encode")]
+    assert order == sorted(order)
+    seen = attributes(root)
+    assert seen["mha.model.name"] == "attn" and seen["mha.protocol"] == "binary"
+    assert seen["mha.request_id"] == "traced-1" and seen["mha.sequences"] == 1
+    assert seen["mha.tokens"] == 3
+    assert attributes(by_name["compute"])["mha.batch.sequences"] >= 1
+    assert root.status.code == root.status.STATUS_CODE_UNSET
+
+
+def test_resource_names_the_service(served, collector):
+    server, _ = served
+    collector.nothing_for(0.2)
+    body, headers = _infer_body()
+    httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+    resource, _ = collector.spans.get(timeout=15)
+    names = {kv.key: kv.value.string_value for kv in resource.attributes}
+    assert names["service.name"] == "mha-test"
+
+
+def test_a_caller_that_did_not_sample_gets_no_spans_and_a_bad_header_a_new_trace(served, collector):
+    server, _ = served
+    collector.nothing_for(0.2)
+    body, headers = _infer_body()
+    unsampled = {**headers, "traceparent": f"00-{TRACE_ID}-{PARENT}-00"}
+    r = httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=unsampled)
+    assert r.status_code == 200
+    assert collector.nothing_for(0.5) == []
+    bad = {**headers, "traceparent": "00-zz-not-a-header"}
+    assert httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=bad).is_success
+    (spans,) = collector.trace("infer attn", 1).values()
+    assert spans[0].trace_id.hex() != TRACE_ID and spans[0].parent_span_id == b""
+
+
+def test_a_failed_request_has_an_error_status(served, collector):
+    server, _ = served
+    collector.nothing_for(0.2)
+    body = {"inputs": [{"name": "input", "shape": [1, 2, E + 1], "datatype": "FP32",
+                        "data": [0.0] * (2 * (E + 1))}]}  # fmt: skip
+    r = httpx.post(f"{server.url}/v2/models/attn/infer", json=body)
+    assert r.status_code == 400
+    (spans,) = collector.trace("infer attn", 1, steps=False).values()
+    root = spans[0]
+    assert root.status.code == root.status.STATUS_CODE_ERROR
+    assert str(E + 1) in root.status.message or "shape" in root.status.message
+    seen = attributes(root)
+    assert seen["error.type"] == "bad_input" and seen["mha.status_code"] == 400
+    assert seen["mha.protocol"] == "json"
+
+
+def test_grpc_unary_and_stream_take_the_parent_from_metadata(served, clients, collector):
+    _, g = clients
+    collector.nothing_for(0.2)
+    x = np.ones((1, 2, E), np.float32)
+    inp = tgrpc.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    g.infer("attn", [inp], headers={"traceparent": SAMPLED})
+    (spans,) = collector.trace("infer attn", 1).values()
+    assert spans[0].parent_span_id.hex() == PARENT
+    assert attributes(spans[0])["mha.protocol"] == "grpc"
+    assert {s.name for s in spans[1:]} == STEPS
+
+    results: queue.Queue = queue.Queue()
+    g.start_stream(lambda result, error: results.put((result, error)),
+                   headers={"traceparent": SAMPLED})  # fmt: skip
+    for i in range(2):
+        g.async_stream_infer("attn", [inp], request_id=f"s{i}")
+    for _ in range(2):
+        result, error = results.get(timeout=15)
+        assert error is None and result.as_numpy("output").shape == (1, 2, E)
+    g.stop_stream()
+    traces = collector.trace("infer attn", 2)
+    ids = sorted(attributes(spans[0])["mha.request_id"] for spans in traces.values())
+    assert ids == ["s0", "s1"]
+    assert all(spans[0].trace_id.hex() == TRACE_ID for spans in traces.values())
+
+
+def test_text_routes_trace_tokenize_queue_and_compute(served, collector):
+    server, _ = served
+    collector.nothing_for(0.2)
+    r = httpx.post(f"{server.url}/embed", json={"inputs": ["a few words", "more"]},
+                   headers={"traceparent": SAMPLED})  # fmt: skip
+    assert r.status_code == 200, r.text
+    (spans,) = collector.trace("embed emb", 1).values()
+    assert spans[0].parent_span_id.hex() == PARENT
+    assert {s.name for s in spans[1:]} >= {"tokenize", "queue", "compute"}
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hello", "model": "emb"})
+    assert r.status_code == 200, r.text
+    (spans,) = collector.trace("embeddings emb", 1).values()
+    assert attributes(spans[0])["mha.model.name"] == "emb"
+
+
+def test_trace_extension_over_http_and_grpc(served, clients, collector):
+    server, _ = served
+    h, g = clients
+    assert "trace" in h.get_server_metadata()["extensions"]
+    assert h.get_trace_settings() == START
+    assert g.get_trace_settings(as_json=True)["settings"]["trace_rate"] == {"value": ["1"]}
+    # every 3rd request without a traceparent from now on (the counter starts again)
+    assert h.update_trace_settings(settings={"trace_rate": "3"})["trace_rate"] == "3"
+    collector.nothing_for(0.2)
+    body, headers = _infer_body()
+    for _ in range(6):
+        httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+    assert len(collector.trace("infer attn", 2)) == 2
+    assert collector.nothing_for(0.5) == []
+    # a model's own level: OFF for attn only, over gRPC; the global level is unchanged
+    got = g.update_trace_settings("attn", {"trace_level": ["OFF"]}, as_json=True)
+    assert got["settings"]["trace_level"] == {"value": ["OFF"]}
+    assert h.get_trace_settings("attn")["trace_rate"] == "3"  # still the global rate
+    assert h.get_trace_settings()["trace_level"] == ["TIMESTAMPS"]
+    for _ in range(3):
+        httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+    assert collector.nothing_for(0.5) == []
+    # clearing the override (None over gRPC: no values) follows the global level again
+    g.update_trace_settings("attn", {"trace_level": None})
+    assert h.get_trace_settings("attn")["trace_level"] == ["TIMESTAMPS"]
+    # trace_count: two more traces, then none
+    h.update_trace_settings(settings={"trace_rate": "1", "trace_count": "2"})
+    for _ in range(4):
+        httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+    assert len(collector.trace("infer attn", 2)) == 2
+    assert collector.nothing_for(0.5) == []
+    assert h.get_trace_settings()["trace_count"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"trace_rate": "0"}, "'trace_rate' must be an integer >= 1"),
+        ({"trace_rate": "often"}, "'trace_rate' must be an integer"),
+        ({"trace_count": "-2"}, "'trace_count' must be -1"),
+        ({"trace_level": ["TENSORS"]}, "TENSORS is not supported"),
+        ({"trace_level": ["LOUD"]}, "'trace_level' must be one of"),
+        ({"trace_file": "/tmp/t.json"}, "'trace_file' can only be ''"),
+        ({"trace_mode": "triton"}, "'trace_mode' can only be 'opentelemetry'"),
+        ({"trace_colour": "1"}, "unknown trace setting(s) ['trace_colour']"),
+    ],
+)
+def test_bad_settings_are_refused_naming_them(served, clients, settings, words):
+    server, _ = served
+    h, g = clients
+    r = httpx.post(f"{server.url}/v2/trace/setting", json=settings)
+    assert r.status_code == 400 and words in r.json()["error"], r.text
+    with pytest.raises(InferenceServerException) as caught:
+        g.update_trace_settings(settings=settings)
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert words in caught.value.message()
+    assert h.get_trace_settings() == START  # nothing changed
+    assert httpx.get(f"{server.url}/v2/health/live").status_code == 200
+
+
+def test_unknown_model_is_404_and_not_found(served, clients):
+    server, _ = served
+    _, g = clients
+    r = httpx.get(f"{server.url}/v2/models/nope/trace/setting")
+    assert r.status_code == 404 and "nope" in r.json()["error"]
+    with pytest.raises(InferenceServerException) as caught:
+        g.get_trace_settings("nope")
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_workers_export_over_otlp_grpc(tmp_path: Path, collector):
+    """--workers 2: each front-end traces its requests and exports them itself; here over
+    OTLP/gRPC. The queue and compute steps come from the engine process's times."""
+    torch.manual_seed(0)
+    mha_engine.save_model(nn.MultiheadAttention(E, 2, batch_first=True).eval(), tmp_path / "attn")
+    args = ["--model-dir", str(tmp_path / "attn"), "--workers", "2", "--trace-rate", "1"]
+    args += ["--otlp-endpoint", collector.grpc_url, "--otlp-protocol", "grpc"]
+    with run_server(tmp_path, *args, env={"OTEL_BSP_SCHEDULE_DELAY": "50"}) as server:
+        collector.nothing_for(0.2)
+        body, headers = _infer_body()
+        for _ in range(4):
+            r = httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+            assert r.status_code == 200, r.text
+        traces = collector.trace("infer attn", 4)
+        for _root, *steps in traces.values():
+            assert {s.name for s in steps} == STEPS
+            compute = next(s for s in steps if s.name == "compute")
+            assert compute.end_time_unix_nano > compute.start_time_unix_nano
+        r = httpx.post(f"{server.url}/v2/trace/setting", json={"trace_rate": "2"})
+        assert r.status_code == 400 and "--workers > 1" in r.json()["error"]
+
+
+# -- the decisions alone, without a server -------------------------------------------------------
+class Kept:
+    """A sink keeping what it is given (the decisions below need no exporter)."""
+
+    def __init__(self) -> None:
+        self.traces: list = []
+
+    def write(self, trace) -> None:
+        self.traces.append(trace)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (SAMPLED, (int(TRACE_ID, 16), int(PARENT, 16), True)),
+        (f"00-{TRACE_ID}-{PARENT}-00", (int(TRACE_ID, 16), int(PARENT, 16), False)),
+        (f"00-{TRACE_ID}-{PARENT}-03", (int(TRACE_ID, 16), int(PARENT, 16), True)),
+        (f"00-{'0' * 32}-{PARENT}-01", None),  # all-zero trace id: invalid
+        (f"00-{TRACE_ID}-{'0' * 16}-01", None),
+        (f"01-{TRACE_ID}-{PARENT}-01", None),  # a version this server does not know
+        (f"00-{TRACE_ID.upper()}-{PARENT}-01", None),  # W3C: lower-case hex only
+        ("", None),
+        (None, None),
+    ],
+)
+def test_traceparent_parsing(header, expected):
+    parent = parse_traceparent(header)
+    got = None if parent is None else (parent.trace_id, parent.span_id, parent.sampled)
+    assert got == expected
+
+
+def test_rate_count_and_parent_decide_alone():
+    sink = Kept()
+    control = TraceControl("TIMESTAMPS", 4, 3, sink, updatable=True)
+    picked = [control.begin("m", "infer", None) is not None for _ in range(8)]
+    assert picked == [False, False, False, True] * 2
+    assert control.begin("m", "infer", SAMPLED) is not None  # the caller sampled it
+    assert control.begin("m", "infer", f"00-{TRACE_ID}-{PARENT}-00") is None
+    assert control.snapshot()["trace_count"] == "0"  # 3 taken
+    assert control.begin("m", "infer", SAMPLED) is None
+    off = TraceControl("OFF", 1, -1, sink, updatable=True)
+    assert not off.active and off.begin("m", "infer", SAMPLED) is None
+    off.update({"trace_level": "TIMESTAMPS"}, "m")  # one model on: the control is active
+    assert off.active and off.begin("m", "infer", SAMPLED) is not None
+    assert off.begin("other", "infer", SAMPLED) is None
+
+
+def test_without_an_endpoint_tracing_cannot_be_turned_on_and_workers_refuse_changes():
+    control = TraceControl("OFF", 1000, -1, None, updatable=True)
+    with pytest.raises(Exception, match="--otlp-endpoint"):
+        control.update({"trace_level": ["TIMESTAMPS"]})
+    assert control.update({"trace_rate": 10})["trace_rate"] == "10"
+    fixed = TraceControl("OFF", 1000, -1, None, updatable=False)
+    with pytest.raises(Exception, match="--workers > 1"):
+        fixed.update({"trace_rate": "5"})
+    assert fixed.update({}) == fixed.snapshot()  # a read is always allowed
+
+
+def test_start_up_refuses_a_level_without_an_endpoint_and_a_bad_url(tmp_path: Path):
+    from service.runtime.settings import Settings
+
+    with pytest.raises(ValueError, match="needs --otlp-endpoint"):
+        Settings(trace_level="TIMESTAMPS")
+    with pytest.raises(ValueError, match="must be an http"):
+        Settings(otlp_endpoint="collector:4318")
+    assert Settings(otlp_endpoint="http://c:4318").trace_level is None
+
+
+def test_trace_settings_need_the_api_key(tmp_path: Path, collector):
+    port = free_port()
+    args = ("--grpc-port", str(port), "--api-key", "k", "--otlp-endpoint", collector.url)
+    with run_server(tmp_path, *args) as server:
+        assert httpx.get(f"{server.url}/v2/trace/setting").status_code == 401
+        g = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
+        with pytest.raises(InferenceServerException) as caught:
+            g.get_trace_settings()
+        assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+        got = g.get_trace_settings(headers={"authorization": "Bearer k"}, as_json=True)
+        assert got["settings"]["trace_mode"] == {"value": ["opentelemetry"]}
