@@ -28,7 +28,7 @@ from service.runtime.startup import (
     check_grpc_port,
     check_model_dirs,
 )
-from service.runtime.trace_export import MISSING
+from service.runtime.trace_export import exporter_class
 
 PROG = "mha-serve"
 
@@ -82,14 +82,10 @@ def start(settings: Settings) -> None:
 def check_tracing(settings: Settings) -> None:
     """--otlp-endpoint without the OpenTelemetry SDK installed: say how to install it."""
     if settings.otlp_endpoint:
-        import importlib
-
-        transport = "grpc" if settings.otlp_protocol == "grpc" else "http"
         try:
-            importlib.import_module("opentelemetry.sdk.trace")
-            importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.trace_exporter")
-        except ImportError as exc:
-            raise StartupError(f"{MISSING} ({exc})", EXIT_CONFIG) from None
+            exporter_class(settings.otlp_protocol)
+        except RuntimeError as exc:
+            raise StartupError(str(exc), EXIT_CONFIG) from None
 
 
 def _fail(exc: StartupError) -> NoReturn:

@@ -90,7 +90,9 @@ class traced:  # named for its use: `with traced(...)`
         trace = self.trace
         if trace is None:
             return
-        CURRENT.reset(self.token)
-        if exc is not None:
-            trace.fail(exc)
-        trace.end()
+        try:
+            CURRENT.reset(self.token)
+        finally:
+            if exc is not None:
+                trace.fail(exc)
+            trace.end()

@@ -77,6 +77,7 @@ async def infer(
         trace = tracing.begin(
             entry.name, "infer", request.traceparent, request.tracestate, request.received_at
         )
+    decoded: InferRequest | None = None  # for the trace of a request that fails
     work: Work | None = None
     try:
         decoded, payload, input_s = await _decode(entry, request)
@@ -107,7 +108,8 @@ async def infer(
     except BaseException as exc:
         entry.stats.failed(time.perf_counter() - started)
         if trace is not None:
-            _trace_end(trace, entry, request, work, exc)
+            rid = decoded.id if decoded is not None and decoded.id else None
+            _trace_end(trace, entry, request, work, exc, rid)
         raise
     metrics.codec(metrics.encode, request.protocol, output_s)
     total_s = time.perf_counter() - started

@@ -1,12 +1,24 @@
-"""Traced requests as OpenTelemetry spans, exported over OTLP (HTTP/protobuf or gRPC) by the
-OpenTelemetry SDK's batch processor, on its own thread: a request never waits for the collector.
+"""Traced requests exported as OpenTelemetry spans over OTLP (HTTP/protobuf or gRPC) by the
+OpenTelemetry SDK's exporters, from a thread of their own: the event loop only queues a
+finished Trace (about a microsecond); the thread turns it into the SDK's span records (a SERVER
+span and its steps) and sends them in batches. When the collector is slow or down, traces past
+the queue's bound are dropped (counted in the log at shutdown), never waited for.
+
 The SDK is an optional dependency (`pip install 'mha-serve[tracing]'`), imported only when
---otlp-endpoint is set. The SDK's own OTEL_EXPORTER_OTLP_* variables (headers, certificates,
-timeout, compression) and OTEL_RESOURCE_ATTRIBUTES apply; OTEL_BSP_* tune the batching.
+--otlp-endpoint is set. The exporters' OTEL_EXPORTER_OTLP_* variables (headers, certificates,
+timeout, compression) and OTEL_RESOURCE_ATTRIBUTES apply, and the batch processor's
+OTEL_BSP_SCHEDULE_DELAY, OTEL_BSP_MAX_QUEUE_SIZE and OTEL_BSP_MAX_EXPORT_BATCH_SIZE bound this
+thread the same way.
 """
 
 from __future__ import annotations
 
+import collections
+import importlib
+import logging
+import os
+import random
+import threading
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -15,7 +27,8 @@ from service import __version__
 if TYPE_CHECKING:
     from service.runtime.tracing import Trace
 
-PROTOCOLS = ("http/protobuf", "grpc")
+log = logging.getLogger("service.tracing")
+
 MISSING = (
     "--otlp-endpoint needs the OpenTelemetry SDK and OTLP exporters: "
     "pip install 'mha-serve[tracing]'"
@@ -37,74 +50,131 @@ def traces_url(endpoint: str, protocol: str) -> str:
     return endpoint
 
 
+def exporter_class(protocol: str) -> Any:
+    """The SDK's OTLPSpanExporter for `protocol`; RuntimeError saying how to install it."""
+    transport = "grpc" if protocol == "grpc" else "http"
+    try:
+        importlib.import_module("opentelemetry.sdk.trace")
+        module = importlib.import_module(
+            f"opentelemetry.exporter.otlp.proto.{transport}.trace_exporter"
+        )
+    except ImportError as exc:
+        raise RuntimeError(f"{MISSING} ({exc})") from None
+    return module.OTLPSpanExporter
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
 class OtlpSink:
-    """Writes each Trace as a SERVER span with its steps as children, and exports them."""
+    """Queues finished Traces (from the event loop) and exports them as spans from its thread."""
 
     def __init__(self, endpoint: str, protocol: str = "http/protobuf", service_name: str = ""):
-        try:
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-
-            if protocol == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-            else:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-        except ImportError as exc:
-            raise RuntimeError(f"{MISSING} ({exc})") from None
+        exporter = exporter_class(protocol)
         from opentelemetry import trace as api
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        url = traces_url(endpoint, protocol)
-        resource = Resource.create(
+        self.api, self.span_record = api, ReadableSpan
+        self.url = traces_url(endpoint, protocol)
+        self.exporter = exporter(endpoint=self.url)
+        self.resource = Resource.create(
             {"service.name": service_name or "mha-serve", "service.version": __version__}
         )
-        # Which requests are traced is decided before a Trace exists (tracing.TraceControl)
-        self.provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
-        self.tracer = self.provider.get_tracer("mha-serve", __version__)
-        self.api = api
-        self.url = url
+        self.scope = InstrumentationScope("mha-serve", __version__)
+        self.delay_s = _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
+        self.max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+        self.batch_spans = _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
+        self.queue: collections.deque[Trace] = collections.deque()
+        self.dropped = 0
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
+        self.thread.start()
 
-    def _parent_context(self, trace: Trace) -> Any:
-        api = self.api
-        parent = trace.parent
-        if parent is None:
-            return None
-        state = api.TraceState.from_header([parent.tracestate]) if parent.tracestate else None
-        context = api.SpanContext(
-            parent.trace_id,
-            parent.span_id,
-            is_remote=True,
-            trace_flags=api.TraceFlags(api.TraceFlags.SAMPLED),
-            trace_state=state,
-        )
-        return api.set_span_in_context(api.NonRecordingSpan(context))
-
+    # -- event loop --------------------------------------------------------------------------
     def write(self, trace: Trace) -> None:
-        api = self.api
-        root = self.tracer.start_span(
-            trace.name,
-            context=self._parent_context(trace),
-            kind=api.SpanKind.SERVER,
-            attributes=trace.attributes,
-            start_time=trace.ns(trace.start),
-        )
-        inside = api.set_span_in_context(root)
-        for name, start, end, attributes in trace.steps:
-            step = self.tracer.start_span(
-                name, context=inside, attributes=attributes, start_time=trace.ns(start)
-            )
-            step.end(end_time=trace.ns(end))
-        if trace.error is not None:
-            reason, message = trace.error
-            root.set_attribute("error.type", reason)
-            root.set_status(api.Status(api.StatusCode.ERROR, message))
-        root.end(end_time=trace.ns(trace.end_s))
+        """Queue a finished trace (dropped, and counted, when the queue is full)."""
+        if len(self.queue) >= self.max_queue:
+            self.dropped += 1
+            return
+        self.queue.append(trace)
+        if len(self.queue) * 5 >= self.batch_spans:  # ~5 spans a trace: a batch is ready
+            self.wake.set()
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()  # exports what is queued, within the exporter's timeout
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Send what is queued, waiting at most `timeout` seconds (a collector that is down
+        does not hold the server's stop); then stop the exporter."""
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout)
+        self.exporter.shutdown()  # also ends a retry still sleeping
+        if self.dropped or self.queue:
+            log.warning("%d traces dropped (queue full or collector too slow), %d unsent",
+                        self.dropped, len(self.queue))  # fmt: skip
+
+    # -- export thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stopping:
+            self.wake.wait(self.delay_s)
+            self.wake.clear()
+            self._send()
+        self._send()
+
+    def _send(self) -> None:
+        batch: list[Any] = []
+        while self.queue:
+            batch += self._records(self.queue.popleft())
+            if len(batch) >= self.batch_spans:
+                self._export(batch)
+                batch = []
+        if batch:
+            self._export(batch)
+
+    def _export(self, spans: list[Any]) -> None:
+        try:
+            self.exporter.export(spans)  # the SDK logs a failed export itself
+        except Exception:
+            log.exception("exporting %d spans to %s failed", len(spans), self.url)
+
+    def _context(self, trace_id: int, state: Any) -> Any:
+        api = self.api
+        span_id = random.getrandbits(64) or 1
+        flags = api.TraceFlags(api.TraceFlags.SAMPLED)
+        return api.SpanContext(trace_id, span_id, False, flags, state)
+
+    def _records(self, trace: Trace) -> list[Any]:
+        """The trace's SERVER span (child of the caller's, if any) and its steps' spans."""
+        api, record = self.api, self.span_record
+        parent = state = None
+        if trace.parent is not None:
+            p = trace.parent
+            state = api.TraceState.from_header([p.tracestate]) if p.tracestate else None
+            flags = api.TraceFlags(api.TraceFlags.SAMPLED)
+            parent = api.SpanContext(p.trace_id, p.span_id, True, flags, state)
+        trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
+        root = self._context(trace_id, state)  # the caller's tracestate goes on with it
+        attributes = dict(trace.attributes)
+        status = api.Status(api.StatusCode.UNSET)
+        if trace.error is not None:
+            reason, message, kind = trace.error
+            attributes["error.type"] = reason
+            attributes["exception.type"] = kind
+            status = api.Status(api.StatusCode.ERROR, message)
+        common = {"resource": self.resource, "instrumentation_scope": self.scope}
+        records = [
+            record(trace.name, root, parent, attributes=attributes, kind=api.SpanKind.SERVER,
+                   status=status, start_time=trace.ns(trace.start),
+                   end_time=trace.ns(trace.end_s), **common)
+        ]  # fmt: skip
+        for name, start, end, values in trace.steps:
+            records.append(
+                record(name, self._context(trace_id, state), root, attributes=values,
+                       start_time=trace.ns(start), end_time=trace.ns(end), **common)
+            )  # fmt: skip
+        return records

@@ -4,9 +4,10 @@ requests are traced; a traced request's spans go to an OpenTelemetry collector o
 
 A traced request is one span (SERVER, child of the caller's W3C `traceparent` when it sends
 one) with a child per step: decode, queue, compute (its batch's forward), encode for the OIP
-core; tokenize, queue, compute per batch part, encode for the text routes. The spans are built
-after the request ends from the times the request core already takes: nothing is added to the
-engine or the batcher, and a request that is not traced costs one attribute check.
+core; tokenize, then queue and compute per batch part for the text routes. The spans are built
+after the request ends, from the times the request core already takes for Triton's statistics
+(the batch runner also notes each batch's size), and exported from a thread of their own
+(service.runtime.trace_export). With tracing off a request costs one attribute check.
 
 Sampling: a request whose `traceparent` says "sampled" is traced, one that says "not sampled"
 is not (the caller decided for the whole trace); without one, every `trace_rate`-th request is.
@@ -17,6 +18,7 @@ is not (the caller decided for the whole trace); without one, every `trace_rate`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -24,17 +26,18 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from service.pipeline.errors import BadInput
+from service.pipeline.errors import BadInput, ServiceError
 
 log = logging.getLogger("service.tracing")
 
 LEVELS = ("OFF", "TIMESTAMPS")
 FIXED = {"trace_file": "", "log_frequency": "0", "trace_mode": "opentelemetry"}
 SETTINGS = ("trace_level", "trace_rate", "trace_count", *FIXED)
-# version 00: trace id (32 hex, not all zero), parent span id (16 hex, not all zero), flags
 # The traced request this task serves, for the steps of the text routes (service.text.work)
 CURRENT: ContextVar[Trace | None] = ContextVar("mha_trace", default=None)
-_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+# W3C traceparent: version, trace id (32 hex, not all zero), parent span id (16 hex, not all
+# zero), flags; a later version may append fields after a dash (version 00 may not)
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,19 +56,19 @@ def parse_traceparent(value: str | None, tracestate: str | None = None) -> Paren
     if not value:
         return None
     match = _TRACEPARENT.match(value.strip())
-    if match is None:
+    if match is None or match[1] == "ff" or (match[1] == "00" and match[5]):
         return None
-    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    trace_id, span_id = int(match[2], 16), int(match[3], 16)
     if trace_id == 0 or span_id == 0:
         return None
-    return Parent(trace_id, span_id, bool(int(match[3], 16) & 1), tracestate)
+    return Parent(trace_id, span_id, bool(int(match[4], 16) & 1), tracestate)
 
 
 class Sink(Protocol):
     """Where finished traces go (trace_export.OtlpSink; tests may pass their own)."""
 
     def write(self, trace: Trace) -> None: ...
-    def shutdown(self) -> None: ...
+    def shutdown(self, timeout: float) -> None: ...
 
 
 class Trace:
@@ -93,7 +96,7 @@ class Trace:
         self.end_s = start
         self.attributes: dict[str, Any] = {}
         self.steps: list[tuple[str, float, float, dict[str, Any]]] = []
-        self.error: tuple[str, str] | None = None  # (reason, message)
+        self.error: tuple[str, str, str] | None = None  # (reason, message, exception type)
         self.offset = time.time_ns() - time.perf_counter_ns()
 
     def ns(self, seconds: float) -> int:
@@ -105,13 +108,17 @@ class Trace:
         self.steps.append((name, start, max(start, end), attributes))
 
     def fail(self, exc: BaseException) -> None:
-        """Mark the request failed: the span's status is ERROR with the error's reason."""
-        reason = getattr(exc, "reason", None) or type(exc).__name__
-        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-        self.error = (str(reason), str(message))
-        status = getattr(exc, "status", None)
-        if isinstance(status, int):
-            self.attributes["mha.status_code"] = status
+        """Mark the request failed: status ERROR, with the reason the metrics record (a
+        ServiceError's; a cancelled call: client_disconnected; anything else: inference_error)."""
+        kind = type(exc).__name__
+        if isinstance(exc, ServiceError):
+            reason, message, status = exc.reason, exc.message, exc.status
+        elif isinstance(exc, asyncio.CancelledError):
+            reason, message, status = "client_disconnected", "the call was cancelled", 499
+        else:
+            reason, message, status = "inference_error", str(exc) or kind, 500
+        self.error = (reason, message, kind)
+        self.attributes["mha.status_code"] = status
 
     def end(self, end: float | None = None) -> None:
         """The request is over: write its spans (the sink queues them for export)."""
@@ -200,8 +207,9 @@ class TraceControl:
             if not parent.sampled:
                 return None
         else:
-            scope.seen += 1
-            if scope.seen % values.get("rate", self.default.values["rate"]):
+            rated = scope if "rate" in values else self.default  # whose counter this is
+            rated.seen += 1
+            if rated.seen % rated.values["rate"]:
                 return None
         if counted.values["count"] > 0:
             counted.values["count"] -= 1
@@ -269,10 +277,10 @@ class TraceControl:
         log.info("trace settings changed%s: %s", f" for model {model!r}" if model else "", changes)
         return self.snapshot(model)
 
-    def shutdown(self) -> None:
-        """Send what is queued (at the server's stop)."""
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Send what is queued (at the server's stop), waiting at most `timeout` seconds."""
         if self.sink is not None:
-            self.sink.shutdown()
+            self.sink.shutdown(timeout)
 
 
 def _one(name: str, value: Any) -> Any:

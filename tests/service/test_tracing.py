@@ -6,8 +6,10 @@ unmodified tritonclient, HTTP and gRPC) changes the sampling at run time, per mo
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +35,7 @@ E = 16
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 SAMPLED = f"00-{TRACE_ID}-{PARENT}-01"
+MARKER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 STEPS = {"decode", "queue", "compute", "encode"}
 START = {
     "trace_level": ["TIMESTAMPS"],
@@ -45,18 +48,23 @@ START = {
 
 
 class Collector:
-    """An OTLP trace endpoint on loopback, OTLP/HTTP (`url`) or OTLP/gRPC (`grpc_url`): every
-    span it is sent, decoded, in a queue."""
+    """An OTLP trace endpoint on loopback, OTLP/HTTP (`url`) or OTLP/gRPC (`grpc_url`): the
+    spans of each export request it is sent, decoded, in a queue (a trace's spans always travel
+    in one export request, and traces in the order their requests ended)."""
 
     def __init__(self) -> None:
-        self.spans: queue.Queue = queue.Queue()
-        spans = self.spans
+        self.exports: queue.Queue = queue.Queue()
+        exports = self.exports
 
         def keep(export: trace_service_pb2.ExportTraceServiceRequest) -> None:
-            for resource in export.resource_spans:
-                for scope in resource.scope_spans:
-                    for span in scope.spans:
-                        spans.put((resource.resource, span))
+            exports.put(
+                [
+                    (resource.resource, span)
+                    for resource in export.resource_spans
+                    for scope in resource.scope_spans
+                    for span in scope.spans
+                ]
+            )
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -84,34 +92,23 @@ class Collector:
         self.grpc_url = f"http://127.0.0.1:{self.grpc_server.add_insecure_port('127.0.0.1:0')}"
         self.grpc_server.start()
 
-    def trace(
-        self, root_name: str, count: int, steps: bool = True, timeout: float = 15.0
-    ) -> dict[bytes, list]:
-        """Spans until `count` traces with a root named `root_name` have arrived (with steps,
-        if `steps`), by span id of the root: {root id: [root, *steps]}."""
+    def trace(self, root_name: str, count: int, timeout: float = 15.0) -> dict[bytes, list]:
+        """Spans until `count` traces with a root named `root_name` have arrived, by span id of
+        the root: {root id: [root, *its steps]}."""
         got: list = []
         while True:
             roots = [s for _, s in got if s.name == root_name]
             done = {
                 r.span_id: [r, *(s for _, s in got if s.parent_span_id == r.span_id)] for r in roots
             }
-            if len(done) >= count and all(len(v) > steps for v in done.values()):
+            if len(done) >= count:
                 return done
             try:
-                got.append(self.spans.get(timeout=timeout))
+                got += self.exports.get(timeout=timeout)
             except queue.Empty:
                 names = sorted(s.name for _, s in got)
                 message = f"{len(done)} of {count} '{root_name}' traces; got {names}"
                 raise AssertionError(message) from None
-
-    def nothing_for(self, seconds: float) -> list:
-        """Whatever arrives within `seconds` (expected: nothing)."""
-        got = []
-        try:
-            while True:
-                got.append(self.spans.get(timeout=seconds))
-        except queue.Empty:
-            return got
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -125,6 +122,27 @@ def attributes(span) -> dict:
         kind = kv.value.WhichOneof("value")
         values[kv.key] = getattr(kv.value, kind)
     return values
+
+
+_MARKS = itertools.count()
+
+
+def settle(server: Server, collector: Collector) -> list:
+    """The spans that arrive before a marker's: a sampled /embed request with an id of its
+    own, sent now. Everything traced before it was queued for export before it, so what this
+    returns is every span of the requests made so far that had not arrived yet."""
+    rid = f"marker-{next(_MARKS)}"
+    headers = {"traceparent": f"00-{MARKER_TRACE}-{PARENT}-01", "x-request-id": rid}
+    r = httpx.post(f"{server.url}/embed", json={"inputs": "marker"}, headers=headers)
+    assert r.status_code == 200, r.text
+    before: list = []
+    while True:
+        spans = [span for _, span in collector.exports.get(timeout=15)]
+        marks = [s for s in spans if attributes(s).get("mha.request_id") == rid]
+        if marks:
+            trace_id = marks[0].trace_id
+            return before + [s for s in spans if s.trace_id != trace_id]
+        before += spans
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +168,16 @@ def served(tmp_path_factory, collector) -> Iterator[tuple[Server, str]]:
 
 
 @pytest.fixture
-def clients(served) -> Iterator[tuple[thttp.InferenceServerClient, tgrpc.InferenceServerClient]]:
+def clients(
+    served, collector
+) -> Iterator[tuple[thttp.InferenceServerClient, tgrpc.InferenceServerClient]]:
     server, address = served
+    settle(server, collector)
     h, g = thttp.InferenceServerClient(server.address), tgrpc.InferenceServerClient(address)
     yield h, g
-    # each test starts from the start-up settings: every rate back, the model's own cleared
-    h.update_trace_settings(settings={"trace_rate": None, "trace_level": None, "trace_count": None})
+    # each test ends with the start-up settings: the global ones back, the model's cleared
     clear = {"trace_rate": None, "trace_level": None, "trace_count": None}
+    h.update_trace_settings(settings=clear)
     h.update_trace_settings("attn", clear)
 
 
@@ -167,17 +188,22 @@ def _infer_body(seq_len: int = 3) -> tuple[bytes, dict[str, str]]:
     return binary_request(header, x.tobytes())
 
 
+def _infer(server: Server, **headers: str) -> None:
+    body, base = _infer_body()
+    r = httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers={**base, **headers})
+    assert r.status_code == 200, r.text
+
+
 def test_http_infer_is_a_child_of_the_callers_span_with_its_steps(served, collector):
     server, _ = served
-    collector.nothing_for(0.2)
-    body, headers = _infer_body()
-    headers = {**headers, "traceparent": SAMPLED, "x-request-id": "traced-1"}
-    r = httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
-    assert r.status_code == 200, r.text
+    settle(server, collector)
+    _infer(server, traceparent=SAMPLED, tracestate="vendor=abc", **{"x-request-id": "traced-1"})
     (spans,) = collector.trace("infer attn", 1).values()
     root, *steps = spans
     assert root.trace_id.hex() == TRACE_ID and root.parent_span_id.hex() == PARENT
+    assert root.trace_state == "vendor=abc"  # the caller's tracestate, kept
     assert root.kind == root.SPAN_KIND_SERVER
+    assert abs(root.start_time_unix_nano - time.time_ns()) < 60e9  # epoch time, not a monotonic
     assert {s.name for s in steps} == STEPS
     assert all(s.trace_id == root.trace_id for s in steps)
     assert all(root.start_time_unix_nano <= s.start_time_unix_nano for s in steps)
@@ -191,51 +217,48 @@ def test_http_infer_is_a_child_of_the_callers_span_with_its_steps(served, collec
     assert seen["mha.tokens"] == 3
     assert attributes(by_name["compute"])["mha.batch.sequences"] >= 1
     assert root.status.code == root.status.STATUS_CODE_UNSET
+    assert settle(server, collector) == []  # nothing else: one trace per request
 
 
 def test_resource_names_the_service(served, collector):
     server, _ = served
-    collector.nothing_for(0.2)
-    body, headers = _infer_body()
-    httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
-    resource, _ = collector.spans.get(timeout=15)
+    settle(server, collector)
+    _infer(server)
+    resource, span = collector.exports.get(timeout=15)[0]
     names = {kv.key: kv.value.string_value for kv in resource.attributes}
-    assert names["service.name"] == "mha-test"
+    assert names["service.name"] == "mha-test" and span.name == "infer attn"
 
 
 def test_a_caller_that_did_not_sample_gets_no_spans_and_a_bad_header_a_new_trace(served, collector):
     server, _ = served
-    collector.nothing_for(0.2)
-    body, headers = _infer_body()
-    unsampled = {**headers, "traceparent": f"00-{TRACE_ID}-{PARENT}-00"}
-    r = httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=unsampled)
-    assert r.status_code == 200
-    assert collector.nothing_for(0.5) == []
-    bad = {**headers, "traceparent": "00-zz-not-a-header"}
-    assert httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=bad).is_success
+    settle(server, collector)
+    _infer(server, traceparent=f"00-{TRACE_ID}-{PARENT}-00")
+    assert settle(server, collector) == []
+    _infer(server, traceparent="00-zz-not-a-header")
     (spans,) = collector.trace("infer attn", 1).values()
     assert spans[0].trace_id.hex() != TRACE_ID and spans[0].parent_span_id == b""
 
 
 def test_a_failed_request_has_an_error_status(served, collector):
     server, _ = served
-    collector.nothing_for(0.2)
-    body = {"inputs": [{"name": "input", "shape": [1, 2, E + 1], "datatype": "FP32",
-                        "data": [0.0] * (2 * (E + 1))}]}  # fmt: skip
+    settle(server, collector)
+    body = {"id": "mine", "inputs": [{"name": "input", "shape": [1, 2, E + 1], "datatype": "FP32",
+                                      "data": [0.0] * (2 * (E + 1))}]}  # fmt: skip
     r = httpx.post(f"{server.url}/v2/models/attn/infer", json=body)
     assert r.status_code == 400
-    (spans,) = collector.trace("infer attn", 1, steps=False).values()
+    (spans,) = collector.trace("infer attn", 1).values()
     root = spans[0]
     assert root.status.code == root.status.STATUS_CODE_ERROR
-    assert str(E + 1) in root.status.message or "shape" in root.status.message
+    assert root.status.message == r.json()["error"]
     seen = attributes(root)
     assert seen["error.type"] == "bad_input" and seen["mha.status_code"] == 400
     assert seen["mha.protocol"] == "json"
+    assert seen["mha.request_id"] == r.headers["x-request-id"]  # its body never decoded
+    assert seen["exception.type"] == "BadInput"
 
 
 def test_grpc_unary_and_stream_take_the_parent_from_metadata(served, clients, collector):
     _, g = clients
-    collector.nothing_for(0.2)
     x = np.ones((1, 2, E), np.float32)
     inp = tgrpc.InferInput("input", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
@@ -262,17 +285,26 @@ def test_grpc_unary_and_stream_take_the_parent_from_metadata(served, clients, co
 
 def test_text_routes_trace_tokenize_queue_and_compute(served, collector):
     server, _ = served
-    collector.nothing_for(0.2)
+    settle(server, collector)
     r = httpx.post(f"{server.url}/embed", json={"inputs": ["a few words", "more"]},
                    headers={"traceparent": SAMPLED})  # fmt: skip
     assert r.status_code == 200, r.text
     (spans,) = collector.trace("embed emb", 1).values()
     assert spans[0].parent_span_id.hex() == PARENT
-    assert {s.name for s in spans[1:]} >= {"tokenize", "queue", "compute"}
+    steps = {s.name: s for s in spans[1:]}
+    assert set(steps) == {"tokenize", "queue", "compute"}
+    assert attributes(steps["tokenize"])["mha.inputs"] == 2
     r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hello", "model": "emb"})
     assert r.status_code == 200, r.text
     (spans,) = collector.trace("embeddings emb", 1).values()
     assert attributes(spans[0])["mha.model.name"] == "emb"
+    # a refused text request: its span says why; /tokenize (no inference) is not traced
+    r = httpx.post(f"{server.url}/embed", json={"inputs": [""]})
+    assert r.status_code == 400
+    (spans,) = collector.trace("embed emb", 1).values()
+    assert attributes(spans[0])["error.type"] == "bad_input"
+    assert httpx.post(f"{server.url}/tokenize", json={"inputs": "x"}).status_code == 200
+    assert settle(server, collector) == []
 
 
 def test_trace_extension_over_http_and_grpc(served, clients, collector):
@@ -283,30 +315,43 @@ def test_trace_extension_over_http_and_grpc(served, clients, collector):
     assert g.get_trace_settings(as_json=True)["settings"]["trace_rate"] == {"value": ["1"]}
     # every 3rd request without a traceparent from now on (the counter starts again)
     assert h.update_trace_settings(settings={"trace_rate": "3"})["trace_rate"] == "3"
-    collector.nothing_for(0.2)
-    body, headers = _infer_body()
     for _ in range(6):
-        httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+        _infer(server)
     assert len(collector.trace("infer attn", 2)) == 2
-    assert collector.nothing_for(0.5) == []
+    assert settle(server, collector) == []  # the other four: not traced
     # a model's own level: OFF for attn only, over gRPC; the global level is unchanged
     got = g.update_trace_settings("attn", {"trace_level": ["OFF"]}, as_json=True)
     assert got["settings"]["trace_level"] == {"value": ["OFF"]}
     assert h.get_trace_settings("attn")["trace_rate"] == "3"  # still the global rate
     assert h.get_trace_settings()["trace_level"] == ["TIMESTAMPS"]
     for _ in range(3):
-        httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
-    assert collector.nothing_for(0.5) == []
+        _infer(server, traceparent=SAMPLED)  # not even a sampled caller's
+    assert settle(server, collector) == []
     # clearing the override (None over gRPC: no values) follows the global level again
     g.update_trace_settings("attn", {"trace_level": None})
     assert h.get_trace_settings("attn")["trace_level"] == ["TIMESTAMPS"]
     # trace_count: two more traces, then none
     h.update_trace_settings(settings={"trace_rate": "1", "trace_count": "2"})
     for _ in range(4):
-        httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
+        _infer(server)
     assert len(collector.trace("infer attn", 2)) == 2
-    assert collector.nothing_for(0.5) == []
     assert h.get_trace_settings()["trace_count"] == "0"
+    h.update_trace_settings(settings={"trace_count": None})  # the marker needs one
+    assert settle(server, collector) == []
+
+
+def test_a_models_own_rate_and_count(served, clients, collector):
+    server, _ = served
+    h, _ = clients
+    got = h.update_trace_settings("attn", {"trace_rate": "2", "trace_count": "1"})
+    assert got["trace_rate"] == "2" and got["trace_count"] == "1"
+    assert h.get_trace_settings()["trace_rate"] == "1"  # the global rate is not the model's
+    for _ in range(4):
+        _infer(server)
+    assert len(collector.trace("infer attn", 1)) == 1  # the 2nd; then its count was spent
+    assert h.get_trace_settings("attn")["trace_count"] == "0"
+    assert h.get_trace_settings()["trace_count"] == "-1"  # the global count is untouched
+    assert settle(server, collector) == []
 
 
 @pytest.mark.parametrize(
@@ -345,26 +390,27 @@ def test_unknown_model_is_404_and_not_found(served, clients):
     assert caught.value.status() == "StatusCode.NOT_FOUND"
 
 
-def test_workers_export_over_otlp_grpc(tmp_path: Path, collector):
+def test_workers_export_over_otlp_grpc(tmp_path: Path):
     """--workers 2: each front-end traces its requests and exports them itself; here over
     OTLP/gRPC. The queue and compute steps come from the engine process's times."""
+    collector = Collector()
     torch.manual_seed(0)
     mha_engine.save_model(nn.MultiheadAttention(E, 2, batch_first=True).eval(), tmp_path / "attn")
     args = ["--model-dir", str(tmp_path / "attn"), "--workers", "2", "--trace-rate", "1"]
     args += ["--otlp-endpoint", collector.grpc_url, "--otlp-protocol", "grpc"]
-    with run_server(tmp_path, *args, env={"OTEL_BSP_SCHEDULE_DELAY": "50"}) as server:
-        collector.nothing_for(0.2)
-        body, headers = _infer_body()
-        for _ in range(4):
-            r = httpx.post(f"{server.url}/v2/models/attn/infer", content=body, headers=headers)
-            assert r.status_code == 200, r.text
-        traces = collector.trace("infer attn", 4)
-        for _root, *steps in traces.values():
-            assert {s.name for s in steps} == STEPS
-            compute = next(s for s in steps if s.name == "compute")
-            assert compute.end_time_unix_nano > compute.start_time_unix_nano
-        r = httpx.post(f"{server.url}/v2/trace/setting", json={"trace_rate": "2"})
-        assert r.status_code == 400 and "--workers > 1" in r.json()["error"]
+    try:
+        with run_server(tmp_path, *args, env={"OTEL_BSP_SCHEDULE_DELAY": "50"}) as server:
+            for _ in range(4):
+                _infer(server)
+            traces = collector.trace("infer attn", 4)
+            for _root, *steps in traces.values():
+                assert {s.name for s in steps} == STEPS
+                compute = next(s for s in steps if s.name == "compute")
+                assert compute.end_time_unix_nano > compute.start_time_unix_nano
+            r = httpx.post(f"{server.url}/v2/trace/setting", json={"trace_rate": "2"})
+            assert r.status_code == 400 and "--workers > 1" in r.json()["error"]
+    finally:
+        collector.stop()
 
 
 # -- the decisions alone, without a server -------------------------------------------------------
@@ -389,7 +435,9 @@ class Kept:
         (f"00-{TRACE_ID}-{PARENT}-03", (int(TRACE_ID, 16), int(PARENT, 16), True)),
         (f"00-{'0' * 32}-{PARENT}-01", None),  # all-zero trace id: invalid
         (f"00-{TRACE_ID}-{'0' * 16}-01", None),
-        (f"01-{TRACE_ID}-{PARENT}-01", None),  # a version this server does not know
+        (f"01-{TRACE_ID}-{PARENT}-01-more", (int(TRACE_ID, 16), int(PARENT, 16), True)),  # later
+        (f"ff-{TRACE_ID}-{PARENT}-01", None),  # version ff: invalid
+        (f"00-{TRACE_ID}-{PARENT}-01-more", None),  # version 00 has exactly four fields
         (f"00-{TRACE_ID.upper()}-{PARENT}-01", None),  # W3C: lower-case hex only
         ("", None),
         (None, None),
@@ -415,6 +463,17 @@ def test_rate_count_and_parent_decide_alone():
     off.update({"trace_level": "TIMESTAMPS"}, "m")  # one model on: the control is active
     assert off.active and off.begin("m", "infer", SAMPLED) is not None
     assert off.begin("other", "infer", SAMPLED) is None
+
+
+def test_a_model_that_overrides_only_its_level_shares_the_global_counter():
+    control = TraceControl("TIMESTAMPS", 2, -1, Kept(), updatable=True)
+    control.update({"trace_level": ["TIMESTAMPS"]}, "a")
+    picked = [control.begin(m, "infer", None) is not None for m in ("a", "b", "a", "b")]
+    assert picked == [False, True, False, True]  # one counter for a and b: every 2nd request
+    control.update({"trace_rate": "3"}, "a")  # now a counts on its own
+    picked = [control.begin("a", "infer", None) is not None for _ in range(3)]
+    assert picked == [False, False, True]
+    assert control.snapshot("b")["trace_rate"] == "2"
 
 
 def test_without_an_endpoint_tracing_cannot_be_turned_on_and_workers_refuse_changes():
@@ -449,3 +508,21 @@ def test_trace_settings_need_the_api_key(tmp_path: Path, collector):
         assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
         got = g.get_trace_settings(headers={"authorization": "Bearer k"}, as_json=True)
         assert got["settings"]["trace_mode"] == {"value": ["opentelemetry"]}
+
+
+def test_a_collector_that_is_down_does_not_hold_the_stop():
+    """Export retries to a closed port go on for the exporter's timeout (10 s); the server's
+    stop waits for them at most the sink's shutdown timeout."""
+    from service.runtime.trace_export import OtlpSink
+    from service.runtime.tracing import Trace
+
+    sink = OtlpSink(f"http://127.0.0.1:{free_port()}")
+    for _ in range(3):
+        trace = Trace(sink, None, "infer m", time.perf_counter())
+        trace.step("queue", trace.start, trace.start + 0.001)
+        trace.end()
+    sink.wake.set()  # export now: the thread is in its retries when the stop comes
+    time.sleep(0.2)
+    started = time.monotonic()
+    sink.shutdown(timeout=1.0)
+    assert time.monotonic() - started < 3.0

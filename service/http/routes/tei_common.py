@@ -4,7 +4,7 @@ texts (or pairs) -> bounded, tokenized, truncated-or-413 token ids, inside the d
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
@@ -92,7 +92,7 @@ def text_route(
 ) -> Iterator[ModelEntry]:
     """text_entry() (for the model the path names, if any) inside the request metrics: counted
     under the chosen model's labels (a request no model can serve is counted under the default
-    model's)."""
+    model's); traced when tracing picks it, but for /tokenize and /decode (no inference)."""
     try:
         entry = text_entry(state, route, *kinds, model=routed_model(request))
     except ServiceError:
@@ -100,7 +100,7 @@ def text_route(
             raise
     with (
         observed(state, endpoint, model=entry.name, version=entry.version),
-        traced(state, request.scope, entry, endpoint),
+        traced(state, request.scope, entry, endpoint) if kinds else nullcontext(),
     ):
         yield entry
 
