@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from service.http.flow import ResponseBudget
 from service.pipeline.errors import NotReady
 from service.runtime.state import ModelEntry, ServiceState
-from service.runtime.tracing import CURRENT
+from service.runtime.tracing import CURRENT, describe
 
 
 def get_state(request: Request) -> ServiceState:
@@ -73,14 +73,8 @@ class traced:  # named for its use: `with traced(...)`
             traceparent, tracestate, started = trace_context(scope)
             self.trace = tracing.begin(entry.name, op, traceparent, tracestate, started)
             if self.trace is not None:
-                self.trace.attributes.update(
-                    {
-                        "mha.model.name": entry.name,
-                        "mha.model.version": entry.version,
-                        "mha.protocol": "http",
-                        "mha.request_id": scope.get("state", {}).get("request_id", ""),
-                    }
-                )
+                rid = scope.get("state", {}).get("request_id", "")
+                describe(self.trace, entry, "http", rid)
 
     def __enter__(self) -> None:
         if self.trace is not None:

@@ -20,7 +20,7 @@ from service.pipeline.models import submit
 from service.pipeline.waiting import Gone, await_queued
 from service.runtime.forward import hidden_states
 from service.runtime.statistics import Timing
-from service.runtime.tracing import queue_and_compute
+from service.runtime.tracing import describe, queue_and_compute
 from service.runtime.work import Work
 
 if TYPE_CHECKING:
@@ -129,14 +129,7 @@ def _trace_end(
     rid: str | None = None,
 ) -> None:
     """The traced request's attributes, its queue and compute steps, and its end."""
-    trace.attributes.update(
-        {
-            "mha.model.name": entry.name,
-            "mha.model.version": entry.version,
-            "mha.protocol": request.protocol,
-            "mha.request_id": rid or request.request_id,
-        }
-    )
+    describe(trace, entry, request.protocol, rid or request.request_id)
     if work is not None:
         trace.attributes["mha.sequences"] = work.payload.num_sequences
         trace.attributes["mha.tokens"] = work.payload.num_tokens

@@ -264,6 +264,12 @@ class Settings(BaseSettings):
     trace_count: int = Field(
         -1, ge=-1, description="Traces to take before tracing stops (-1: no limit)."
     )
+    trace_callers: bool = Field(
+        True,
+        description="A caller's W3C traceparent decides: sampled is traced, not sampled is not. "
+        "--no-trace-callers (a public edge, where any client could ask for every request to "
+        "be traced): a traceparent only names the parent span, --trace-rate decides.",
+    )
     otlp_endpoint: str | None = Field(
         None,
         description="OpenTelemetry collector to send traces to (OTLP): http://host:4318 for "
@@ -273,8 +279,10 @@ class Settings(BaseSettings):
     otlp_protocol: Literal["http/protobuf", "grpc"] = Field(
         "http/protobuf", description="OTLP transport for --otlp-endpoint."
     )
-    otlp_service_name: str = Field(
-        "mha-serve", description="service.name of the spans sent to --otlp-endpoint."
+    otlp_service_name: str | None = Field(
+        None,
+        description="service.name of the spans sent to --otlp-endpoint. Unset: "
+        "OTEL_SERVICE_NAME, else mha-serve.",
     )
     fast_path: bool = Field(
         True,

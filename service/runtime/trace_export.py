@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -63,9 +64,9 @@ def exporter_class(protocol: str) -> Any:
     return module.OTLPSpanExporter
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, least: int = 1) -> int:
     try:
-        return max(1, int(os.environ.get(name, default)))
+        return max(least, int(os.environ.get(name, default)))
     except ValueError:
         return default
 
@@ -73,7 +74,9 @@ def _env_int(name: str, default: int) -> int:
 class OtlpSink:
     """Queues finished Traces (from the event loop) and exports them as spans from its thread."""
 
-    def __init__(self, endpoint: str, protocol: str = "http/protobuf", service_name: str = ""):
+    def __init__(
+        self, endpoint: str, protocol: str = "http/protobuf", service_name: str | None = None
+    ):
         exporter = exporter_class(protocol)
         from opentelemetry import trace as api
         from opentelemetry.sdk.resources import Resource
@@ -83,11 +86,11 @@ class OtlpSink:
         self.api, self.span_record = api, ReadableSpan
         self.url = traces_url(endpoint, protocol)
         self.exporter = exporter(endpoint=self.url)
-        self.resource = Resource.create(
-            {"service.name": service_name or "mha-serve", "service.version": __version__}
-        )
+        # --otlp-service-name, else OTEL_SERVICE_NAME (the OpenTelemetry operator sets it)
+        name = service_name or os.environ.get("OTEL_SERVICE_NAME") or "mha-serve"
+        self.resource = Resource.create({"service.name": name, "service.version": __version__})
         self.scope = InstrumentationScope("mha-serve", __version__)
-        self.delay_s = _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
+        self.delay_s = _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000, least=10) / 1000
         self.max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
         self.batch_spans = _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
         self.queue: collections.deque[Trace] = collections.deque()
@@ -102,29 +105,47 @@ class OtlpSink:
         """Queue a finished trace (dropped, and counted, when the queue is full)."""
         if len(self.queue) >= self.max_queue:
             self.dropped += 1
+            if self.dropped % 1000 == 1:  # the first, then one line per thousand
+                log.warning(
+                    "trace queue full (%d): %d traces dropped so far; the collector at %s is "
+                    "slow or down", self.max_queue, self.dropped, self.url,
+                )  # fmt: skip
             return
         self.queue.append(trace)
         if len(self.queue) * 5 >= self.batch_spans:  # ~5 spans a trace: a batch is ready
             self.wake.set()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Send what is queued, waiting at most `timeout` seconds (a collector that is down
-        does not hold the server's stop); then stop the exporter."""
+        """Send what is queued, waiting at most `timeout` seconds in all (a collector that is
+        down does not hold the server's stop); then stop the exporter, which ends a retry still
+        sleeping (on a thread of its own, inside the same bound: some SDK versions wait for
+        the export in progress)."""
+        deadline = time.monotonic() + timeout
         self.stopping = True
         self.wake.set()
         self.thread.join(timeout)
-        self.exporter.shutdown()  # also ends a retry still sleeping
-        if self.dropped or self.queue:
+        unsent = len(self.queue)
+        self.queue.clear()  # what the thread has not taken by now is not sent
+        closing = threading.Thread(target=self.exporter.shutdown, name="otlp-close", daemon=True)
+        closing.start()
+        closing.join(max(0.0, deadline - time.monotonic()))
+        if self.dropped or unsent:
             log.warning("%d traces dropped (queue full or collector too slow), %d unsent",
-                        self.dropped, len(self.queue))  # fmt: skip
+                        self.dropped, unsent)  # fmt: skip
 
     # -- export thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        while not self.stopping:
-            self.wake.wait(self.delay_s)
-            self.wake.clear()
-            self._send()
-        self._send()
+        while True:
+            stopping = self.stopping
+            if not stopping:
+                self.wake.wait(self.delay_s)
+                self.wake.clear()
+            try:
+                self._send()
+            except Exception:  # one bad trace must not end the thread: the next pass goes on
+                log.exception("building or sending spans failed; the traces taken are lost")
+            if stopping:
+                return
 
     def _send(self) -> None:
         batch: list[Any] = []

@@ -38,6 +38,10 @@ CURRENT: ContextVar[Trace | None] = ContextVar("mha_trace", default=None)
 # W3C traceparent: version, trace id (32 hex, not all zero), parent span id (16 hex, not all
 # zero), flags; a later version may append fields after a dash (version 00 may not)
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+# W3C tracestate: at most 32 key=value members; anything else is dropped, not passed on
+_VALUE_CHAR = r"\x21-\x2b\x2d-\x3c\x3e-\x7e"  # printable ASCII but ',' and '='
+_MEMBER = rf"[a-z0-9][_0-9a-z\-*/@]{{0,255}}=[ {_VALUE_CHAR}]{{0,255}}[{_VALUE_CHAR}]"
+_TRACESTATE = re.compile(rf"^{_MEMBER}(?:[ \t]*,[ \t]*{_MEMBER}){{0,31}}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,8 @@ def parse_traceparent(value: str | None, tracestate: str | None = None) -> Paren
     trace_id, span_id = int(match[2], 16), int(match[3], 16)
     if trace_id == 0 or span_id == 0:
         return None
+    if tracestate is not None and (len(tracestate) > 512 or not _TRACESTATE.match(tracestate)):
+        tracestate = None
     return Parent(trace_id, span_id, bool(int(match[4], 16) & 1), tracestate)
 
 
@@ -135,8 +141,21 @@ def queue_and_compute(trace: Trace, work: Any) -> None:
     if work.started_at is None:
         return
     trace.step("queue", work.enqueued_at, work.started_at)
-    attributes = {"mha.batch.sequences": work.batch_sequences} if work.batch_sequences else {}
-    trace.step("compute", work.started_at, work.started_at + work.infer_s, **attributes)
+    if work.infer_s:  # 0: its batch did not finish for it (failed, or it was withdrawn)
+        attributes = {"mha.batch.sequences": work.batch_sequences} if work.batch_sequences else {}
+        trace.step("compute", work.started_at, work.started_at + work.infer_s, **attributes)
+
+
+def describe(trace: Trace, entry: Any, protocol: str, request_id: str) -> None:
+    """The attributes every traced request's span has: its model, version, protocol and id."""
+    trace.attributes.update(
+        {
+            "mha.model.name": entry.name,
+            "mha.model.version": entry.version,
+            "mha.protocol": protocol,
+            "mha.request_id": request_id,
+        }
+    )
 
 
 class Scope:
@@ -155,9 +174,19 @@ class TraceControl:
     extension) and the decision, per request, to trace it. A model's settings override the
     global ones one by one (a model that overrides none follows them)."""
 
-    def __init__(self, level: str, rate: int, count: int, sink: Sink | None, updatable: bool):
+    def __init__(
+        self,
+        level: str,
+        rate: int,
+        count: int,
+        sink: Sink | None,
+        updatable: bool,
+        follow_callers: bool = True,
+    ):
         self.sink = sink
         self.updatable = updatable
+        # a caller's sampled flag decides (else its traceparent is only the parent: the rate does)
+        self.follow_callers = follow_callers
         self.start_values = {"level": level, "rate": rate, "count": count}
         self.default = Scope(dict(self.start_values))
         self.models: dict[str, Scope] = {}  # models with settings of their own
@@ -172,7 +201,8 @@ class TraceControl:
     @classmethod
     def for_settings(cls, settings: Any, sink: Sink | None) -> TraceControl:
         level = settings.trace_level or ("TIMESTAMPS" if sink is not None else "OFF")
-        return cls(level, settings.trace_rate, settings.trace_count, sink, settings.workers == 1)
+        rate, count, one = settings.trace_rate, settings.trace_count, settings.workers == 1
+        return cls(level, rate, count, sink, one, follow_callers=settings.trace_callers)
 
     def _refresh(self) -> None:
         levels = [self.default.values["level"]]
@@ -203,7 +233,7 @@ class TraceControl:
         if level == "OFF" or counted.values["count"] == 0:
             return None
         parent = parse_traceparent(traceparent, tracestate)
-        if parent is not None:
+        if parent is not None and self.follow_callers:
             if not parent.sampled:
                 return None
         else:

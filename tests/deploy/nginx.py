@@ -44,7 +44,7 @@ http {{
     uwsgi_temp_path {dir}/tmp/uwsgi;
     scgi_temp_path {dir}/tmp/scgi;
     log_format test '$msec $status $request_method $uri upstream=$upstream_addr '
-                    'upstream_status=$upstream_status';
+                    'upstream_status=$upstream_status rid=$mha_request_id';
     access_log {dir}/access.log test;
     include {dir}/conf.d/mha-serve.conf;
 }}

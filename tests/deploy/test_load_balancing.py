@@ -121,8 +121,9 @@ def wait_in_flight(server, timeout: float = 2.0) -> float:
     return time.time()
 
 
-# tests/deploy/nginx.py's log_format: "$msec $status $method $uri upstream=... upstream_status=..."
-LOG_LINE = re.compile(r"^(\S+) (\d+) (\S+) (\S+) upstream=(.*) upstream_status=(.*)$")
+# tests/deploy/nginx.py's log_format:
+# "$msec $status $method $uri upstream=... upstream_status=... rid=..."
+LOG_LINE = re.compile(r"^(\S+) (\d+) (\S+) (\S+) upstream=(.*) upstream_status=(.*) rid=\S+$")
 
 
 def parse_log(lines: list[str]) -> list[tuple[float, int, list[str], list[str]]]:

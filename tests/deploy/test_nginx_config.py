@@ -68,3 +68,14 @@ def test_upstream_keepalive_is_shorter_than_uvicorn() -> None:
     assert float(timeout[:-1]) < uvicorn.Config(app=None).timeout_keep_alive
     assert directive("proxy_http_version") == ["1.1"]
     assert directive("proxy_set_header Connection") == ['""']
+
+
+def test_request_ids_nginx_passes_are_those_the_replica_keeps() -> None:
+    """nginx forwards (and logs) a client's X-Request-ID only when the replica keeps it, so
+    the two logs and the trace share the id; the rule is the replica's own."""
+    from service.http.middleware import _SAFE_ID
+
+    text = TEMPLATE.read_text()
+    rule = re.search(r'"~(\^[^"]+\$)" \$http_x_request_id;', text)
+    assert rule is not None and rule.group(1) == _SAFE_ID.pattern
+    assert "proxy_set_header X-Request-ID $mha_request_id;" in text

@@ -22,7 +22,6 @@ from torch import nn
 from tritonclient.utils import InferenceServerException
 
 import mha_engine
-from service.runtime.tracing import TraceControl, parse_traceparent
 from tests import text_models as tm
 from tests.otlp import Collector, attributes
 from tests.support import Server, binary_request, free_port, run_server
@@ -332,90 +331,6 @@ def test_workers_export_over_otlp_grpc(tmp_path: Path):
         collector.stop()
 
 
-# -- the decisions alone, without a server -------------------------------------------------------
-class Kept:
-    """A sink keeping what it is given (the decisions below need no exporter)."""
-
-    def __init__(self) -> None:
-        self.traces: list = []
-
-    def write(self, trace) -> None:
-        self.traces.append(trace)
-
-    def shutdown(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize(
-    ("header", "expected"),
-    [
-        (SAMPLED, (int(TRACE_ID, 16), int(PARENT, 16), True)),
-        (f"00-{TRACE_ID}-{PARENT}-00", (int(TRACE_ID, 16), int(PARENT, 16), False)),
-        (f"00-{TRACE_ID}-{PARENT}-03", (int(TRACE_ID, 16), int(PARENT, 16), True)),
-        (f"00-{'0' * 32}-{PARENT}-01", None),  # all-zero trace id: invalid
-        (f"00-{TRACE_ID}-{'0' * 16}-01", None),
-        (f"01-{TRACE_ID}-{PARENT}-01-more", (int(TRACE_ID, 16), int(PARENT, 16), True)),  # later
-        (f"ff-{TRACE_ID}-{PARENT}-01", None),  # version ff: invalid
-        (f"00-{TRACE_ID}-{PARENT}-01-more", None),  # version 00 has exactly four fields
-        (f"00-{TRACE_ID.upper()}-{PARENT}-01", None),  # W3C: lower-case hex only
-        ("", None),
-        (None, None),
-    ],
-)
-def test_traceparent_parsing(header, expected):
-    parent = parse_traceparent(header)
-    got = None if parent is None else (parent.trace_id, parent.span_id, parent.sampled)
-    assert got == expected
-
-
-def test_rate_count_and_parent_decide_alone():
-    sink = Kept()
-    control = TraceControl("TIMESTAMPS", 4, 3, sink, updatable=True)
-    picked = [control.begin("m", "infer", None) is not None for _ in range(8)]
-    assert picked == [False, False, False, True] * 2
-    assert control.begin("m", "infer", SAMPLED) is not None  # the caller sampled it
-    assert control.begin("m", "infer", f"00-{TRACE_ID}-{PARENT}-00") is None
-    assert control.snapshot()["trace_count"] == "0"  # 3 taken
-    assert control.begin("m", "infer", SAMPLED) is None
-    off = TraceControl("OFF", 1, -1, sink, updatable=True)
-    assert not off.active and off.begin("m", "infer", SAMPLED) is None
-    off.update({"trace_level": "TIMESTAMPS"}, "m")  # one model on: the control is active
-    assert off.active and off.begin("m", "infer", SAMPLED) is not None
-    assert off.begin("other", "infer", SAMPLED) is None
-
-
-def test_a_model_that_overrides_only_its_level_shares_the_global_counter():
-    control = TraceControl("TIMESTAMPS", 2, -1, Kept(), updatable=True)
-    control.update({"trace_level": ["TIMESTAMPS"]}, "a")
-    picked = [control.begin(m, "infer", None) is not None for m in ("a", "b", "a", "b")]
-    assert picked == [False, True, False, True]  # one counter for a and b: every 2nd request
-    control.update({"trace_rate": "3"}, "a")  # now a counts on its own
-    picked = [control.begin("a", "infer", None) is not None for _ in range(3)]
-    assert picked == [False, False, True]
-    assert control.snapshot("b")["trace_rate"] == "2"
-
-
-def test_without_an_endpoint_tracing_cannot_be_turned_on_and_workers_refuse_changes():
-    control = TraceControl("OFF", 1000, -1, None, updatable=True)
-    with pytest.raises(Exception, match="--otlp-endpoint"):
-        control.update({"trace_level": ["TIMESTAMPS"]})
-    assert control.update({"trace_rate": 10})["trace_rate"] == "10"
-    fixed = TraceControl("OFF", 1000, -1, None, updatable=False)
-    with pytest.raises(Exception, match="--workers > 1"):
-        fixed.update({"trace_rate": "5"})
-    assert fixed.update({}) == fixed.snapshot()  # a read is always allowed
-
-
-def test_start_up_refuses_a_level_without_an_endpoint_and_a_bad_url(tmp_path: Path):
-    from service.runtime.settings import Settings
-
-    with pytest.raises(ValueError, match="needs --otlp-endpoint"):
-        Settings(trace_level="TIMESTAMPS")
-    with pytest.raises(ValueError, match="must be an http"):
-        Settings(otlp_endpoint="collector:4318")
-    assert Settings(otlp_endpoint="http://c:4318").trace_level is None
-
-
 def test_trace_settings_need_the_api_key(tmp_path: Path, collector):
     port = free_port()
     args = ("--grpc-port", str(port), "--api-key", "k", "--otlp-endpoint", collector.url)
@@ -427,21 +342,3 @@ def test_trace_settings_need_the_api_key(tmp_path: Path, collector):
         assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
         got = g.get_trace_settings(headers={"authorization": "Bearer k"}, as_json=True)
         assert got["settings"]["trace_mode"] == {"value": ["opentelemetry"]}
-
-
-def test_a_collector_that_is_down_does_not_hold_the_stop():
-    """Export retries to a closed port go on for the exporter's timeout (10 s); the server's
-    stop waits for them at most the sink's shutdown timeout."""
-    from service.runtime.trace_export import OtlpSink
-    from service.runtime.tracing import Trace
-
-    sink = OtlpSink(f"http://127.0.0.1:{free_port()}")
-    for _ in range(3):
-        trace = Trace(sink, None, "infer m", time.perf_counter())
-        trace.step("queue", trace.start, trace.start + 0.001)
-        trace.end()
-    sink.wake.set()  # export now: the thread is in its retries when the stop comes
-    time.sleep(0.2)
-    started = time.monotonic()
-    sink.shutdown(timeout=1.0)
-    assert time.monotonic() - started < 3.0
