@@ -10,7 +10,8 @@ after the request ends, from the times the request core already takes for Triton
 (service.runtime.trace_export). With tracing off a request costs one attribute check.
 
 Sampling: a request whose `traceparent` says "sampled" is traced, one that says "not sampled"
-is not (the caller decided for the whole trace); without one, every `trace_rate`-th request is.
+is not (the caller decided for the whole trace; --no-trace-callers leaves it to the rate);
+without one, every `trace_rate`-th request is.
 `trace_count` traces are taken, then no more (-1: no limit). Triton's `trace_file`,
 `log_frequency` and `trace_mode` are shown with their only values here ("", "0",
 "opentelemetry").

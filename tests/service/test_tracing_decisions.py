@@ -175,3 +175,27 @@ def test_a_trace_that_cannot_be_built_does_not_stop_the_export_thread(monkeypatc
     finally:
         sink.shutdown(timeout=2.0)
         collector.stop()
+
+
+def test_a_missing_sdk_is_one_start_up_line_saying_how_to_install_it(monkeypatch):
+    import importlib
+
+    from service.__main__ import check_tracing
+    from service.runtime.settings import Settings
+    from service.runtime.startup import EXIT_CONFIG, StartupError
+
+    real = importlib.import_module
+
+    def without_exporters(name: str, *args):
+        if name.startswith("opentelemetry.exporter"):
+            raise ImportError(f"No module named '{name}'")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_exporters)
+    for protocol in ("http/protobuf", "grpc"):
+        settings = Settings(otlp_endpoint="http://c:4318", otlp_protocol=protocol)
+        with pytest.raises(StartupError) as caught:
+            check_tracing(settings)
+        assert caught.value.status == EXIT_CONFIG
+        assert "pip install 'mha-serve[tracing]'" in str(caught.value)
+    check_tracing(Settings())  # no endpoint: nothing to check
