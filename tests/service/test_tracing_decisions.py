@@ -13,7 +13,7 @@ import pytest
 from service.runtime.trace_export import OtlpSink
 from service.runtime.tracing import Trace, TraceControl, parse_traceparent, queue_and_compute
 from tests.otlp import Collector
-from tests.support import free_port
+from tests.support import free_port, wait_for
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -112,8 +112,9 @@ def test_a_collector_that_is_down_does_not_hold_the_stop():
         trace.step("queue", trace.start, trace.start + 0.001)
         trace.end()
     sink.wake.set()  # export now: the thread is in its retries when the stop comes
-    time.sleep(0.2)
-    assert sink.thread.is_alive() and not sink.queue  # taken, and being sent
+    wait_for(lambda: not sink.queue, "the export thread taking the traces", timeout=10)
+    time.sleep(0.1)  # into the exporter's first retry
+    assert sink.thread.is_alive()
     started = time.monotonic()
     sink.shutdown(timeout=1.0)
     assert time.monotonic() - started < 3.0
@@ -167,7 +168,7 @@ def test_a_trace_that_cannot_be_built_does_not_stop_the_export_thread(monkeypatc
         bad = Trace(sink, None, "infer bad", time.perf_counter())
         bad.steps.append(("decode", bad.start, None, {}))  # no end: building it raises
         bad.end()
-        time.sleep(0.2)  # the thread has taken it and failed on it
+        wait_for(lambda: not sink.queue, "the export thread taking the bad trace", timeout=10)
         good = Trace(sink, None, "infer good", time.perf_counter())
         good.end()
         assert list(collector.trace("infer good", 1))
