@@ -152,10 +152,10 @@ async def _rerank(request: Request, version: str) -> Response:
         entry = _reranker(state, request.url.path, body.model)
         seen.label(entry.metrics or state.metrics)
         with traced(state, request.scope, entry, "rerank_api"):
-            return await _ranked(request, state, entry, body, version)
+            return await _answer(request, state, entry, body, version)
 
 
-async def _ranked(
+async def _answer(
     request: Request, state: ServiceState, entry: ModelEntry, body: RerankApiRequest, version: str
 ) -> Response:
     """The request once its body is parsed and its reranker chosen: tokenize, score, rank."""
