@@ -25,6 +25,8 @@ from service.text.tokenizer import CharLimits, TextTokenizer
 log = logging.getLogger("service")
 
 MODEL_VERSION = "1"
+# After the drain grace: how long a second listener (gRPC) still has to write its answers.
+LISTENER_ANSWER_S = 2.0
 
 
 @dataclass
@@ -223,7 +225,12 @@ class ServiceState:
         self.start_draining()
         if stop_listener is not None:
             await asyncio.sleep(0)  # let start_draining arm the grace timer
-            await stop_listener(self.grace_left())
+            # gRPC cancels the calls left at its cut-off (CANCELLED, which clients do not retry)
+            # on a timer of its own; the grace timer on this loop sheds the queue with
+            # UNAVAILABLE (retried). gRPC's cut-off comes LISTENER_ANSWER_S later, so a loop
+            # running late on a loaded machine still answers first; it returns as soon as the
+            # last call is answered.
+            await stop_listener(self.grace_left() + LISTENER_ANSWER_S)
         if self.grace_timer is not None:
             self.grace_timer.cancel()
         self.end_grace()  # no connection is left to answer: nothing queued is computed

@@ -5,6 +5,7 @@ draining starts: none can join it any more."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import signal
@@ -19,6 +20,9 @@ import torch
 
 import mha_engine
 from benchmarks import reliability
+from service.runtime.metrics import Metrics
+from service.runtime.settings import Settings
+from service.runtime.state import LISTENER_ANSWER_S, ServiceState
 from tests.support import FP32_TOL, Server, binary_output, fp32_request, run_server, wait_for
 
 GRACE_S = 1.0
@@ -98,3 +102,23 @@ def _queued(server: Server) -> float:
         return server.metric("mha_queue_depth_sequences")
     except (KeyError, httpx.HTTPError):
         return 0.0
+
+
+def test_the_grpc_listener_is_cut_off_only_after_the_grace_has_shed_the_queue() -> None:
+    """gRPC cancels calls at its cut-off from its own timer (CANCELLED, not retried); the grace
+    timer on the loop answers queued ones UNAVAILABLE. The listener's cut-off must come later."""
+
+    async def scenario() -> tuple[float, float]:
+        state = ServiceState(Settings(drain_grace_s=5.0), Metrics("m"), {})
+        state.loop = asyncio.get_running_loop()
+        seen: list[tuple[float, float]] = []
+
+        async def stop_listener(grace: float) -> None:
+            seen.append((grace, state.grace_left()))
+
+        await state.drain(stop_listener)
+        return seen[0]
+
+    listener_grace, grace_left = asyncio.run(scenario())
+    assert 4.5 < grace_left <= 5.0
+    assert listener_grace == pytest.approx(grace_left + LISTENER_ANSWER_S, abs=0.05)

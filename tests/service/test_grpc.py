@@ -463,7 +463,16 @@ def test_sigterm_finishes_accepted_calls_and_refuses_new_ones(tmp_path: Path) ->
 
         wait_for(accepted, "all six calls accepted")
         http.process.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
+
+        def draining() -> bool:
+            # not ready any more, or the listener already stopped (GOAWAY): UNAVAILABLE
+            try:
+                return not stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=10).ready
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                return True
+
+        wait_for(draining, "the server draining")
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_long_request("mha", 80, length=4), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
