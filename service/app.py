@@ -84,6 +84,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics, versions = await load_entries(settings)
         state = ServiceState(settings, metrics, versions)
+        state.open_response_cache()
         state.log_control = app.state.log_control
         state.trace_control = app.state.trace_control
         state.loop = asyncio.get_running_loop()

@@ -102,4 +102,5 @@ def model_config(entry: ModelEntry) -> dict[str, Any]:
             "preferred_batch_size": [entry.batcher.max_batch_size],
             "max_queue_delay_microseconds": round(entry.batcher.max_batch_delay_s * 1e6),
         },
+        "response_cache": {"enable": entry.cache_token is not None},
     }

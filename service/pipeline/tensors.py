@@ -19,6 +19,7 @@ from service.oip.inputs import Payload, prepare, request_timeout_s
 from service.pipeline.models import submit
 from service.pipeline.waiting import Gone, await_queued
 from service.runtime.forward import hidden_states
+from service.runtime.response_cache import Key, ResponseCache, payload_key
 from service.runtime.statistics import Timing
 from service.runtime.tracing import describe, queue_and_compute
 from service.runtime.work import Work
@@ -90,15 +91,22 @@ async def infer(
         metrics.codec(metrics.decode, request.protocol, input_s)
         metrics.sequences_received(payload.lengths)
 
-        timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
-        if request.deadline_s is not None:
-            timeout = min(timeout, max(request.deadline_s, 0.0))
-        loop = asyncio.get_running_loop()
-        work = Work(
-            payload=payload, runner=hidden_states, deadline=time.monotonic() + timeout, loop=loop
-        )
-        entry = submit(state, request.model, request.version, work)
-        output = await await_queued(entry.batcher, work.future, [work], timeout, request.gone)
+        cache, key, output, cache_s = await _cache_lookup(state, entry, payload, request.offload)
+        if output is None:
+            timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
+            if request.deadline_s is not None:
+                timeout = min(timeout, max(request.deadline_s, 0.0))
+            loop = asyncio.get_running_loop()
+            deadline = time.monotonic() + timeout
+            work = Work(payload=payload, runner=hidden_states, deadline=deadline, loop=loop)
+            entry = submit(state, request.model, request.version, work)
+            output = await await_queued(entry.batcher, work.future, [work], timeout, request.gone)
+            if cache is not None and key is not None and entry.cache_token is not None:
+                storing = time.perf_counter()  # under the copy that computed it (a reload)
+                output = cache.put((entry.cache_token, key[1]), output)
+                cache_s += time.perf_counter() - storing
+        if trace is not None and cache is not None:
+            trace.attributes["mha.response_cache"] = "miss" if work is not None else "hit"
 
         encoding = time.perf_counter()
         array = payload.dense(output, payload.lengths) if payload.batched else output  # (B, T, E)
@@ -113,11 +121,37 @@ async def infer(
         raise
     metrics.codec(metrics.encode, request.protocol, output_s)
     total_s = time.perf_counter() - started
-    entry.stats.executed(Timing(input_s, work.queue_s, work.infer_s, output_s, total_s))
+    if work is None:  # answered from the response cache: no queue, no compute_*
+        timing = Timing(input_s, 0.0, 0.0, output_s, total_s, cache_hit_s=cache_s + output_s)
+    else:
+        miss_s = cache_s if cache is not None else None
+        timing = Timing(input_s, work.queue_s, work.infer_s, output_s, total_s, cache_miss_s=miss_s)
+    entry.stats.executed(timing)
     if trace is not None:
         trace.step("encode", encoding, encoding + output_s)
         _trace_end(trace, entry, request, work, None, rid)
     return answer
+
+
+async def _cache_lookup(
+    state: ServiceState, entry: ModelEntry, payload: Payload, offload: bool
+) -> tuple[ResponseCache | None, Key | None, np.ndarray | None, float]:
+    """The response cache's answer for `payload` when `entry`'s outputs are cached: (cache,
+    key, output or None, seconds spent); (None, None, None, 0.0) when they are not, or when the
+    output goes to a CUDA shared-memory region (written on the device, not from the host).
+    A large request (`offload`) is hashed on a worker thread."""
+    cache = state.response_cache
+    if cache is None or entry.cache_token is None or payload.output_sink is not None:
+        return None, None, None, 0.0
+    started = time.perf_counter()
+    if offload:
+        key = await asyncio.to_thread(payload_key, entry.cache_token, payload)
+    else:
+        key = payload_key(entry.cache_token, payload)
+    output = cache.get(key)
+    metrics = entry.metrics or state.metrics
+    metrics.cache_lookups(int(output is not None), int(output is None))
+    return cache, key, output, time.perf_counter() - started
 
 
 def _trace_end(

@@ -3,12 +3,13 @@ as a model's own settings, applied over its mha-serve.json for that load.
 
 The config is a JSON object holding mha-serve.json's keys (max_batch_size, max_batch_tokens,
 max_batch_delay_ms, batch_delay_policy, max_queue, max_seq_len, dtype, device, optional_inputs,
-version_policy)
+response_cache, version_policy)
 and/or Triton's model-configuration names where they map: max_batch_size and version_policy
-(the same), dynamic_batching.max_queue_delay_microseconds (max_batch_delay_ms) and
-dynamic_batching.default_queue_policy.max_queue_size (max_queue); `name`, `platform` and
-`backend` may be given if they match. Anything else is refused naming it, and the values are
-validated as the settings file's are (service.runtime.repository).
+(the same), dynamic_batching.max_queue_delay_microseconds (max_batch_delay_ms),
+dynamic_batching.default_queue_policy.max_queue_size (max_queue) and response_cache.enable
+(response_cache); `name`, `platform` and `backend` may be given if they match. Anything else
+is refused naming it, and the values are validated as the settings file's are
+(service.runtime.repository).
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def parse_load_config(text: Any, model: str) -> ModelSettings:
             raise BadInput(f"load config: '{field}' is {config[field]!r}; it must be {served!r}")
     if "dynamic_batching" in config:
         _batching(config["dynamic_batching"], values)
+    if isinstance(config.get("response_cache"), dict):  # Triton's form: {"enable": bool}
+        cache = _object(config["response_cache"], "response_cache", ["enable"])
+        if not isinstance(cache.get("enable"), bool):
+            raise BadInput("load config: 'response_cache.enable' must be true or false")
+        values["response_cache"] = cache["enable"]
     try:
         return parse_model_settings(values, f"model '{model}' load config")
     except RepositoryError as exc:

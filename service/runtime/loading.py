@@ -19,6 +19,7 @@ from service.runtime.batcher import DynamicBatcher
 from service.runtime.forward import hidden_states
 from service.runtime.metrics import Metrics
 from service.runtime.repository import ModelSource, model_settings, model_sources
+from service.runtime.response_cache import new_token
 from service.runtime.settings import Settings
 from service.runtime.startup import load_failure
 from service.runtime.state import ModelEntry
@@ -155,8 +156,15 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     entry.metrics = model_metrics
     entry.version = source.version
     entry.version_policy = source.policy
+    entry.cache_token = cache_token(settings)
     await asyncio.to_thread(add_text_parts, entry, settings, source)
     return entry
+
+
+def cache_token(settings: Settings) -> int | None:
+    """A new model copy's token in the response cache; None when its outputs are not cached
+    (`settings` are the model's own: mha-serve.json or a load's config may turn it off)."""
+    return new_token() if settings.response_cache_bytes and settings.response_cache else None
 
 
 def add_text_parts(entry: ModelEntry, settings: Settings, source: ModelSource) -> None:

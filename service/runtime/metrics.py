@@ -44,6 +44,7 @@ from prometheus_client import (
 )
 
 from service.runtime.cuda_gauges import CudaGauges
+from service.runtime.response_cache import CacheMetrics
 
 # Buckets are chosen for this workload. Latency: a T=16 forward takes ~0.2 ms on CPU, a full
 # batch of long sequences seconds; requests add queue wait (default batch delay 2 ms) and HTTP.
@@ -213,6 +214,7 @@ class Metrics:
             ["model", "version"], registry=r,
         )  # fmt: skip
         self._cuda = CudaGauges(r, MULTIPROCESS)  # shared by every model's view (one registry)
+        self.cache = CacheMetrics(r)  # the response cache's families
         # label children looked up once (keys carry the model: shared by every view is fine)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._zero_series()
@@ -234,6 +236,8 @@ class Metrics:
         for outcome in ("ok", "error"):
             self.batches.labels(model, version, outcome)
         self.loop_batches.labels(model, version)
+        for result in ("hit", "miss"):
+            self.cache.lookups.labels(model, version, result)
         self.ready.labels(model, version).set(0)
         self.queue_depth_gauge.labels(model, version).set(0)
         self.in_flight.labels(model, version).set(0)
@@ -253,6 +257,12 @@ class Metrics:
         self._cuda.add_engine(self.model, self.version, model)
 
     # -- request side -----------------------------------------------------------------------
+    def cache_lookups(self, hits: int, misses: int) -> None:
+        """Response cache look-ups for this model version."""
+        for result, count in (("hit", hits), ("miss", misses)):
+            if count:
+                self.child(self.cache.lookups, self.model, self.version, result).inc(count)
+
     def set_model_info(self, info: dict[str, Any]) -> None:
         """Publish mha_model_info (with a `model` label to join on); on CUDA, add memory gauges.
         `info` has exactly the MODEL_INFO_LABELS keys."""

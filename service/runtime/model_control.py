@@ -154,6 +154,9 @@ class ModelControl:
             self.state.publish_ready(entry)
         for entry in entries:
             await asyncio.to_thread(entry.batcher.stop, self.state.settings.drain_grace_s)
+        cache = self.state.response_cache
+        if cache is not None:
+            cache.drop({e.cache_token for e in entries if e.cache_token is not None})
         for entry in gone:
             (entry.metrics or self.state.metrics).remove_state_series()
 

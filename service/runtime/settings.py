@@ -143,6 +143,19 @@ class Settings(BaseSettings):
         "that refuse optional inputs (perf_analyzer --shared-memory system). Per model: "
         "mha-serve.json or a load's config.",
     )
+    response_cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="Bytes of model outputs kept to answer identical requests without running "
+        "the model (Triton's response cache; per input text on the text routes); least recently "
+        "used out first. 0: off. With --workers, each front-end keeps its own.",
+    )
+    response_cache: bool = Field(
+        True,
+        description="Whether a model's outputs use the response cache (when "
+        "--response-cache-bytes is set). Per model: mha-serve.json or a load's config "
+        '(Triton\'s "response_cache": {"enable": false}).',
+    )
     max_body_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."
     )

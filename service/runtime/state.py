@@ -15,6 +15,7 @@ from service.oip.inputs import ModelLimits
 from service.pipeline.errors import ModelNotFound
 from service.runtime.log_settings import LogControl
 from service.runtime.metrics import Metrics
+from service.runtime.response_cache import ResponseCache
 from service.runtime.settings import Settings
 from service.runtime.statistics import ModelStats
 from service.runtime.tracing import TraceControl
@@ -48,6 +49,7 @@ class ModelEntry:
     metrics: Metrics | None = None  # its labels' view of the shared metrics (None: the default)
     version_policy: dict[str, Any] = field(default_factory=lambda: {"latest": {"num_versions": 1}})
     warm: bool = False  # its warm-up has finished
+    cache_token: int | None = None  # its outputs' keys in the response cache; None: not cached
     unloading: bool = False  # unloaded or replaced: finishing its accepted work
 
 
@@ -73,12 +75,19 @@ class ServiceState:
     shared_memory: Regions = field(init=False)  # Triton's system and CUDA shared memory
     log_control: LogControl | None = None  # the app's (Triton's logging extension)
     trace_control: TraceControl = field(default_factory=TraceControl.off)  # the app's
+    # Where requests are answered (not a --workers engine process): open_response_cache()
+    response_cache: ResponseCache | None = None
 
     def __post_init__(self) -> None:
         self.models = {}
         self.shared_memory = Regions.for_settings(self.settings)
         for name in self.versions:
             self._follow(name)
+
+    def open_response_cache(self) -> None:
+        """The process that answers requests keeps the response cache (if sized)."""
+        size = self.settings.response_cache_bytes
+        self.response_cache = ResponseCache(size, self.metrics.cache) if size else None
 
     def _follow(self, name: str) -> None:
         self.models[name] = self.versions[name][_by_number(self.versions[name])[-1]]

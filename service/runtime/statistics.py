@@ -1,7 +1,8 @@
 """Triton's statistics extension for the served model: cumulative counts and durations.
 
-As Triton records them: an executed request's success, queue, compute_input, compute_infer and
-compute_output are written together, once, when it completes (service.pipeline), so their counts
+As Triton records them: an executed request's success, queue, compute_input, compute_infer,
+compute_output (and cache_miss, or for a response cache hit cache_hit instead of compute_*) are
+written together, once, when it completes (service.pipeline), so their counts
 always agree (perf_analyzer requires it); a failed request counts in `fail` only. Batch-level
 figures (inference_count, execution_count, batch_stats) come from the batcher's observer.
 Warm-up batches are not counted.
@@ -25,6 +26,10 @@ class Timing(NamedTuple):
     infer_s: float  # compute_infer: its batch's forward
     output_s: float  # compute_output: encode
     total_s: float  # success: the whole request
+    # response cache (--response-cache-bytes): a hit's look-up and encode (it has no queue or
+    # compute_* then), or a miss's look-up and insert; None: the model's outputs are not cached
+    cache_hit_s: float | None = None
+    cache_miss_s: float | None = None
 
 
 class Duration:
@@ -48,7 +53,10 @@ class ModelStats:
     """One model version's statistics; a BatchObserver, updated from the engine thread and the
     event loop under one lock."""
 
-    KINDS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+    KINDS = (
+        "success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
+        "cache_hit", "cache_miss",
+    )  # fmt: skip
 
     def __init__(self, name: str, version: str) -> None:
         self.name = name
@@ -63,11 +71,18 @@ class ModelStats:
 
     # -- request side (event loop) ----------------------------------------------------------
     def executed(self, timing: Timing) -> None:
-        """One executed request, all its durations written together."""
+        """One executed request (or response cache hit), all its durations written together.
+        As Triton: a hit counts in success, queue (0 s: it never waited) and cache_hit, not in
+        compute_*; a miss in cache_miss as well."""
         durations = self._durations
         with self._lock:
             durations["success"].add(timing.total_s)
             durations["queue"].add(timing.queue_s)
+            if timing.cache_hit_s is not None:
+                durations["cache_hit"].add(timing.cache_hit_s)
+                return
+            if timing.cache_miss_s is not None:
+                durations["cache_miss"].add(timing.cache_miss_s)
             durations["compute_input"].add(timing.input_s)
             durations["compute_infer"].add(timing.infer_s)
             durations["compute_output"].add(timing.output_s)

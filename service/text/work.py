@@ -17,6 +17,7 @@ from service.oip.inputs import Payload
 from service.pipeline.errors import ClientDisconnected, DeadlineExceeded, PayloadTooLarge
 from service.pipeline.models import submit
 from service.pipeline.waiting import Gone, await_queued
+from service.runtime.response_cache import Key, text_key
 from service.runtime.tracing import CURRENT, queue_and_compute
 from service.runtime.work import Runner, Work
 from service.text.tokenizer import (
@@ -152,6 +153,41 @@ async def run_parts(
     deadline: float,
     runner: Runner = embed_runner,
     payload_of: Callable[[list[Encoded]], Payload] | None = None,
+) -> list[np.ndarray]:
+    """One result per input, in order: what `runner` makes of it. With the response cache on
+    for `entry`, inputs it holds (or that repeat in the request) are not computed again."""
+    cache = state.response_cache
+    if cache is None or entry.cache_token is None:
+        return await _run_parts(state, entry, gone, encoded, deadline, runner, payload_of)
+    name = getattr(runner, "__qualname__", repr(runner))
+    keys = [text_key(entry.cache_token, name, enc) for enc in encoded]
+    found = [cache.get(key) for key in keys]
+    todo: dict[Key, int] = {}  # key -> the first input with it, of those not cached
+    for i, (key, hit) in enumerate(zip(keys, found, strict=True)):
+        if hit is None:
+            todo.setdefault(key, i)
+    hits = len(keys) - len(todo)
+    (entry.metrics or state.metrics).cache_lookups(hits, len(todo))
+    trace = CURRENT.get()
+    if trace is not None:
+        trace.attributes["mha.response_cache_hits"] = hits
+    if not todo:
+        return found  # type: ignore[return-value]  # every one a hit
+    computed = await _run_parts(
+        state, entry, gone, [encoded[i] for i in todo.values()], deadline, runner, payload_of
+    )
+    kept = {key: cache.put(key, value) for key, value in zip(todo, computed, strict=True)}
+    return [kept[key] if hit is None else hit for key, hit in zip(keys, found, strict=True)]
+
+
+async def _run_parts(
+    state: ServiceState,
+    entry: ModelEntry,
+    gone: Gone,
+    encoded: list[Encoded],
+    deadline: float,
+    runner: Runner,
+    payload_of: Callable[[list[Encoded]], Payload] | None,
 ) -> list[np.ndarray]:
     """Queue every part on the batcher of `entry`'s current copy, await all; on timeout or
     disconnect drop the parts not yet started. payload_of builds a part's payload (default: its

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 
 from service.grpc.server import GrpcListener
-from service.runtime.loading import add_text_parts
+from service.runtime.loading import add_text_parts, cache_token
 from service.runtime.metrics import Metrics
 from service.runtime.model_control import ModelControl
 from service.runtime.repository import model_settings, model_sources
@@ -56,10 +56,14 @@ def build_state(settings: Settings, link: EngineLink, welcome: list[EntryInfo]) 
         entry.metrics = metrics.for_model(info.name, info.version)
         entry.version = info.version
         entry.version_policy = info.version_policy
-        add_text_parts(entry, model_settings(settings, source), source)
+        own = model_settings(settings, source)
+        entry.cache_token = cache_token(own)
+        add_text_parts(entry, own, source)
         entry.warm = True
         versions.setdefault(info.name, {})[info.version] = entry
-    return ServiceState(settings, metrics, versions)
+    state = ServiceState(settings, metrics, versions)
+    state.open_response_cache()
+    return state
 
 
 def frontend_lifespan(
@@ -93,6 +97,8 @@ def frontend_lifespan(
                     app.state.grpc = grpc_listener
                 gc.collect()
                 gc.freeze()
+            elif state.response_cache is not None:  # a new engine process: start afresh
+                state.response_cache.clear()
             for entry in state.entries():
                 entry.warm = True
             state.set_ready(not state.draining)

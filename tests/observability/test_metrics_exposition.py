@@ -52,6 +52,11 @@ FAMILIES = {
     "mha_tokens_processed": "counter",
     "mha_batches": "counter",
     "mha_event_loop_batches": "counter",
+    "mha_response_cache_lookups": "counter",  # the response cache: off in this run, at 0
+    "mha_response_cache_evictions": "counter",
+    "mha_response_cache_entries": "gauge",
+    "mha_response_cache_bytes": "gauge",
+    "mha_response_cache_capacity_bytes": "gauge",
     "process_cpu_seconds": "counter",
     "process_resident_memory_bytes": "gauge",
     "process_open_fds": "gauge",

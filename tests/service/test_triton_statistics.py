@@ -71,7 +71,8 @@ def http_counts(server: Server) -> dict[str, int]:
 def grpc_counts(client: tgrpc.InferenceServerClient) -> dict[str, int]:
     (stats,) = client.get_inference_statistics(NAME).model_stats  # the message: zeros kept
     inference = stats.inference_stats
-    return {kind: getattr(inference, kind).count for kind in (*EXECUTED, "fail")}
+    kinds = (*EXECUTED, "fail", "cache_hit", "cache_miss")
+    return {kind: getattr(inference, kind).count for kind in kinds}
 
 
 class Load:
@@ -138,6 +139,7 @@ def test_counts_agree_in_every_snapshot_under_load(server) -> None:
     good, bad = sum(load.good for load in loads), sum(load.bad for load in loads)
     assert good > 0 and bad > 0
     want = {kind: before[kind] + good for kind in EXECUTED} | {"fail": before["fail"] + bad}
+    want |= {"cache_hit": 0, "cache_miss": 0}  # no --response-cache-bytes
     # a request's statistics may land just after its answer is sent
     wait_for(lambda: http_counts(http) == want, f"HTTP statistics counts {want}")
     assert grpc_counts(client) == want
