@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from service.runtime.tracing import Trace
 
 R = TypeVar("R")
+OFF_LOOP_BYTES = 1 << 20  # response cache: larger inputs are hashed, outputs copied, off the loop
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,20 +92,22 @@ async def infer(
         metrics.codec(metrics.decode, request.protocol, input_s)
         metrics.sequences_received(payload.lengths)
 
-        cache, key, output, cache_s = await _cache_lookup(state, entry, payload, request.offload)
+        timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
+        if request.deadline_s is not None:
+            timeout = min(timeout, max(request.deadline_s, 0.0))
+        if state.response_cache is not None:  # a hit is answered as the current copy would be
+            entry = state.find(request.model, request.version)
+        cache, key, output, cache_s = await _cache_lookup(state, entry, payload)
         if output is None:
-            timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
-            if request.deadline_s is not None:
-                timeout = min(timeout, max(request.deadline_s, 0.0))
             loop = asyncio.get_running_loop()
             deadline = time.monotonic() + timeout
             work = Work(payload=payload, runner=hidden_states, deadline=deadline, loop=loop)
             entry = submit(state, request.model, request.version, work)
             output = await await_queued(entry.batcher, work.future, [work], timeout, request.gone)
             if cache is not None and key is not None and entry.cache_token is not None:
-                storing = time.perf_counter()  # under the copy that computed it (a reload)
-                output = cache.put((entry.cache_token, key[1]), output)
-                cache_s += time.perf_counter() - storing
+                # under the copy that computed it (a reload may have come between)
+                output, stored_s = await _cache_store(cache, (entry.cache_token, key[1]), output)
+                cache_s += stored_s
         if trace is not None and cache is not None:
             trace.attributes["mha.response_cache"] = "miss" if work is not None else "hit"
 
@@ -124,7 +127,7 @@ async def infer(
     if work is None:  # answered from the response cache: no queue, no compute_*
         timing = Timing(input_s, 0.0, 0.0, output_s, total_s, cache_hit_s=cache_s + output_s)
     else:
-        miss_s = cache_s if cache is not None else None
+        miss_s = cache_s if key is not None else None
         timing = Timing(input_s, work.queue_s, work.infer_s, output_s, total_s, cache_miss_s=miss_s)
     entry.stats.executed(timing)
     if trace is not None:
@@ -134,17 +137,18 @@ async def infer(
 
 
 async def _cache_lookup(
-    state: ServiceState, entry: ModelEntry, payload: Payload, offload: bool
+    state: ServiceState, entry: ModelEntry, payload: Payload
 ) -> tuple[ResponseCache | None, Key | None, np.ndarray | None, float]:
     """The response cache's answer for `payload` when `entry`'s outputs are cached: (cache,
     key, output or None, seconds spent); (None, None, None, 0.0) when they are not, or when the
     output goes to a CUDA shared-memory region (written on the device, not from the host).
-    A large request (`offload`) is hashed on a worker thread."""
+    Inputs over OFF_LOOP_BYTES are hashed on a worker thread (~0.1 ms per MiB)."""
     cache = state.response_cache
     if cache is None or entry.cache_token is None or payload.output_sink is not None:
         return None, None, None, 0.0
     started = time.perf_counter()
-    if offload:
+    arrays = (payload.query, payload.key, payload.value)
+    if sum(a.nbytes for a in arrays if a is not None) > OFF_LOOP_BYTES:
         key = await asyncio.to_thread(payload_key, entry.cache_token, payload)
     else:
         key = payload_key(entry.cache_token, payload)
@@ -152,6 +156,19 @@ async def _cache_lookup(
     metrics = entry.metrics or state.metrics
     metrics.cache_lookups(int(output is not None), int(output is None))
     return cache, key, output, time.perf_counter() - started
+
+
+async def _cache_store(
+    cache: ResponseCache, key: Key, output: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """`output` kept under `key` (a large one copied on a worker thread): what to answer with,
+    and the seconds it took."""
+    started = time.perf_counter()
+    if output.nbytes > OFF_LOOP_BYTES:
+        kept = await asyncio.to_thread(cache.put, key, output)
+    else:
+        kept = cache.put(key, output)
+    return kept, time.perf_counter() - started
 
 
 def _trace_end(

@@ -87,9 +87,9 @@ def parse_load_config(text: Any, model: str) -> ModelSettings:
         _batching(config["dynamic_batching"], values)
     if isinstance(config.get("response_cache"), dict):  # Triton's form: {"enable": bool}
         cache = _object(config["response_cache"], "response_cache", ["enable"])
-        if not isinstance(cache.get("enable"), bool):
+        if not isinstance(cache.get("enable", False), bool):  # absent: false, as in Triton
             raise BadInput("load config: 'response_cache.enable' must be true or false")
-        values["response_cache"] = cache["enable"]
+        values["response_cache"] = cache.get("enable", False)
     try:
         return parse_model_settings(values, f"model '{model}' load config")
     except RepositoryError as exc:

@@ -167,6 +167,17 @@ def cache_token(settings: Settings) -> int | None:
     return new_token() if settings.response_cache_bytes and settings.response_cache else None
 
 
+def renew_cache_tokens(entries: list[ModelEntry]) -> set[int]:
+    """New response cache tokens for these (cached) entries, whose outputs now come from another
+    engine process; returns the old ones, to drop (their late outputs are refused too)."""
+    old = set()
+    for entry in entries:
+        if entry.cache_token is not None:
+            old.add(entry.cache_token)
+            entry.cache_token = new_token()
+    return old
+
+
 def add_text_parts(entry: ModelEntry, settings: Settings, source: ModelSource) -> None:
     """A text model's tokenizer (None: the text routes answer 400 unless the model directory
     has a tokenizer.json), prompts, matryoshka flag and character limits; `settings` are the

@@ -157,8 +157,10 @@ async def run_parts(
     """One result per input, in order: what `runner` makes of it. With the response cache on
     for `entry`, inputs it holds (or that repeat in the request) are not computed again."""
     cache = state.response_cache
+    if cache is not None:  # a hit is answered as the current copy (after a reload) would be
+        entry = state.find(entry.name, entry.version)
     if cache is None or entry.cache_token is None:
-        return await _run_parts(state, entry, gone, encoded, deadline, runner, payload_of)
+        return (await _run_parts(state, entry, gone, encoded, deadline, runner, payload_of))[1]
     name = getattr(runner, "__qualname__", repr(runner))
     keys = [text_key(entry.cache_token, name, enc) for enc in encoded]
     found = [cache.get(key) for key in keys]
@@ -173,10 +175,13 @@ async def run_parts(
         trace.attributes["mha.response_cache_hits"] = hits
     if not todo:
         return found  # type: ignore[return-value]  # every one a hit
-    computed = await _run_parts(
+    ran, computed = await _run_parts(
         state, entry, gone, [encoded[i] for i in todo.values()], deadline, runner, payload_of
     )
-    kept = {key: cache.put(key, value) for key, value in zip(todo, computed, strict=True)}
+    kept = dict(zip(todo, computed, strict=True))
+    if ran.cache_token is not None:  # under the copy that computed them (a reload between)
+        for key, value in kept.items():
+            kept[key] = cache.put((ran.cache_token, key[1]), value)
     return [kept[key] if hit is None else hit for key, hit in zip(keys, found, strict=True)]
 
 
@@ -188,10 +193,11 @@ async def _run_parts(
     deadline: float,
     runner: Runner,
     payload_of: Callable[[list[Encoded]], Payload] | None,
-) -> list[np.ndarray]:
+) -> tuple[ModelEntry, list[np.ndarray]]:
     """Queue every part on the batcher of `entry`'s current copy, await all; on timeout or
     disconnect drop the parts not yet started. payload_of builds a part's payload (default: its
-    token ids). `deadline` is time.monotonic()'s: 504 if tokenizing has used it up."""
+    token ids). `deadline` is time.monotonic()'s: 504 if tokenizing has used it up. Returns the
+    copy that computed them, and one result per input."""
     timeout = deadline - time.monotonic()
     if timeout <= 0:
         raise DeadlineExceeded("tokenizing used up the request's deadline (--request-timeout-s)")
@@ -220,4 +226,4 @@ async def _run_parts(
         if trace is not None:
             for work in works:
                 queue_and_compute(trace, work)
-    return [vector for part in results for vector in part]
+    return entry, [vector for part in results for vector in part]

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 
 from service.grpc.server import GrpcListener
-from service.runtime.loading import add_text_parts, cache_token
+from service.runtime.loading import add_text_parts, cache_token, renew_cache_tokens
 from service.runtime.metrics import Metrics
 from service.runtime.model_control import ModelControl
 from service.runtime.repository import model_settings, model_sources
@@ -97,8 +97,8 @@ def frontend_lifespan(
                     app.state.grpc = grpc_listener
                 gc.collect()
                 gc.freeze()
-            elif state.response_cache is not None:  # a new engine process: start afresh
-                state.response_cache.clear()
+            elif state.response_cache is not None:  # a new engine process: its own outputs
+                state.response_cache.drop(renew_cache_tokens(state.entries()))
             for entry in state.entries():
                 entry.warm = True
             state.set_ready(not state.draining)

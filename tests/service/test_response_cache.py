@@ -128,13 +128,15 @@ async def test_a_cached_answer_equals_one_computed_beside_batch_mates() -> None:
     requests of other lengths is the one the request gets alone, bit for bit."""
     x = _query(2)
     others = [_query(10 + i, (1, 3 + i, E)) for i in range(7)]
-    async with asgi_client(response_cache_bytes=1 << 22, max_batch_delay_ms=50) as client:
+    settings = dict(max_batch_delay_ms=200, batch_delay_policy="fixed")  # all eight in one
+    async with asgi_client(response_cache_bytes=1 << 22, **settings) as client:
         batched = await asyncio.gather(*(_infer(client, q) for q in [x, *others]))
-        executions = (await _stats(client))["execution_count"]
+        sizes = [b["batch_size"] for b in (await _stats(client))["batch_stats"]]
         cached = await _infer(client, x)
+        assert await _lookups(client) == (1, 8)
     async with asgi_client(max_batch_delay_ms=0) as plain:
         alone = await _infer(plain, x)
-    assert executions < 8  # they did share batches
+    assert 1 not in sizes, sizes  # no request ran alone: x had batch-mates
     assert np.array_equal(batched[0], alone) and np.array_equal(cached, alone)
 
 
@@ -166,6 +168,18 @@ async def test_what_changes_the_output_changes_the_key() -> None:
     assert not np.array_equal(base, other)
     assert not np.array_equal(base[:, :2], with_mask[:, :2])
     assert not np.array_equal(base.reshape(2, 2, E), two)
+
+
+@in_loop
+async def test_a_hit_is_checked_as_a_computed_request_is() -> None:
+    x = _query(9)
+    async with asgi_client(response_cache_bytes=1 << 20, max_batch_delay_ms=0) as client:
+        await _infer(client, x)
+        body, headers = _binary(x, timeout=-5)
+        response = await client.post(INFER, content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        assert "timeout" in response.json()["error"]
+        assert np.array_equal(await _infer(client, x, timeout=10_000_000), await _infer(client, x))
 
 
 @in_loop
@@ -243,6 +257,16 @@ async def test_a_model_may_turn_the_cache_off_and_a_load_config_on_again(tmp_pat
         await _infer_model(client, "off", x)
         await _infer_model(client, "off", x)
         assert await _lookups(client, "off") == (1, 1)
+
+        # Triton's empty form: enable defaults to false
+        empty = json.dumps({"response_cache": {}})
+        load = await client.post(
+            "/v2/repository/models/off/load", json={"parameters": {"config": empty}}
+        )
+        assert load.status_code == 200, load.text
+        assert (await client.get("/v2/models/off/config")).json()["response_cache"] == {
+            "enable": False
+        }
 
         for bad, says in (
             ({"response_cache": {"enable": "yes"}}, "response_cache.enable"),
@@ -334,6 +358,41 @@ async def test_every_input_a_hit_runs_nothing(embedder: Path) -> None:
     assert after == before
 
 
+@pytest.fixture(scope="module")
+def rankers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("rank")
+    return {
+        "rr": tm.classifier("bert", root / "rr", {0: "score"})[1],
+        "cls": tm.classifier("bert", root / "cls", seed=1)[1],
+    }
+
+
+@in_loop
+async def test_pairs_are_cached_with_their_token_types(rankers: dict[str, Path]) -> None:
+    """A reranker's (query, text) pairs and a classifier's pairs: token types are in the key, so
+    a pair never meets the entry of the same words as one text."""
+    query, texts = "what is deep learning?", ["deep learning is a model", "the cat sat"]
+    settings = dict(model_dir=[rankers["rr"], rankers["cls"]], max_batch_delay_ms=0)
+
+    async def run(client: httpx.AsyncClient) -> list:
+        return [
+            (await client.post("/models/rr/rerank", json={"query": query, "texts": texts})).json(),
+            (await client.post("/models/rr/rerank", json={"query": query, "texts": texts})).json(),
+            (await client.post("/models/cls/predict", json={"inputs": [query, texts[0]]})).json(),
+            (await client.post("/models/cls/predict", json={"inputs": query + texts[0]})).json(),
+            (await client.post("/models/cls/predict", json={"inputs": [query, texts[0]]})).json(),
+        ]
+
+    async with asgi_client(response_cache_bytes=1 << 20, **settings) as client:
+        cached = await run(client)
+        assert await _lookups(client, "rr") == (2, 2)
+        assert await _lookups(client, "cls") == (1, 2)  # one pair, one text of the same words
+    async with asgi_client(**settings) as plain:
+        computed = await run(plain)
+    assert cached == computed
+    assert cached[2] != cached[3]
+
+
 # -- the cache's own rules ---------------------------------------------------------------------
 def test_put_keeps_a_read_only_copy_and_evicts_in_use_order() -> None:
     cache = ResponseCache(2 * (64 + ENTRY_OVERHEAD))
@@ -379,6 +438,10 @@ def test_payload_keys_tell_apart_everything_that_decides_the_output() -> None:
         Payload(q, [4, 4], batched=False),
         Payload(q.reshape(4, 8), [2, 2]),  # the same bytes, another width
         Payload(q, [4, 4], key=q, value=q),
+        Payload(q, [4, 4], key=q, value=q, key_lengths=[2, 6]),
+        Payload(q, [4, 4], tgt_key_padding_mask=np.zeros(8, bool)),
+        Payload(q, [4, 4], key=q, src_key_padding_mask=np.zeros(8, bool)),
+        Payload(q, [4, 4], token_types=np.zeros(8, np.int64)),
     ]
     assert payload_key(1, base) == payload_key(1, same)
     assert payload_key(1, base) != payload_key(2, base)  # another model copy
