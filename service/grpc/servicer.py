@@ -41,6 +41,7 @@ from service.pipeline.models import admit
 from service.pipeline.tensors import TensorRequest, TensorResult, infer
 from service.runtime.load_config import parse_load_config
 from service.runtime.model_control import LOAD_PARAMETERS, UNLOAD_PARAMETERS, check_parameters
+from service.runtime.tracing import TRACED
 from service.shm.tensors import SharedMemoryIO, write_outputs
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
         call = Call(method, rid)
         metrics = self.state.metrics_for(model, version)
         gauge = metrics.in_flight_child if endpoint else None
+        TRACED.set(None)  # a trace begun for this request (tracing.begin) sets it
         if gauge is not None:
             gauge.inc()
         try:
@@ -127,19 +129,20 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
             seconds = time.perf_counter() - call.started
             if gauge is not None:
                 gauge.dec()
-                metrics.request_done(endpoint, call.status, seconds, call.reason, "grpc")
-            access_log.info(
-                "GRPC %s %d",
-                method,
-                call.status,
-                extra={
-                    "request_id": call.request_id,
-                    "status": call.status,
-                    "duration_ms": round(seconds * 1000, 3),
-                    "method": "GRPC",
-                    "path": log_safe(method),
-                },
-            )
+            trace = TRACED.get()
+            trace_id = None if trace is None else trace.hex_id
+            if gauge is not None:
+                metrics.request_done(endpoint, call.status, seconds, call.reason, "grpc", trace_id)
+            extra = {
+                "request_id": call.request_id,
+                "status": call.status,
+                "duration_ms": round(seconds * 1000, 3),
+                "method": "GRPC",
+                "path": log_safe(method),
+            }
+            if trace_id is not None:
+                extra["trace_id"] = trace_id
+            access_log.info("GRPC %s %d", method, call.status, extra=extra)
 
     @contextlib.asynccontextmanager
     async def _call(

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from service.pipeline.errors import error_body
+from service.runtime.tracing import TRACED, Trace
 
 access_log = logging.getLogger("service.access")
 
@@ -100,11 +101,14 @@ class RequestContext:
     def done(self, scope: Scope, request_id: str, status: int, started: float) -> None:
         """The request's access-log line: always for a failure, else at the sample rate."""
         rate = self.sampling.access_log_sample_rate
-        if status >= 400 or rate >= 1.0 or random.random() < rate:
-            self._log(scope, request_id, status, started)
+        trace = TRACED.get()  # a traced request's line is kept: it names the trace
+        if status >= 400 or rate >= 1.0 or trace is not None or random.random() < rate:
+            self._log(scope, request_id, status, started, trace)
 
     @staticmethod
-    def _log(scope: Scope, request_id: str, status: int, started: float) -> None:
+    def _log(
+        scope: Scope, request_id: str, status: int, started: float, trace: Trace | None
+    ) -> None:
         if access_log.isEnabledFor(logging.INFO):
             method, path = log_safe(scope["method"]), log_safe(scope["path"])
             extra = {
@@ -114,6 +118,8 @@ class RequestContext:
                 "method": method,
                 "path": path,
             }
+            if trace is not None:
+                extra["trace_id"] = trace.hex_id
             # access_log.info("%s %s %d", ...) without its walk up the stack for the caller's
             # file and line (findCaller), which no formatter of ours prints: one line per
             # request at the default sample rate. Same record otherwise, same handlers.

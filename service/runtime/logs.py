@@ -13,7 +13,7 @@ import orjson
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message and any structured extras."""
 
-    FIELDS = ("request_id", "status", "duration_ms", "method", "path")
+    FIELDS = ("request_id", "status", "duration_ms", "method", "path", "trace_id")
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {

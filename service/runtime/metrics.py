@@ -42,6 +42,7 @@ from prometheus_client import (
     platform_collector,
     process_collector,
 )
+from prometheus_client.exposition import choose_encoder
 
 from service.runtime.cuda_gauges import CudaGauges
 from service.runtime.response_cache import CacheMetrics
@@ -318,7 +319,10 @@ class Metrics:
         seconds: float,
         reason: str | None,
         protocol: str = "http",
+        trace_id: str | None = None,
     ) -> None:
+        """One answered request; a traced one's duration carries its trace id as an exemplar
+        (OpenMetrics exposition; not with --workers, whose merged exposition has none)."""
         # Both series of this outcome in one look-up, kept with the label children (so
         # remove_state_series forgets them with the model's): this runs on every request.
         key = (_REQUEST_DONE, (self.model, self.version, endpoint, status, protocol))
@@ -331,7 +335,10 @@ class Metrics:
                 self.child(self.request_duration, *labels, status_class, protocol),
             )
         pair[0].inc()
-        pair[1].observe(seconds)
+        if trace_id is None or MULTIPROCESS:
+            pair[1].observe(seconds)
+        else:
+            pair[1].observe(seconds, {"trace_id": trace_id})
         if reason is not None:
             self.child(self.failures, self.model, self.version, endpoint, reason, protocol).inc()
 
@@ -379,14 +386,19 @@ class Metrics:
     def batch_on_loop(self) -> None:
         self.child(self.loop_batches, self.model, self.version).inc()
 
-    def exposition(self) -> tuple[bytes, str]:
-        """The text exposition: this process's registry, or in multiprocess mode every
-        process's values merged from PROMETHEUS_MULTIPROC_DIR (read afresh at each scrape)."""
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition in the format the scraper's Accept header asks for (OpenMetrics, which
+        carries exemplars, as Prometheus asks; else the Prometheus text format): this process's
+        registry, or in multiprocess mode every process's values merged from
+        PROMETHEUS_MULTIPROC_DIR (read afresh at each scrape)."""
+        registry = self.registry
         if MULTIPROCESS:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
-            return generate_latest(registry), CONTENT_TYPE_LATEST
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if "application/openmetrics-text" in accept:
+            encoder, content_type = choose_encoder(accept)
+            return encoder(registry), content_type
+        return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 def mark_process_dead(pid: int, directory: str | os.PathLike[str] | None = None) -> None:

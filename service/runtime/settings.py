@@ -259,8 +259,8 @@ class Settings(BaseSettings):
         ge=0,
         le=1,
         description="Share of successful requests that get an access-log line (failed ones, "
-        "status >= 400, always do). Each line costs ~15 us of CPU on the event loop; 0.01 "
-        "keeps one in a hundred. Changeable at run time: POST /v2/logging.",
+        "status >= 400, and traced ones always do). Each line costs ~15 us of CPU on the event "
+        "loop; 0.01 keeps one in a hundred. Changeable at run time: POST /v2/logging.",
     )
     trace_level: Literal["OFF", "TIMESTAMPS"] | None = Field(
         None,

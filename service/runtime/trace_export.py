@@ -163,9 +163,9 @@ class OtlpSink:
         except Exception:
             log.exception("exporting %d spans to %s failed", len(spans), self.url)
 
-    def _context(self, trace_id: int, state: Any) -> Any:
+    def _context(self, trace_id: int, state: Any, span_id: int | None = None) -> Any:
         api = self.api
-        span_id = random.getrandbits(64) or 1
+        span_id = span_id or random.getrandbits(64) or 1
         flags = api.TraceFlags(api.TraceFlags.SAMPLED)
         return api.SpanContext(trace_id, span_id, False, flags, state)
 
@@ -178,8 +178,8 @@ class OtlpSink:
             state = api.TraceState.from_header([p.tracestate]) if p.tracestate else None
             flags = api.TraceFlags(api.TraceFlags.SAMPLED)
             parent = api.SpanContext(p.trace_id, p.span_id, True, flags, state)
-        trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
-        root = self._context(trace_id, state)  # the caller's tracestate goes on with it
+        trace_id = trace.trace_id  # the caller's, or its own (tracing.Trace)
+        root = self._context(trace_id, state, trace.span_id)  # the caller's tracestate goes on
         attributes = dict(trace.attributes)
         status = api.Status(api.StatusCode.UNSET)
         if trace.error is not None:

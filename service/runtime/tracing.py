@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 import time
 from contextvars import ContextVar
@@ -36,6 +37,9 @@ FIXED = {"trace_file": "", "log_frequency": "0", "trace_mode": "opentelemetry"}
 SETTINGS = ("trace_level", "trace_rate", "trace_count", *FIXED)
 # The traced request this task serves, for the steps of the text routes (service.text.work)
 CURRENT: ContextVar[Trace | None] = ContextVar("mha_trace", default=None)
+# The trace begun for the request this task answers (set by begin(), cleared by the fronts at
+# each request's start): its id goes on the request's metrics exemplar and access-log line
+TRACED: ContextVar[Trace | None] = ContextVar("mha_traced", default=None)
 # W3C traceparent: version, trace id (32 hex, not all zero), parent span id (16 hex, not all
 # zero), flags; a later version may append fields after a dash (version 00 may not)
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
@@ -91,8 +95,10 @@ class Trace:
         "offset",
         "parent",
         "sink",
+        "span_id",
         "start",
         "steps",
+        "trace_id",
     )
 
     def __init__(self, sink: Sink, parent: Parent | None, name: str, start: float) -> None:
@@ -104,7 +110,15 @@ class Trace:
         self.attributes: dict[str, Any] = {}
         self.steps: list[tuple[str, float, float, dict[str, Any]]] = []
         self.error: tuple[str, str, str] | None = None  # (reason, message, exception type)
+        # ids known from the start: the metrics' exemplar and the access log name the trace
+        self.trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
+        self.span_id = random.getrandbits(64) or 1  # the SERVER span's
         self.offset = time.time_ns() - time.perf_counter_ns()
+
+    @property
+    def hex_id(self) -> str:
+        """The trace id as W3C and OTLP JSON write it: 32 lower-case hex digits."""
+        return f"{self.trace_id:032x}"
 
     def ns(self, seconds: float) -> int:
         """Epoch nanoseconds of a time.perf_counter() reading."""
@@ -246,7 +260,9 @@ class TraceControl:
             counted.values["count"] -= 1
         assert self.sink is not None  # active
         start = time.perf_counter() if start is None else start
-        return Trace(self.sink, parent, f"{operation} {model}", start)
+        trace = Trace(self.sink, parent, f"{operation} {model}", start)
+        TRACED.set(trace)
+        return trace
 
     # -- Triton's trace extension ------------------------------------------------------------
     def snapshot(self, model: str | None = None) -> dict[str, Any]:

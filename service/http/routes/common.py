@@ -18,6 +18,7 @@ from service.http.middleware import log_safe
 from service.pipeline.errors import ServiceError, error_body
 from service.pipeline.waiting import Gone
 from service.pipeline.waiting import await_queued as pipeline_await
+from service.runtime.tracing import TRACED
 
 log = logging.getLogger("service")  # the app's logger: the same lines from every path
 
@@ -218,6 +219,7 @@ class observed:  # named as the function it replaces: `with observed(...) as see
         self.endpoint = endpoint
         self.started = time.perf_counter()
         self.seen = Observation(state.metrics_for(model, version), in_flight)
+        TRACED.set(None)  # a trace begun for this request (tracing.begin) sets it
 
     def __enter__(self) -> Observation:
         return self.seen
@@ -231,4 +233,8 @@ class observed:  # named as the function it replaces: `with observed(...) as see
         seen = self.seen
         if seen.gauge is not None:
             seen.gauge.dec()
-        seen.metrics.request_done(self.endpoint, status, time.perf_counter() - self.started, reason)
+        trace = TRACED.get()
+        seen.metrics.request_done(
+            self.endpoint, status, time.perf_counter() - self.started, reason, "http",
+            None if trace is None else trace.hex_id,
+        )  # fmt: skip
