@@ -32,6 +32,7 @@ from service.http.routes import embeddings, infer, tei, tei_rank
 from service.http.routes.common import error_response, internal_error_response
 from service.pipeline.errors import ServiceError
 from service.runtime.settings import Settings
+from service.runtime.tracing import TRACED
 
 Scope = dict[str, Any]
 ASGIApp = Any
@@ -124,6 +125,7 @@ class FastPath:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        TRACED.set(None)  # as RequestContext: not the trace of the request before on the socket
         path = scope["path"]
         endpoint = ENDPOINTS.get(path)
         route = None if endpoint is not None else infer_route(path)

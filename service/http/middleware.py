@@ -79,6 +79,9 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # uvicorn starts a pipelined request's task from the one before it: its context (a
+        # trace id that request set) must not name this one
+        TRACED.set(None)
         rid = request_id(first_header(scope, b"x-request-id"))
         started = time.perf_counter()
         values = scope.setdefault("state", {})
@@ -101,7 +104,7 @@ class RequestContext:
     def done(self, scope: Scope, request_id: str, status: int, started: float) -> None:
         """The request's access-log line: always for a failure, else at the sample rate."""
         rate = self.sampling.access_log_sample_rate
-        trace = TRACED.get()  # a traced request's line is kept: it names the trace
+        trace = TRACED.get()  # a traced request's line is kept (JSON lines name the trace)
         if status >= 400 or rate >= 1.0 or trace is not None or random.random() < rate:
             self._log(scope, request_id, status, started, trace)
 

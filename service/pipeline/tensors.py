@@ -95,9 +95,11 @@ async def infer(
         timeout = request_timeout_s(state.settings.request_timeout_s, decoded.parameters)
         if request.deadline_s is not None:
             timeout = min(timeout, max(request.deadline_s, 0.0))
+        cache = key = output = None
+        cache_s = 0.0
         if state.response_cache is not None:  # a hit is answered as the current copy would be
             entry = state.find(request.model, request.version)
-        cache, key, output, cache_s = await _cache_lookup(state, entry, payload)
+            cache, key, output, cache_s = await _cache_lookup(state, entry, payload)
         if output is None:
             loop = asyncio.get_running_loop()
             deadline = time.monotonic() + timeout

@@ -7,7 +7,8 @@ one) with a child per step: decode, queue, compute (its batch's forward), encode
 core; tokenize, then queue and compute per batch part for the text routes. The spans are built
 after the request ends, from the times the request core already takes for Triton's statistics
 (the batch runner also notes each batch's size), and exported from a thread of their own
-(service.runtime.trace_export). With tracing off a request costs one attribute check.
+(service.runtime.trace_export). With tracing off a request costs one attribute check (and the
+fronts' reset of TRACED).
 
 Sampling: a request whose `traceparent` says "sampled" is traced, one that says "not sampled"
 is not (the caller decided for the whole trace; --no-trace-callers leaves it to the rate);

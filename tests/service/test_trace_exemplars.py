@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -208,3 +209,34 @@ def test_prometheus_stores_the_exemplar(served, tmp_path: Path) -> None:
         process.terminate()
         process.wait(timeout=10)
     assert 0 < float(found[0]["value"]) < 10  # the request's duration, seconds
+
+
+def test_pipelined_requests_do_not_inherit_the_trace_before_them(served, collector):
+    """uvicorn starts a pipelined request's task from the previous request's: a traced infer,
+    then a metadata GET and a 404 in the same write; only the infer names the trace."""
+    server, _ = served
+    settle(server, collector)
+    trace = "8" * 32
+    x = np.zeros((1, 2, E), np.float32)
+    header = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                          "parameters": {"binary_data_size": x.nbytes}}]}  # fmt: skip
+    body, headers = binary_request(header, x.tobytes())
+    head = "POST /v2/models/attn/infer HTTP/1.1\r\nHost: x\r\n"
+    head += f"traceparent: 00-{trace}-{PARENT}-01\r\nx-request-id: piped-0\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    then = "".join(
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nx-request-id: piped-{i}\r\n\r\n"
+        for i, path in ((1, "/v2/models/attn"), (2, "/nope"))
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head.encode() + body + then.encode())
+        received = b""
+        while received.count(b"HTTP/1.1 ") < 3:
+            received += sock.recv(65536)
+    wait_for(lambda: any(e.get("request_id") == "piped-2" for e in _access_lines(server)),
+             "the 404's line")  # fmt: skip
+    lines = {e["request_id"]: e for e in _access_lines(server) if "piped" in e["request_id"]}
+    assert lines["piped-0"]["trace_id"] == trace
+    assert "piped-1" not in lines  # a 200 at sample rate 0, not traced: no line
+    assert "trace_id" not in lines["piped-2"]
