@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -127,22 +128,30 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
             raise
         finally:
             seconds = time.perf_counter() - call.started
-            if gauge is not None:
-                gauge.dec()
             trace = TRACED.get()
             trace_id = None if trace is None else trace.hex_id
             if gauge is not None:
+                gauge.dec()
                 metrics.request_done(endpoint, call.status, seconds, call.reason, "grpc", trace_id)
-            extra = {
-                "request_id": call.request_id,
-                "status": call.status,
-                "duration_ms": round(seconds * 1000, 3),
-                "method": "GRPC",
-                "path": log_safe(method),
-            }
-            if trace_id is not None:
-                extra["trace_id"] = trace_id
-            access_log.info("GRPC %s %d", method, call.status, extra=extra)
+            self._access_line(call, seconds, trace_id)
+
+    def _access_line(self, call: Call, seconds: float, trace_id: str | None) -> None:
+        """As over HTTP: every failed or traced call's line, successful ones at the live
+        --access-log-sample-rate."""
+        control = self.state.log_control
+        rate = 1.0 if control is None else control.access_log_sample_rate
+        if call.status < 400 and trace_id is None and rate < 1.0 and random.random() >= rate:
+            return
+        extra = {
+            "request_id": call.request_id,
+            "status": call.status,
+            "duration_ms": round(seconds * 1000, 3),
+            "method": "GRPC",
+            "path": log_safe(call.method),
+        }
+        if trace_id is not None:
+            extra["trace_id"] = trace_id
+        access_log.info("GRPC %s %d", call.method, call.status, extra=extra)
 
     @contextlib.asynccontextmanager
     async def _call(

@@ -20,6 +20,7 @@ import pytest
 import torch
 import tritonclient.grpc as tgrpc
 from torch import nn
+from tritonclient.utils import InferenceServerException
 
 import mha_engine
 from tests import text_models as tm
@@ -240,3 +241,19 @@ def test_pipelined_requests_do_not_inherit_the_trace_before_them(served, collect
     assert lines["piped-0"]["trace_id"] == trace
     assert "piped-1" not in lines  # a 200 at sample rate 0, not traced: no line
     assert "trace_id" not in lines["piped-2"]
+
+
+def test_grpc_access_lines_follow_the_sample_rate_as_http_ones_do(served, collector):
+    server, address = served
+    client = tgrpc.InferenceServerClient(address)
+
+    def lines(path: str) -> int:
+        return sum(e.get("path") == path for e in _access_lines(server))
+
+    live, metadata = lines("ServerLive"), lines("ModelMetadata")
+    for _ in range(5):
+        assert client.is_server_live()  # 200, not traced: sampled out at rate 0
+    with pytest.raises(InferenceServerException):
+        client.get_model_metadata("nope")  # 404: always logged
+    wait_for(lambda: lines("ModelMetadata") == metadata + 1, "the failed call's line")
+    assert lines("ServerLive") == live
