@@ -77,6 +77,9 @@ def _request(rng: np.random.Generator, i: int) -> tuple[str, dict]:
         return "/v2/models/nope/infer", {"json": {"inputs": []}}
     if i % 10 == 9:
         return URL, {"json": {"inputs": [{"name": "input", "shape": [1, 2, 511]}]}}
+    if i % 10 == 5:  # the same request again: a response cache hit after the first
+        content, headers = fp32_request(np.ones((1, 8, 512), np.float32))
+        return URL, {"content": content, "headers": headers}
     x = rng.standard_normal((int(rng.integers(1, 5)), int(rng.integers(4, 65)), 512), np.float32)
     if i % 3 == 0:
         tensor = {"name": "input", "shape": list(x.shape), "datatype": "FP32"}
@@ -174,7 +177,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with contextlib.ExitStack() as stack:
         # Two replicas like the compose stack; the second has a 2-slot queue so that 429s and
         # timeouts happen for real. Both start at once, then both are waited for.
-        main = stack.enter_context(run_server(tmp, "--max-batch-delay-ms", "5", wait=False))
+        main = stack.enter_context(
+            run_server(
+                tmp, "--max-batch-delay-ms", "5", "--response-cache-bytes", "10000000", wait=False
+            )
+        )
         small = stack.enter_context(
             run_server(
                 tmp,
@@ -254,6 +261,11 @@ def test_panels_show_what_happened(stack: Stack) -> None:
     (batch,) = _panel_result(stack, "Batch size (sequences per forward)")
     assert float(batch["value"][1]) >= 1
     assert len(_panel_result(stack, "Served model")) == 2
+    lookups = {r["metric"]["result"]: float(r["value"][1])
+               for r in _panel_result(stack, "Response cache look-ups")}  # fmt: skip
+    assert lookups["hit"] > 0 and lookups["miss"] > 0, lookups
+    held, capacity = (_panel_result(stack, "Response cache size", ref)[0] for ref in "AB")
+    assert 0 < float(held["value"][1]) <= float(capacity["value"][1]) == 10_000_000
 
 
 def test_one_instance_selected_narrows_the_panels(stack: Stack) -> None:
