@@ -94,6 +94,17 @@ def test_every_panel_has_a_query_a_description_and_a_place() -> None:
 SERVER_WIDE = ("mha_response_cache_bytes", "mha_response_cache_capacity_bytes")
 
 
+def test_device_wide_gauges_count_each_device_once() -> None:
+    """mha_cuda_memory_* give the device's figure on each model's series: a panel summing them
+    over models would count a shared GPU once per model."""
+    seen = 0
+    for query in dashboard_queries(load_dashboard()):
+        if "mha_cuda_memory_" in query.expr:
+            assert "max by (instance, device) (mha_cuda_memory_" in query.expr, query.panel
+            seen += 1
+    assert seen == 2
+
+
 def test_queries_use_the_template_variables() -> None:
     for query in dashboard_queries(load_dashboard()):
         variables = set(re.findall(r"\$\w+", query.expr))
