@@ -9,6 +9,7 @@ import asyncio
 import functools
 import json
 import os
+import queue
 import re
 from pathlib import Path
 
@@ -346,6 +347,32 @@ async def test_text_inputs_are_cached_one_by_one(embedder: Path) -> None:
 
 
 @in_loop
+async def test_token_states_and_similarity_are_cached_and_equal_computed_ones(
+    embedder: Path,
+) -> None:
+    a, b = "the cat sat on the mat", "a dog sat on the mat"
+    similarity = {"inputs": {"source_sentence": a, "sentences": [b, a]}}
+    settings = dict(model_dir=[embedder], max_batch_delay_ms=0)
+
+    async def run(client: httpx.AsyncClient) -> list:
+        answers = []
+        for path, body in (("/embed_all", {"inputs": [a, b]}), ("/embed_all", {"inputs": [b]}),
+                           ("/similarity", similarity)):  # fmt: skip
+            response = await client.post(path, json=body)
+            assert response.status_code == 200, response.text
+            answers.append(response.json())
+        return answers
+
+    async with asgi_client(response_cache_bytes=1 << 20, **settings) as client:
+        cached = await run(client)
+        # /embed_all: a, b computed, then b a hit; /similarity's runner is /embed's (raw
+        # vectors): a computed once for both of its places, b computed
+        assert await _lookups(client, "emb") == (2, 4)
+    async with asgi_client(**settings) as plain:
+        assert cached == await run(plain)
+
+
+@in_loop
 async def test_every_input_a_hit_runs_nothing(embedder: Path) -> None:
     texts = ["good movie", "bad weather"]
     settings = dict(model_dir=[embedder], max_batch_delay_ms=0)
@@ -487,12 +514,23 @@ def test_grpc_hits_into_shared_memory_and_statistics_over_grpc(tmp_path: Path) -
             client.unregister_system_shared_memory()
         finally:
             shm.destroy_shared_memory_region(handle)
+        # each request of a stream is looked up as a unary call is: both hits
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(lambda result, error: answers.put((result, error)))
+        for i in range(2):
+            item = tgrpc.InferInput("input", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            client.async_stream_infer("attn", [item], request_id=f"s{i}")
+        streamed = [answers.get(timeout=30) for _ in range(2)]
+        client.stop_stream()
         stats = client.get_inference_statistics("attn", as_json=True)["model_stats"][0]
         config = client.get_model_config("attn", as_json=True)["config"]
     np.testing.assert_allclose(got[0], expected(module, x).numpy(), **FP32_TOL)
     assert np.array_equal(got[0], got[1])
+    for result, error in streamed:
+        assert error is None and np.array_equal(result.as_numpy("output"), got[0])
     inference = stats["inference_stats"]
-    assert inference["cache_hit"]["count"] == "1" and inference["cache_miss"]["count"] == "1"
+    assert inference["cache_hit"]["count"] == "3" and inference["cache_miss"]["count"] == "1"
     assert config["response_cache"] == {"enable": True}
 
 
