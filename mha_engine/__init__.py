@@ -6,7 +6,8 @@ attention-weights path for debugging, and packed varlen batches. Encoders, decod
 (nn.TransformerDecoder: target + memory) and whole nn.Transformer models load by their
 PyTorch state dicts.
 Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out),
-or TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out).
+TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out), or
+SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out).
 """
 
 from .attention import FusedAttention
@@ -30,9 +31,10 @@ from .engine_model import EngineModel
 from .errors import DeviceError
 from .heads import ClassifierInfo, TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
-from .protocol import ServedClassifierModel, ServedModel, ServedTextModel
+from .protocol import ServedClassifierModel, ServedModel, ServedSparseModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .save import save_model
+from .sparse import SparseEncoderModel
 from .text import TextEmbeddings
 from .text_model import TextEncoderModel
 from .transformer_model import TransformerModel
@@ -54,7 +56,9 @@ __all__ = [
     "MultiheadAttentionModel",
     "ServedClassifierModel",
     "ServedModel",
+    "ServedSparseModel",
     "ServedTextModel",
+    "SparseEncoderModel",
     "TextClassifierModel",
     "TextEmbeddings",
     "TextEncoderConfig",

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import heads, hf_bert, layouts
+from . import heads, hf_bert, layouts, sparse
 from .config import (
     EngineConfig,
     LayerStackConfig,
@@ -226,8 +226,10 @@ def text_model_from_directory(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
 ) -> TextEncoderModel:
-    """A Hugging Face BERT-family directory as a TextEncoderModel (encoder + embeddings), or a
-    TextClassifierModel when config.architectures names a `...ForSequenceClassification`."""
+    """A Hugging Face BERT-family directory as a TextEncoderModel (encoder + embeddings), a
+    TextClassifierModel when config.architectures names a `...ForSequenceClassification`, or a
+    SparseEncoderModel when modules.json asks for SPLADE pooling (sentence-transformers'
+    SparseEncoder)."""
     config = hf_bert.engine_config(hf_config)  # fail on config errors before reading weights
     settings = read_text_settings(directory)
     config = replace(
@@ -237,19 +239,33 @@ def text_model_from_directory(
         max_seq_len=settings.max_seq_len or 0,
     )
     info = heads.classifier_info(hf_config) if heads.is_sequence_classifier(hf_config) else None
+    if settings.sparse and not sparse.is_masked_lm(hf_config):
+        raise CheckpointError(
+            f"{directory}: modules.json asks for SPLADE pooling, but config.json's architectures "
+            f"{hf_config.get('architectures')} name no ...ForMaskedLM; SPLADE needs a "
+            "...ForMaskedLM checkpoint (its masked-LM head)"
+        )
     weights = _read_weights(directory)
     encoder_state, embedding_state = hf_bert.engine_state(weights, config)
     validate_state_dict(encoder_state, config)
-    if info is not None:  # the head's weights, checked before anything is built
+    head = None  # the head's weights, checked before anything is built
+    if info is not None:
         base = hf_bert.base_prefix(weights)
         head = heads.head_state(weights, config.model_type, base, config.d_model, info.num_labels)
+    elif settings.sparse:
+        head = sparse.mlm_head_state(weights, config)
     del weights
     device = resolve_device(device)
     dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
-        model = TextEncoderModel(config) if info is None else TextClassifierModel(config, info)
+        if info is not None:
+            model = TextClassifierModel(config, info)
+        elif settings.sparse:
+            model = sparse.SparseEncoderModel(config)
+        else:
+            model = TextEncoderModel(config)
     _assign(model.encoder, encoder_state, device, dtype)
-    if info is not None:
+    if head is not None:
         _assign(model.head, head, device, dtype)
     _assign(model.embeddings, embedding_state, device, torch.float32)  # see TextEmbeddings
     model = model.requires_grad_(False).eval()

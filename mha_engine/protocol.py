@@ -129,3 +129,14 @@ class ServedClassifierModel(ServedTextModel, Protocol):
     ) -> Tensor:
         """Logits (B, num_labels) float32 of packed id sequences (pairs: token types 1)."""
         ...
+
+
+@runtime_checkable
+class ServedSparseModel(ServedTextModel, Protocol):
+    """A SPLADE sparse encoder (/embed_sparse): `text_kind` is "sparse"."""
+
+    text_kind: str
+
+    def sparse_embed_packed(self, input_ids: Tensor, cu_seqlens: Tensor | Sequence[int]) -> Tensor:
+        """SPLADE weights (B, vocab_size) float32 of packed id sequences."""
+        ...

@@ -25,6 +25,9 @@ from .varlen import cumulative, lengths
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
 ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# sentence-transformers' SparseEncoder (SPLADE): the MLM transformer and its pooling
+ST_MLM_TRANSFORMER = "sentence_transformers.sparse_encoder.models.MLMTransformer"
+ST_SPLADE_POOLING = "sentence_transformers.sparse_encoder.models.SpladePooling"
 # 1_Pooling/config.json's pooling_mode_<name> -> the engine's pooling mode
 ST_POOLING_MODES = {"mean_tokens": "mean", "cls_token": "cls", "lasttoken": "last_token"}
 
@@ -36,6 +39,7 @@ class TextSettings:
     pooling: str = "mean"
     normalize: bool = False
     max_seq_len: int | None = None  # None: as many as the position table holds
+    sparse: bool = False  # SPLADE (MLM head, max of log(1 + relu)): mha_engine.sparse
 
 
 def _json(path: Path) -> object:
@@ -52,7 +56,7 @@ def read_text_settings(directory: Path) -> TextSettings:
     mean pooling, no normalisation. Modules the engine does not run (Dense, ...) are refused,
     since skipping them would give different vectors.
     """
-    pooling, norm, max_len = "mean", False, None
+    pooling, norm, max_len, sparse = "mean", False, None, False
     modules_path = directory / "modules.json"
     pooling_dir = None
     if modules_path.is_file():
@@ -65,10 +69,14 @@ def read_text_settings(directory: Path) -> TextSettings:
                 pooling_dir = directory / str(module.get("path", ""))
             elif kind == ST_NORMALIZE:
                 norm = True
-            elif kind != ST_TRANSFORMER:
+            elif kind == ST_SPLADE_POOLING:
+                sparse = True
+                _check_splade(directory / str(module.get("path", "")))
+            elif kind not in (ST_TRANSFORMER, ST_MLM_TRANSFORMER):
                 raise CheckpointError(
                     f"{modules_path} lists module {kind!r}; the engine runs only Transformer, "
-                    "Pooling and Normalize"
+                    "Pooling and Normalize, or a sparse encoder's MLMTransformer and "
+                    "SpladePooling"
                 )
     if pooling_dir is not None and (pooling_dir / "config.json").is_file():
         config = _json(pooling_dir / "config.json")
@@ -89,7 +97,21 @@ def read_text_settings(directory: Path) -> TextSettings:
         length = value.get("max_seq_length") if isinstance(value, dict) else None
         if isinstance(length, int) and not isinstance(length, bool) and length > 0:
             max_len = length
-    return TextSettings(pooling, norm, max_len)
+    return TextSettings(pooling, norm, max_len, sparse)
+
+
+def _check_splade(pooling_dir: Path) -> None:
+    """SpladePooling's config: the max of relu's log1p is what the engine runs."""
+    path = pooling_dir / "config.json"
+    config = _json(path) if path.is_file() else {}
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold an object")
+    wanted = {"pooling_strategy": "max", "activation_function": "relu"}
+    for key, value in wanted.items():
+        if config.get(key, value) != value:
+            raise CheckpointError(
+                f"{path} asks for {key} {config[key]!r}; the engine runs SPLADE's {value!r}"
+            )
 
 
 def write_text_settings(directory: Path, config: TextEncoderConfig) -> None:

@@ -126,6 +126,39 @@ def sentence_transformer(
     return model, directory
 
 
+def splade(directory: Path, model_type: str = "bert", seed: int = 2, **overrides):
+    """A `...ForMaskedLM` model saved as sentence-transformers' SparseEncoder saves one:
+    modules.json with MLMTransformer and SpladePooling (max of log(1 + relu))."""
+    model = build(model_type, "ForMaskedLM", seed=seed, **overrides)
+    save(model, directory)
+    kinds = ("MLMTransformer", "SpladePooling")
+    modules = [
+        {
+            "idx": i,
+            "name": str(i),
+            "path": p,
+            "type": f"sentence_transformers.sparse_encoder.models.{k}",
+        }
+        for i, (p, k) in enumerate((("", kinds[0]), ("1_SpladePooling", kinds[1])))
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_SpladePooling").mkdir(exist_ok=True)
+    pooling = {"pooling_strategy": "max", "activation_function": "relu",
+               "word_embedding_dimension": model.config.vocab_size}  # fmt: skip
+    (directory / "1_SpladePooling" / "config.json").write_text(json.dumps(pooling))
+    return model, directory
+
+
+def splade_reference(model, encoded) -> torch.Tensor:
+    """transformers' logits through SPLADE's pooling: max over real tokens of log(1 + relu)."""
+    ids, mask, types = padded(encoded)
+    kwargs = {"token_type_ids": types} if model.config.model_type == "bert" else {}
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits  # (B, T, V)
+    weights = torch.log1p(torch.relu(logits)) * mask[..., None]
+    return weights.amax(dim=1)  # (B, V)
+
+
 def tokenize(directory: Path, texts: list, pairs: bool = False):
     """(ids, token types) per text (or per (a, b) pair) with the directory's tokenizer."""
     from tokenizers import Tokenizer

@@ -22,7 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from mha_engine import CheckpointError, ServedClassifierModel, ServedModel, ServedTextModel
+from mha_engine import (
+    CheckpointError,
+    ServedClassifierModel,
+    ServedModel,
+    ServedSparseModel,
+    ServedTextModel,
+)
 from service.oip.inputs import Payload
 
 log = logging.getLogger(__name__)
@@ -222,6 +228,28 @@ def classify_runner(
     return out
 
 
+SPARSE = np.dtype([("index", np.int32), ("value", np.float32)])  # one non-zero weight
+
+
+def sparse_runner(model: ServedSparseModel, payloads: list[Payload]) -> list[list[np.ndarray]]:
+    """Batcher runner for /embed_sparse: per sequence, its non-zero SPLADE weights as a
+    structured array (index, value) in index order, one engine call for the batch."""
+    ids = torch.from_numpy(np.concatenate([p.query for p in payloads]))  # (N,)
+    cu_seqlens = np.cumsum([0, *(n for p in payloads for n in p.lengths)]).tolist()
+    weights = model.sparse_embed_packed(ids, cu_seqlens).cpu().numpy()  # (B, V)
+    out, start = [], 0
+    for p in payloads:
+        rows = []
+        for row in weights[start : start + p.num_sequences]:
+            (index,) = np.nonzero(row)
+            entries = np.empty(len(index), SPARSE)
+            entries["index"], entries["value"] = index, row[index]
+            rows.append(entries)
+        out.append(rows)
+        start += p.num_sequences
+    return out
+
+
 def token_payload(ids: list[np.ndarray]) -> Payload:
     """A batcher payload of token-id sequences, packed (counted against --max-batch-tokens)."""
     return Payload(np.concatenate(ids), [len(i) for i in ids], datatype="INT64")
@@ -254,15 +282,19 @@ def text_kind(model: Any) -> str | None:
 
 
 def _text_kind(model: Any) -> str | None:
+    declared = getattr(model, "text_kind", None)  # a sparse encoder, or a worker's ModelView
+    if declared is not None:
+        return declared
     if isinstance(model, ServedClassifierModel):
         return model.info.kind
     if isinstance(model, ServedTextModel):
         return "embedding"
-    return getattr(model, "text_kind", None)
+    return None
 
 
 def model_kind(model: ServedModel) -> str:
-    """embedding | classifier | reranker: which text routes the (text) model answers."""
+    """embedding | classifier | reranker | sparse: which text routes the (text) model
+    answers."""
     return text_kind(model) or "embedding"
 
 
@@ -272,6 +304,8 @@ def tei_model_type(model: ServedTextModel) -> dict:
     kind = model_kind(model)
     if kind == "embedding":
         return {"embedding": {"pooling": model.pooling}}
+    if kind == "sparse":  # TEI serves SPLADE as an embedding model with splade pooling
+        return {"embedding": {"pooling": "splade"}}
     info = model.info
     return {
         kind: {

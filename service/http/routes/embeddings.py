@@ -25,6 +25,7 @@ from service.http.body import parse_json, read_body
 from service.http.deps import get_state, traced
 from service.http.openapi import OPENAI_ERROR_RESPONSES, schema_body
 from service.http.routes.common import LeanRoute, Observation, client_gone, observed
+from service.http.routes.tei_common import ROUTES_OF
 from service.pipeline.errors import (
     BadInput,
     ModelNotFound,
@@ -140,8 +141,8 @@ def embedding_entry(state: ServiceState, model: str) -> ModelEntry:
     kind = model_kind(entry.model)
     if kind != "embedding":
         raise BadInput(
-            f"model '{entry.name}' is a {kind} (a sequence-classification head), not an "
-            "embedding model: use /rerank or /predict",
+            f"model '{entry.name}' is a {kind} model, not an embedding model: use "
+            f"{ROUTES_OF[kind]}",
             param="model",
         )
     return entry

@@ -1,5 +1,6 @@
 """text-embeddings-inference's routes for embedding models and the model-neutral ones:
-/embed, /embed_all, /similarity, /tokenize, /decode, /info, and TEI's POST / (which
+/embed, /embed_all, /similarity, /embed_sparse (SPLADE models), /tokenize, /decode, /info, and
+TEI's POST / (which
 huggingface_hub's InferenceClient calls: /embed for an embedding model, /predict otherwise).
 /rerank and /predict are in tei_rank.py; /health, /ping, /invocations and the mounts (at the
 root and per model) in tei_mount.py.
@@ -36,7 +37,13 @@ from service.http.routes.tei_rank import HubPredictRequest, hub_predict
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
 from service.runtime.state import ModelEntry, ServiceState
-from service.text.tokenizer import model_kind, raw_embed_runner, tei_model_type, token_runner
+from service.text.tokenizer import (
+    model_kind,
+    raw_embed_runner,
+    sparse_runner,
+    tei_model_type,
+    token_runner,
+)
 from service.text.work import check_chars, run_parts, tokenize
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
@@ -202,6 +209,64 @@ async def embed(request: Request) -> Response:
     return await embed_body(body, request)
 
 
+class EmbedSparseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: str | list[str]
+    truncate: bool | None = None  # None: --auto-truncate decides
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = EmbedRequest.model_fields["prompt_name"]
+
+
+SPARSE_RESPONSES = {
+    200: {
+        "description": "Per input, its non-zero SPLADE weights by vocabulary index (index order)",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "array",
+                    "items": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["index", "value"],
+                            "properties": {
+                                "index": {"type": "integer", "minimum": 0},
+                                "value": {"type": "number", "exclusiveMinimum": 0},
+                            },
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/embed_sparse",
+    summary="SPLADE sparse embeddings (TEI)",
+    response_class=Response,
+    responses=SPARSE_RESPONSES,
+    openapi_extra=json_body(EmbedSparseRequest),
+)
+async def embed_sparse(request: Request) -> Response:
+    state = get_state(request)
+    with text_route(request, state, "embed_sparse", "/embed_sparse", "sparse") as entry:
+        body = await parse_body(request, state, EmbedSparseRequest)
+        ensure_serving(state)
+        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
+        weights = await _run(
+            request, entry, texts, body.truncate, body.truncation_direction, sparse_runner
+        )
+        # float32 values in their shortest form, as TEI's serde writes them
+        answer = [
+            [{"index": i, "value": v} for i, v in zip(w["index"].tolist(), w["value"], strict=True)]
+            for w in weights
+        ]
+        content = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+        return Response(content, media_type="application/json")
+
+
 ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest)
 EMBED_ALL_RESPONSES = number_arrays(
     "Per input, every token's hidden state (T_i, D), special tokens included", 3
@@ -237,6 +302,8 @@ async def embed_all(request: Request) -> Response:
 async def root(request: Request):
     state = get_state(request)
     entry = text_entry(state, "/", model=routed_model(request))  # its kind picks the shape
+    if model_kind(entry.model) == "sparse":
+        return await embed_sparse(request)
     embedding = model_kind(entry.model) == "embedding"
     parsed = await parse_body(request, state, EmbedRequest if embedding else HubPredictRequest)
     if isinstance(parsed, EmbedRequest):

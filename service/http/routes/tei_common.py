@@ -33,6 +33,7 @@ ROUTES_OF = {  # which routes each kind of model offers
     "embedding": "/embed, /embed_all, /similarity, /v1/embeddings",
     "classifier": "/predict",
     "reranker": "/rerank, /predict",
+    "sparse": "/embed_sparse",
 }
 
 

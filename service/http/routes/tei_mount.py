@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from service.http.deps import get_state, loaded_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
 from service.http.routes import tei, tei_rank
-from service.http.routes.tei import ROOT_OPENAPI, EmbedRequest, embed_body, root
+from service.http.routes.tei import ROOT_OPENAPI, EmbedRequest, embed_body, embed_sparse, root
 from service.http.routes.tei_common import parse_body, routed_model, text_entry
 from service.http.routes.tei_rank import PredictRequest, RerankRequest, predict, rerank
 from service.pipeline.errors import NotReady
@@ -48,8 +48,8 @@ async def health(request: Request) -> Response:
 @router.post(
     "/invocations",
     summary="SageMaker's inference route, as TEI answers it: /embed for an embedding model, "
-    "/predict for a classifier, /rerank for a reranker (the first text model, or the one the "
-    "path names)",
+    "/embed_sparse for a SPLADE model, /predict for a classifier, /rerank for a reranker (the "
+    "first text model, or the one the path names)",
     openapi_extra=json_body(EmbedRequest, PredictRequest, RerankRequest),
 )
 async def invocations(request: Request):
@@ -57,6 +57,8 @@ async def invocations(request: Request):
     kind = model_kind(text_entry(state, "/invocations", model=routed_model(request)).model)
     if kind == "embedding":
         return await embed_body(await parse_body(request, state, EmbedRequest), request)
+    if kind == "sparse":
+        return await embed_sparse(request)
     if kind == "classifier":
         return await predict(request)
     return await rerank(request)
