@@ -27,6 +27,7 @@ import torch
 
 import mha_engine
 from benchmarks.embeddings import SENTENCES
+from benchmarks.text_models import rate
 from service.text.tokenizer import minilm_path
 
 
@@ -49,14 +50,6 @@ def build(minilm: Path, directory: Path) -> object:
     config = {"pooling_strategy": "max", "activation_function": "relu"}
     (directory / "1_SpladePooling" / "config.json").write_text(json.dumps(config))
     return model
-
-
-def rate(step, items: int, seconds: float) -> float:
-    start, done = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        step()
-        done += items
-    return done / (time.perf_counter() - start)
 
 
 def main() -> None:

@@ -151,7 +151,7 @@ def base_prefix(state: dict) -> str:
     return prefixes[0]
 
 
-def _legacy_names(key: str) -> str:
+def legacy_names(key: str) -> str:
     """TF-converted checkpoints name LayerNorm parameters gamma/beta; transformers renames too."""
     if key.endswith(".gamma"):
         return key[: -len("gamma")] + "weight"
@@ -198,7 +198,7 @@ def engine_state(
     prefix = base_prefix(state)
     section = family.layers.split(".", 1)[0] + "."  # 'encoder.' or 'transformer.'
     base = {
-        _legacy_names(k[len(prefix) :]): v
+        legacy_names(k[len(prefix) :]): v
         for k, v in state.items()
         if k.startswith(prefix)
         and k[len(prefix) :].startswith(("embeddings.", section))

@@ -24,6 +24,7 @@ from .config import TextEncoderConfig
 from .devices import upload
 from .errors import CheckpointError, check_state
 from .fused import linear
+from .hf_bert import legacy_names
 from .text_model import TextEncoderModel
 from .varlen import cumulative, lengths
 
@@ -63,19 +64,11 @@ def is_masked_lm(hf_config: dict) -> bool:
     return any(isinstance(n, str) and n.endswith("ForMaskedLM") for n in names)
 
 
-def _legacy(key: str) -> str:
-    if key.endswith(".gamma"):
-        return key[: -len("gamma")] + "weight"
-    if key.endswith(".beta"):
-        return key[: -len("beta")] + "bias"
-    return key
-
-
 def mlm_head_state(state: dict[str, Tensor], config: TextEncoderConfig) -> dict[str, Tensor]:
     """The MLM head's weights under MaskedLMHead's names, shapes checked; the decoder's weight
     is the word embeddings' when the file ties them (leaves it out)."""
     names = MLM_NAMES[config.model_type]
-    state = {_legacy(k): v for k, v in state.items()}
+    state = {legacy_names(k): v for k, v in state.items()}
     E, V = config.d_model, config.vocab_size
     expected = {
         f"{names.dense}.weight": (E, E), f"{names.dense}.bias": (E,),

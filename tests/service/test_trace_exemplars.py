@@ -17,16 +17,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 import tritonclient.grpc as tgrpc
-from torch import nn
 from tritonclient.utils import InferenceServerException
 
-import mha_engine
-from tests import text_models as tm
 from tests.otlp import Collector, attributes
-from tests.service.test_tracing import PARENT, SAMPLED, TRACE_ID, settle
-from tests.support import Server, binary_request, free_port, run_server, wait_for
+from tests.service.test_tracing import PARENT, SAMPLED, TRACE_ID, settle, traced_server
+from tests.support import Server, binary_request, free_port, wait_for
 
 E = 16
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
@@ -47,16 +43,9 @@ def collector() -> Iterator[Collector]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, collector) -> Iterator[tuple[Server, str]]:
     root = tmp_path_factory.mktemp("exemplars")
-    torch.manual_seed(0)
-    mha_engine.save_model(nn.MultiheadAttention(E, 2, batch_first=True).eval(), root / "attn")
-    tm.sentence_transformer(root / "emb")
-    grpc_port = free_port()
-    args = ["--model-dir", str(root / "attn"), "--model-dir", str(root / "emb")]
-    args += ["--grpc-port", str(grpc_port), "--otlp-endpoint", collector.url, "--trace-rate", "1"]
-    args += ["--log-format", "json", "--access-log-sample-rate", "0"]
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
-    with run_server(root, *args, env=env) as server:
-        yield server, f"127.0.0.1:{grpc_port}"
+    args = ("--log-format", "json", "--access-log-sample-rate", "0")
+    with traced_server(root, collector, *args) as served:
+        yield served
 
 
 def _infer(server: Server, **headers: str) -> httpx.Response:

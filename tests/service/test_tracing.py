@@ -6,6 +6,7 @@ unmodified tritonclient, HTTP and gRPC) changes the sampling at run time, per mo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import time
@@ -70,19 +71,26 @@ def collector() -> Iterator[Collector]:
     c.stop()
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, collector) -> Iterator[tuple[Server, str]]:
-    root = tmp_path_factory.mktemp("tracing")
+@contextlib.contextmanager
+def traced_server(root: Path, collector: Collector, *extra: str) -> Iterator[tuple[Server, str]]:
+    """An attention model and a sentence-transformer served over HTTP and gRPC, every request
+    traced to `collector`; yields the server and its gRPC address."""
     torch.manual_seed(0)
     mha_engine.save_model(nn.MultiheadAttention(E, 2, batch_first=True).eval(), root / "attn")
     tm.sentence_transformer(root / "emb")
     grpc_port = free_port()
     args = ["--model-dir", str(root / "attn"), "--model-dir", str(root / "emb")]
     args += ["--grpc-port", str(grpc_port), "--otlp-endpoint", collector.url, "--trace-rate", "1"]
-    args += ["--otlp-service-name", "mha-test"]
     env = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # export within 50 ms (the SDK's default: 5 s)
-    with run_server(root, *args, env=env) as server:
+    with run_server(root, *args, *extra, env=env) as server:
         yield server, f"127.0.0.1:{grpc_port}"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, collector) -> Iterator[tuple[Server, str]]:
+    root = tmp_path_factory.mktemp("tracing")
+    with traced_server(root, collector, "--otlp-service-name", "mha-test") as served:
+        yield served
 
 
 @pytest.fixture
