@@ -250,21 +250,29 @@ SPARSE_RESPONSES = {
     openapi_extra=json_body(EmbedSparseRequest),
 )
 async def embed_sparse(request: Request) -> Response:
-    state = get_state(request)
-    with text_route(request, state, "embed_sparse", "/embed_sparse", "sparse") as entry:
-        body = await parse_body(request, state, EmbedSparseRequest)
-        ensure_serving(state)
-        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
-        weights = await _run(
-            request, entry, texts, body.truncate, body.truncation_direction, sparse_runner
-        )
-        # float32 values in their shortest form, as TEI's serde writes them
+    def encode(weights: list[np.ndarray]) -> bytes:  # float32 values shortest, as TEI's serde
         answer = [
             [{"index": i, "value": v} for i, v in zip(w["index"].tolist(), w["value"], strict=True)]
             for w in weights
         ]
-        content = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
-        return Response(content, media_type="application/json")
+        return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    return await _each_input(request, "embed_sparse", "sparse", EmbedSparseRequest, sparse_runner,
+                             encode)  # fmt: skip
+
+
+async def _each_input(request: Request, endpoint: str, kind: str, model: type, runner, encode):
+    """A route answering one result per input text: its metrics and model, the body, the
+    prompt, the batcher; `encode` writes the results."""
+    state = get_state(request)
+    with text_route(request, state, endpoint, f"/{endpoint}", kind) as entry:
+        body = await parse_body(request, state, model)
+        ensure_serving(state)
+        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
+        results = await _run(
+            request, entry, texts, body.truncate, body.truncation_direction, runner
+        )
+        return Response(encode(results), media_type="application/json")
 
 
 ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest)
@@ -281,16 +289,11 @@ EMBED_ALL_RESPONSES = number_arrays(
     openapi_extra=json_body(EmbedAllRequest),
 )
 async def embed_all(request: Request) -> Response:
-    state = get_state(request)
-    with text_route(request, state, "embed_all", "/embed_all", "embedding") as entry:
-        body = await parse_body(request, state, EmbedAllRequest)
-        ensure_serving(state)
-        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
-        states = await _run(
-            request, entry, texts, body.truncate, body.truncation_direction, token_runner
-        )
-        content = orjson.dumps(states, option=orjson.OPT_SERIALIZE_NUMPY)
-        return Response(content, media_type="application/json")
+    def encode(states: list[np.ndarray]) -> bytes:
+        return orjson.dumps(states, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    return await _each_input(request, "embed_all", "embedding", EmbedAllRequest, token_runner,
+                             encode)  # fmt: skip
 
 
 @router.post(
