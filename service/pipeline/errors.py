@@ -117,8 +117,9 @@ OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
                 429: "rate_limit_error"}  # fmt: skip
 
 
-TEI_ROUTES = frozenset({"/", "/embed", "/embed_all", "/tokenize", "/decode", "/info", "/rerank",
-                        "/predict", "/similarity", "/health", "/ping", "/invocations"})  # fmt: skip
+TEI_ROUTES = frozenset({"/", "/embed", "/embed_all", "/embed_sparse", "/tokenize", "/decode",
+                        "/info", "/rerank", "/predict", "/similarity", "/health", "/ping",
+                        "/invocations"})  # fmt: skip
 TEI_MODEL_PREFIX = "/models/"  # the TEI routes mounted per model: /models/{model_name}/...
 
 

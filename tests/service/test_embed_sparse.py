@@ -81,6 +81,11 @@ def test_routes_a_sparse_model_offers_and_refuses(models) -> None:
         refused = await client.post("/models/sp/embed", json={"inputs": "hello"})
         assert refused.status_code == 424, refused.text
         assert "'sp' is a sparse model, which offers /embed_sparse" in refused.json()["error"]
+        for path in ("/models/emb/embed_sparse", "/embed_sparse"):
+            body = {"inputs": "hello"} if path.startswith("/models") else {"inputs": []}
+            wrong = await client.post(path, json=body)
+            assert wrong.status_code in (400, 424), wrong.text
+            assert set(wrong.json()) == {"error", "error_type"}  # TEI's error shape
         wrong = await client.post("/models/emb/embed_sparse", json={"inputs": "hello"})
         assert wrong.status_code == 424
         assert "/embed_sparse needs a sparse model" in wrong.json()["error"]

@@ -148,7 +148,8 @@ def test_routes_follow_the_models_head(models):
             assert f"'{NAME}' is a classifier model, which offers /predict" in error["error"]
         v1 = await client.post("/v1/embeddings", json={"model": NAME, "input": "a"})
         assert v1.status_code == 400
-        assert "is a classifier (a sequence-classification head)" in (v1.json()["error"]["message"])
+        message = v1.json()["error"]["message"]
+        assert f"'{NAME}' is a classifier model, not an embedding model: use /predict" in message
 
     serve(classifier, test)
 
