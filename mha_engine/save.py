@@ -150,6 +150,12 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     if isinstance(model, EngineModel):
+        if isinstance(model, TextEncoderModel) and hasattr(model, "head"):
+            raise ValueError(
+                f"a {type(model).__name__} is not saved: its task head would be lost and the "
+                "directory would load as a plain encoder; keep the model's original directory "
+                "(save_pretrained from transformers or sentence-transformers)"
+            )
         if model.precision == "int8":
             raise ValueError(
                 "an int8 model is not saved: save the float32 model and load it with "

@@ -97,3 +97,14 @@ def test_bf16_and_int8_stay_close_and_batch_invariant(tmp_path: Path, dtype: str
     # measured here: largest difference 4.9e-3 (bf16), 7.9e-3 (int8) on weights of order 1
     torch.testing.assert_close(got, tm.splade_reference(reference, encoded), atol=2e-2, rtol=0)
     assert torch.equal(got, torch.cat([model.sparse_embed_varlen([one]) for one in ids]))
+
+
+def test_a_model_with_a_task_head_is_not_saved_as_a_plain_encoder(splade, tmp_path) -> None:
+    """save_model would write the encoder alone (a directory that loads as a dense model):
+    refused, naming why, for SPLADE and classifier heads alike."""
+    _, path = splade
+    _, classifier = tm.classifier("bert", tmp_path / "cls")
+    for directory in (path, classifier):
+        model = mha_engine.load_model(directory)
+        with pytest.raises(ValueError, match="its task head would be lost"):
+            mha_engine.save_model(model, tmp_path / "out")
