@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from . import hf_bert
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
+from .heads import TextClassifierModel
+from .sparse import SparseEncoderModel
 from .text_model import TextEncoderModel, write_text_settings
 
 
@@ -143,14 +145,15 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     """Write config.json + model.safetensors so load_model gives back the same function.
 
     `model` is an nn.MultiheadAttention, nn.TransformerEncoder(Layer),
-    nn.TransformerDecoder(Layer), nn.Transformer or any model load_model returned (weights
-    keep its dtype). A text model's tokenizer files are not part of the model: copy them
+    nn.TransformerDecoder(Layer), nn.Transformer or a model load_model returned (weights keep
+    its dtype), but for a text model with a task head (classifier, reranker, SPLADE: refused,
+    its head would be lost). A text model's tokenizer files are not part of the model: copy them
     beside it to serve /v1/embeddings from the directory.
     """
     from safetensors.torch import save_file
 
     if isinstance(model, EngineModel):
-        if isinstance(model, TextEncoderModel) and hasattr(model, "head"):
+        if isinstance(model, TextClassifierModel | SparseEncoderModel):
             raise ValueError(
                 f"a {type(model).__name__} is not saved: its task head would be lost and the "
                 "directory would load as a plain encoder; keep the model's original directory "

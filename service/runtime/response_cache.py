@@ -3,8 +3,9 @@ that made them, so an identical request is answered without running the model. T
 response cache for OIP inference (one entry per request); one entry per input text on the text
 routes, so a request of eight sentences that repeats six computes two.
 
-Exact: a request's numbers never depend on its batch-mates (batch invariance, in every
-precision), so a cached answer is bit-identical to computing it again. The digest is BLAKE3
+Exact: a request's numbers never depend on its batch-mates (batch invariance: every precision
+on CPU, fp16/bf16 on CUDA; CUDA fp32 varies by ~1e-6 with the batch), so a cached answer is
+the answer computing it again gives. The digest is BLAKE3
 (a cryptographic hash, ~5x faster than SHA-256 here) over the inputs' shapes, datatypes, flags
 and bytes: no client can craft inputs that collide with another's and be answered with their
 outputs. A key also carries its model copy's token

@@ -108,17 +108,18 @@ def test_the_grpc_listener_is_cut_off_only_after_the_grace_has_shed_the_queue() 
     """gRPC cancels calls at its cut-off from its own timer (CANCELLED, not retried); the grace
     timer on the loop answers queued ones UNAVAILABLE. The listener's cut-off must come later."""
 
-    async def scenario() -> tuple[float, float]:
+    async def scenario() -> tuple[float, float, bool]:
         state = ServiceState(Settings(drain_grace_s=5.0), Metrics("m"), {})
         state.loop = asyncio.get_running_loop()
-        seen: list[tuple[float, float]] = []
+        seen: list[tuple[float, float, bool]] = []
 
         async def stop_listener(grace: float) -> None:
-            seen.append((grace, state.grace_left()))
+            armed = state.grace_timer is not None  # the timer that sheds the queue
+            seen.append((grace, state.grace_left(), armed))
 
         await state.drain(stop_listener)
         return seen[0]
 
-    listener_grace, grace_left = asyncio.run(scenario())
-    assert 4.5 < grace_left <= 5.0
+    listener_grace, grace_left, armed = asyncio.run(scenario())
+    assert armed and 4.5 < grace_left <= 5.0
     assert listener_grace == pytest.approx(grace_left + LISTENER_ANSWER_S, abs=0.05)

@@ -171,3 +171,14 @@ def test_workers_serve_sparse_embeddings(models, tmp_path: Path) -> None:
 
     run(models, one)
     assert served.json() == answers[0]
+
+
+def test_every_tei_route_answers_errors_in_teis_shape() -> None:
+    """The error shape is chosen by path (service.pipeline.errors.TEI_ROUTES): it must list
+    every route the TEI routers serve (a route missing there answered OIP's shape)."""
+    from service.http.routes import tei, tei_mount, tei_rank
+    from service.pipeline.errors import TEI_ROUTES
+
+    paths = {route.path for router in (tei.router, tei_rank.router, tei_mount.router)
+             for route in router.routes}  # fmt: skip
+    assert paths <= TEI_ROUTES, sorted(paths - TEI_ROUTES)

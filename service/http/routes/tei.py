@@ -94,7 +94,7 @@ class Info(BaseModel):
     model_id: str
     model_dtype: str
     model_type: dict = Field(
-        description='{"embedding": {"pooling": "mean" | "cls" | "last_token"}}, or '
+        description='{"embedding": {"pooling": "mean" | "cls" | "last_token" | "splade"}}, or '
         '{"classifier" | "reranker": {"id2label", "label2id", "problem_type"}}'
     )
     max_input_length: int
