@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -33,7 +32,7 @@ from service.grpc.tensors import (
     in_shared_memory,
     shared_inputs,
 )
-from service.http.middleware import bearer_credential, log_safe, request_id
+from service.http.middleware import bearer_credential, keeps_access_line, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
 from service.oip.inputs import OUTPUT_NAME
 from service.oip.model_config import extensions, model_config, model_metadata
@@ -140,7 +139,7 @@ class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServic
         --access-log-sample-rate."""
         control = self.state.log_control
         rate = 1.0 if control is None else control.access_log_sample_rate
-        if call.status < 400 and trace_id is None and rate < 1.0 and random.random() >= rate:
+        if not keeps_access_line(call.status, trace_id is not None, rate):
             return
         extra = {
             "request_id": call.request_id,

@@ -103,9 +103,8 @@ class RequestContext:
 
     def done(self, scope: Scope, request_id: str, status: int, started: float) -> None:
         """The request's access-log line: always for a failure, else at the sample rate."""
-        rate = self.sampling.access_log_sample_rate
-        trace = TRACED.get()  # a traced request's line is kept (JSON lines name the trace)
-        if status >= 400 or rate >= 1.0 or trace is not None or random.random() < rate:
+        trace = TRACED.get()
+        if keeps_access_line(status, trace is not None, self.sampling.access_log_sample_rate):
             self._log(scope, request_id, status, started, trace)
 
     @staticmethod
@@ -132,6 +131,12 @@ class RequestContext:
                     (method, path, status), None, "(unknown function)", extra,
                 )
             )  # fmt: skip
+
+
+def keeps_access_line(status: int, traced: bool, rate: float) -> bool:
+    """Whether a request (HTTP or gRPC) gets its access-log line: always when it failed or was
+    traced (its JSON line names the trace), else at --access-log-sample-rate `rate`."""
+    return status >= 400 or traced or rate >= 1.0 or random.random() < rate
 
 
 def header_bytes(scope: Scope) -> int:

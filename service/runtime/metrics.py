@@ -30,21 +30,18 @@ import time
 from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     Info,
     gc_collector,
-    generate_latest,
-    multiprocess,
     platform_collector,
     process_collector,
 )
-from prometheus_client.exposition import choose_encoder
 
 from service.runtime.cuda_gauges import CudaGauges
+from service.runtime.exposition import exposition
 from service.runtime.response_cache import CacheMetrics
 
 # Buckets are chosen for this workload. Latency: a T=16 forward takes ~0.2 ms on CPU, a full
@@ -387,23 +384,6 @@ class Metrics:
         self.child(self.loop_batches, self.model, self.version).inc()
 
     def exposition(self, accept: str = "") -> tuple[bytes, str]:
-        """The exposition in the format the scraper's Accept header asks for (OpenMetrics, which
-        carries exemplars, as Prometheus asks; else the Prometheus text format): this process's
-        registry, or in multiprocess mode every process's values merged from
-        PROMETHEUS_MULTIPROC_DIR (read afresh at each scrape)."""
-        registry = self.registry
-        if MULTIPROCESS:
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-        if "application/openmetrics-text" in accept:
-            encoder, content_type = choose_encoder(accept)
-            return encoder(registry), content_type
-        return generate_latest(registry), CONTENT_TYPE_LATEST
-
-
-def mark_process_dead(pid: int, directory: str | os.PathLike[str] | None = None) -> None:
-    """Drop the live* gauge values of exited process `pid` (the supervisor calls it per child);
-    `directory` defaults to PROMETHEUS_MULTIPROC_DIR, read now; a no-op when neither is set."""
-    directory = directory or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if directory:
-        multiprocess.mark_process_dead(pid, os.fspath(directory))
+        """This process's registry, or in multiprocess mode every process's values merged, in
+        the format `accept` asks for (service.runtime.exposition)."""
+        return exposition(None if MULTIPROCESS else self.registry, accept)

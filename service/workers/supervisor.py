@@ -84,7 +84,7 @@ def supervise(settings: Settings, frontend_main: Callable[..., None]) -> int:
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports the client
-    from service.runtime.metrics import mark_process_dead  # after the env var: multiprocess mode
+    from service.runtime.exposition import mark_process_dead  # after the env var: multiprocess
 
     path = os.path.join(workdir, "engine.sock")
     try:

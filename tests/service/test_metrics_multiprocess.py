@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.oip.inputs import Payload
 from service.runtime import metrics as metrics_module
-from service.runtime.metrics import MODEL_INFO_LABELS, Metrics, mark_process_dead
+from service.runtime.exposition import mark_process_dead
+from service.runtime.metrics import MODEL_INFO_LABELS, Metrics
 from service.runtime.work import Work
 
 ROOT = Path(__file__).resolve().parents[2]
