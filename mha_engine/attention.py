@@ -135,16 +135,20 @@ class FusedAttention(nn.Module):
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
+        attn_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention on projected (B, T, E) / (B, S, KV) inputs; returns merged heads (B, T, E).
 
         With need_weights the probabilities are materialised as (B, H, T, S'); a row whose keys
         are all masked gives zero weights and zero output (PyTorch gives NaN there).
+        attn_bias: an additive (1|B, H, T, S) score bias on top of the masks (MPNet's relative
+        positions, position_bias.py).
         """
         B, T, E = q.shape
         S, H, hd, KV = k.shape[1], self.num_heads, self.head_dim, self.kv_dim
         if is_causal and attn_mask is None:
-            if key_padding_mask is None and not need_weights and self.extra_keys == 0:
+            plain = key_padding_mask is None and attn_bias is None
+            if plain and not need_weights and self.extra_keys == 0:
                 attn_mask = None  # SDPA builds the causal mask itself
             else:
                 attn_mask = causal_mask(T, S, q.device)
@@ -152,6 +156,8 @@ class FusedAttention(nn.Module):
         elif attn_mask is not None:
             is_causal = False  # like PyTorch, an explicit attn_mask wins over the is_causal hint
         mask = merge_masks(key_padding_mask, attn_mask, B, H, T, S, q.dtype)  # (B, H|1, T, S)
+        if attn_bias is not None:
+            mask = attn_bias.to(q.dtype) if mask is None else mask + attn_bias  # (B|1, H, T, S)
         if self.bias_k is not None:
             k = torch.cat([k, self.bias_k.expand(B, 1, KV)], dim=1)  # (B, S+1, KV)
             v = torch.cat([v, self.bias_v.expand(B, 1, KV)], dim=1)
@@ -192,10 +198,13 @@ class FusedAttention(nn.Module):
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
+        attn_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Batched (B, T, E) attention block: in_proj, attend, out_proj; weights (B, H, T, S')."""
+        """Batched (B, T, E) attention block: in_proj, attend, out_proj; weights (B, H, T, S').
+        attn_bias: see `attend`."""
         q, k, v = self.project(query, key, value)  # (B, T, E), (B, S, KV), (B, S, KV)
-        y, weights = self.attend(q, k, v, key_padding_mask, attn_mask, is_causal, need_weights)
+        attend = (key_padding_mask, attn_mask, is_causal, need_weights, attn_bias)
+        y, weights = self.attend(q, k, v, *attend)
         return linear(self.out_proj, y), weights  # (B, T, E)
 
     def forward_packed(

@@ -3,6 +3,7 @@
 Module and parameter names are PyTorch's (self_attn, linear1, linear2, norm1, norm2; layers,
 norm), so nn.TransformerEncoder state dicts load as they are. Every op except attention is per
 token, so one layer serves dense (B, T, E) batches and packed (N, E) tokens with a varlen Plan.
+A stack may carry MPNet's relative position bias (`position_bias`), shared by its layers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from .attention import FusedAttention
 from .config import TransformerEncoderConfig
 from .fused import linear
+from .position_bias import BiasCache, RelativePositionBias
 from .varlen import Plan
 
 
@@ -38,12 +40,14 @@ class EncoderLayer(nn.Module):
         is_causal: bool,
         plan: Plan | None,
         need_weights: bool,
+        attn_bias: Tensor | None,
         residual: Tensor,
     ) -> tuple[Tensor, Tensor | None]:
         """residual + self-attention(h); packed, the add is fused into out_proj."""
         if plan is not None:  # packed tokens: attention per group of equal-shaped sequences
             return self.self_attn.forward_packed(h, plan, residual=residual), None  # (N, E)
-        a, w = self.self_attn(h, h, h, key_padding_mask, attn_mask, is_causal, need_weights)
+        attend = (key_padding_mask, attn_mask, is_causal, need_weights, attn_bias)
+        a, w = self.self_attn(h, h, h, *attend)
         return residual + a, w
 
     def _ff(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
@@ -59,12 +63,14 @@ class EncoderLayer(nn.Module):
         is_causal: bool = False,
         plan: Plan | None = None,
         need_weights: bool = False,
+        attn_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """x: dense (B, T, E) with masks, or packed (N, E) with the plan of its sequences.
+        """x: dense (B, T, E) with masks, or packed (N, E) with the plan of its sequences;
+        attn_bias: an additive (1, H, T, T) score bias of the dense path (packed: the plan's).
 
         Returns the layer output (same shape) and, with need_weights, weights (B, H, T, S).
         """
-        attend = (key_padding_mask, attn_mask, is_causal, plan, need_weights)
+        attend = (key_padding_mask, attn_mask, is_causal, plan, need_weights, attn_bias)
         if self.norm_first:
             x, weights = self._self_attention(self.norm1(x), *attend, residual=x)
             x = self._ff(self.norm2(x), residual=x)
@@ -76,7 +82,8 @@ class EncoderLayer(nn.Module):
 
 
 class EncoderStack(nn.Module):
-    """num_layers EncoderLayers plus the optional final LayerNorm (nn.TransformerEncoder.norm)."""
+    """num_layers EncoderLayers plus the optional final LayerNorm (nn.TransformerEncoder.norm),
+    and MPNet's relative position bias where the config has one."""
 
     layer_class: type[nn.Module] = EncoderLayer
 
@@ -89,6 +96,8 @@ class EncoderStack(nn.Module):
             if config.final_norm
             else None
         )
+        buckets = getattr(config, "relative_attention_num_buckets", 0)  # TextEncoderConfig's
+        self.position_bias = RelativePositionBias(config.nhead, buckets) if buckets else None
 
     def forward(
         self,
@@ -104,8 +113,15 @@ class EncoderStack(nn.Module):
         Returns the output and, with need_weights, each layer's weights (B, H, T, S).
         """
         weights: list[Tensor] = []
+        bias = None
+        if self.position_bias is not None:  # computed once, shared by every layer
+            if plan is not None:
+                plan.attn_bias = BiasCache(self.position_bias, x.dtype)
+            else:
+                T = x.shape[-2]
+                bias = self.position_bias(T, T, x.dtype)  # (1, H, T, T)
         for layer in self.layers:
-            x, w = layer(x, key_padding_mask, attn_mask, is_causal, plan, need_weights)
+            x, w = layer(x, key_padding_mask, attn_mask, is_causal, plan, need_weights, bias)
             if w is not None:
                 weights.append(w)
         if self.norm is not None:

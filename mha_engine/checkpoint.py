@@ -116,6 +116,9 @@ def _stack_shapes(config: LayerStackConfig) -> dict[str, tuple[int, ...]]:
         shapes["norm.weight"] = (E,)
         if bias:
             shapes["norm.bias"] = (E,)
+    buckets = getattr(config, "relative_attention_num_buckets", 0)  # MPNet (TextEncoderConfig)
+    if buckets:
+        shapes["position_bias.relative_attention_bias.weight"] = (buckets, config.nhead)
     return shapes
 
 

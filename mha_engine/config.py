@@ -15,7 +15,9 @@ from .errors import CheckpointError
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 POOLING_MODES = ("mean", "cls", "last_token")
 # Model types whose position ids count only non-pad tokens, from pad_token_id + 1.
-POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta")
+POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta", "mpnet")
+# Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
+RELATIVE_BUCKETS = (0, 32)
 
 
 def _positive(name: str, value: object) -> int:
@@ -260,12 +262,13 @@ class TransformerConfig:
 class TextEncoderConfig(TransformerEncoderConfig):
     """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
 
-    model_type: str  # bert | roberta | xlm-roberta | distilbert
+    model_type: str  # bert | roberta | xlm-roberta | distilbert | mpnet
     vocab_size: int
     max_position_embeddings: int
-    type_vocab_size: int = 0  # 0: no token-type table (DistilBERT)
+    type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
     pad_token_id: int | None = None
     position_offset: int = 0  # RoBERTa: pad_token_id + 1
+    relative_attention_num_buckets: int = 0  # MPNet: 32 (a relative position bias)
     pooling: str = "mean"  # mean | cls | last_token
     normalize: bool = False
     max_seq_len: int = 0  # 0: as many tokens as the position table holds
@@ -279,6 +282,11 @@ class TextEncoderConfig(TransformerEncoderConfig):
         if self.positions_from_padding and self.pad_token_id is None:
             raise CheckpointError(
                 f"config.pad_token_id is needed for {self.model_type} position ids"
+            )
+        if self.relative_attention_num_buckets not in RELATIVE_BUCKETS:
+            raise CheckpointError(
+                "relative_attention_num_buckets must be 32 (MPNet's) or 0 (none), got "
+                f"{self.relative_attention_num_buckets!r}"
             )
         table = self.max_position_embeddings - self.position_offset
         if table < 1:

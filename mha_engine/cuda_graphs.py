@@ -334,6 +334,11 @@ def capture(
             "CUDA graphs need every attention layer to run the varlen kernel (fused Q/K/V, "
             "no bias_k/add_zero_attn, no GQA, head_dim a multiple of 8 up to 256)"
         )
+    stack = getattr(model, "encoder", None)
+    if getattr(stack, "position_bias", None) is not None:  # MPNet
+        raise ValueError(
+            "CUDA graphs replay the varlen kernel, which takes no relative position bias (MPNet)"
+        )
     graphs = CudaGraphs(
         model.packed_run if captures else None,
         model.embed_dim,

@@ -3,7 +3,7 @@
 Every family reads its sequence's first token ([CLS] / <s>) and applies dense -> activation ->
 linear to num_labels logits; only the names and the activation differ:
 - bert:       bert.pooler.dense + tanh, then classifier
-- roberta, xlm-roberta: classifier.dense + tanh, then classifier.out_proj
+- roberta, xlm-roberta, mpnet: classifier.dense + tanh, then classifier.out_proj
 - distilbert: pre_classifier + ReLU, then classifier
 Dropout is identity at inference. `TextClassifierModel` is the encoder with such a head.
 """
@@ -39,6 +39,7 @@ HEAD_NAMES = {
     "roberta": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
     "xlm-roberta": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
     "distilbert": HeadNames("pre_classifier", "classifier", "relu"),
+    "mpnet": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
 }
 
 

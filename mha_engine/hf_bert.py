@@ -1,8 +1,11 @@
-"""Hugging Face BERT-family directories (bert, roberta, xlm-roberta, distilbert) in engine terms.
+"""Hugging Face BERT-family directories (bert, roberta, xlm-roberta, distilbert, mpnet) in engine
+terms.
 
 `engine_config` turns the HF config.json into a post-norm transformer_encoder config plus the
 text fields (vocabulary, positions); `engine_state` checks every tensor under its HF name, then
 fuses query/key/value into in_proj and renames the rest onto EncoderStack and TextEmbeddings.
+MPNet is RoBERTa-like (positions from padding, no token types) plus a relative position bias
+table shared by all layers (EncoderStack.position_bias).
 Heads outside the base model (pooler, MLM/classification heads) are ignored here; heads.py
 loads sequence-classification heads.
 """
@@ -39,6 +42,8 @@ class Family:
     norm2: str
     token_types: bool
     positions_from_padding: bool  # RoBERTa numbers positions from pad_token_id + 1
+    layer_norm_eps: float = 1e-12  # when config.json has none (the family's config default)
+    relative_bias: str | None = None  # MPNet: the (buckets, H) relative position bias table
 
 
 BERT = Family(
@@ -83,9 +88,29 @@ DISTILBERT = Family(
     token_types=False,
     positions_from_padding=False,
 )
-FAMILIES = {"bert": BERT, "roberta": ROBERTA, "xlm-roberta": ROBERTA, "distilbert": DISTILBERT}
+MPNET = replace(
+    ROBERTA,
+    attention=AttentionKeys(
+        q="attention.attn.q", k="attention.attn.k", v="attention.attn.v", out="attention.attn.o"
+    ),
+    norm1="attention.LayerNorm",
+    token_types=False,
+    layer_norm_eps=1e-5,
+    relative_bias="encoder.relative_attention_bias.weight",
+)
+# transformers' MPNetEmbeddings number positions from a padding index fixed at 1, whatever
+# config.pad_token_id says
+MPNET_PADDING_IDX = 1
+FAMILIES = {
+    "bert": BERT,
+    "roberta": ROBERTA,
+    "xlm-roberta": ROBERTA,
+    "distilbert": DISTILBERT,
+    "mpnet": MPNET,
+}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 BUFFERS = ("position_ids", "token_type_ids")  # non-persistent index buffers some files carry
+BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name for MPNet's table
 
 
 def is_hf_config(config: object) -> bool:
@@ -124,14 +149,21 @@ def engine_config(config: dict) -> TextEncoderConfig:
         raise CheckpointError(
             f"hidden size {c['d_model']} is not divisible by the number of heads {c['nhead']}"
         )
-    # DistilBERT hard-codes eps=1e-12 in its LayerNorms; BERT and RoBERTa read it from config.
-    c["layer_norm_eps"] = float(config.get("layer_norm_eps", 1e-12))
+    # DistilBERT hard-codes eps=1e-12 in its LayerNorms; the others read it from config.
+    c["layer_norm_eps"] = float(config.get("layer_norm_eps", family.layer_norm_eps))
     c.update(norm_first=False, bias=True, final_norm=False)
     c["vocab_size"] = positive_int(config, "vocab_size")
     c["max_position_embeddings"] = positive_int(config, "max_position_embeddings")
     c["type_vocab_size"] = int(config.get("type_vocab_size", 0)) if family.token_types else 0
-    pad = config.get("pad_token_id")
+    pad = MPNET_PADDING_IDX if model_type == "mpnet" else config.get("pad_token_id")
     c["pad_token_id"] = pad if isinstance(pad, int) else None
+    if family.relative_bias is not None:
+        buckets = config.get("relative_attention_num_buckets", 32)
+        if buckets != 32:  # transformers' MPNet indexes its table with 32 buckets regardless
+            raise CheckpointError(
+                f"config.relative_attention_num_buckets is {buckets!r}; MPNet uses 32"
+            )
+        c["relative_attention_num_buckets"] = buckets
     if family.positions_from_padding and c["pad_token_id"] is None:
         raise CheckpointError(f"config.pad_token_id is needed for {model_type} position ids")
     c["position_offset"] = c["pad_token_id"] + 1 if family.positions_from_padding else 0
@@ -172,6 +204,8 @@ def expected_shapes(config: TextEncoderConfig) -> dict[str, tuple[int, ...]]:
     }
     if family.token_types and config.type_vocab_size > 0:
         shapes["embeddings.token_type_embeddings.weight"] = (config.type_vocab_size, E)
+    if family.relative_bias is not None:
+        shapes[family.relative_bias] = (config.relative_attention_num_buckets, config.nhead)
     a = family.attention
     for i in range(config.num_layers):
         p = family.layers.format(i=i)
@@ -220,6 +254,8 @@ def engine_state(
         ):
             for kind in ("weight", "bias"):
                 encoder[f"{dst}{ours}.{kind}"] = base[f"{src}{name}.{kind}"]
+    if family.relative_bias is not None:
+        encoder[BIAS_KEY] = base[family.relative_bias]
     embeddings = {  # TextEmbeddings uses HF's names under `embeddings.`
         k.removeprefix("embeddings."): v for k, v in base.items() if k.startswith("embeddings.")
     }
@@ -245,6 +281,8 @@ def hf_config(config: TextEncoderConfig) -> dict:
     )
     if family.token_types:
         c["type_vocab_size"] = config.type_vocab_size
+    if family.relative_bias is not None:
+        c["relative_attention_num_buckets"] = config.relative_attention_num_buckets
     return c
 
 
@@ -255,6 +293,8 @@ def hf_state(
     family, E = FAMILIES[config.model_type], config.d_model
     a = family.attention
     out = {f"embeddings.{k}": v for k, v in embeddings.items()}
+    if family.relative_bias is not None:
+        out[family.relative_bias] = encoder[BIAS_KEY]
     for i in range(config.num_layers):
         src, dst = f"layers.{i}.", family.layers.format(i=i)
         in_w = encoder[f"{src}self_attn.in_proj_weight"]  # (3E, E): rows [Q; K; V]

@@ -7,7 +7,7 @@ The head is the checkpoint's `...ForMaskedLM` one (dense -> activation -> LayerN
 to the vocabulary, the decoder's weight tied to the word embeddings when the file leaves it
 out); names per family:
 - bert:       cls.predictions.transform.dense / .LayerNorm, cls.predictions.decoder (+ bias)
-- roberta, xlm-roberta: lm_head.dense / lm_head.layer_norm, lm_head.decoder (+ lm_head.bias)
+- roberta, xlm-roberta, mpnet: lm_head.dense / lm_head.layer_norm, lm_head.decoder (+ lm_head.bias)
 - distilbert: vocab_transform / vocab_layer_norm, vocab_projector
 """
 
@@ -55,7 +55,11 @@ MLM_NAMES = {
     "distilbert": MlmNames(
         "vocab_transform", "vocab_layer_norm", "vocab_projector", "vocab_projector.bias"
     ),
+    "mpnet": MlmNames("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"),
 }  # fmt: skip
+# heads that apply exact GELU whatever the encoder's activation (transformers' RobertaLMHead,
+# MPNetLMHead); BERT's and DistilBERT's use the encoder's
+GELU_HEADS = ("roberta", "xlm-roberta", "mpnet")
 
 
 def is_masked_lm(hf_config: dict) -> bool:
@@ -103,10 +107,8 @@ class MaskedLMHead(nn.Module):
         self.dense = nn.Linear(D, D)
         self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(D, config.vocab_size)
-        # BERT's and DistilBERT's heads use the encoder's activation; RoBERTa's and XLM-R's
-        # always exact GELU (transformers' RobertaLMHead)
-        roberta = config.model_type in ("roberta", "xlm-roberta")
-        self.activation = "gelu" if roberta else config.activation
+        gelu = config.model_type in GELU_HEADS
+        self.activation = "gelu" if gelu else config.activation
 
     def forward(self, states: Tensor) -> Tensor:
         h = linear(self.dense, states, self.activation)  # (N, D)

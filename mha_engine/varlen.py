@@ -19,6 +19,10 @@ On CUDA, a plan without masks and with one causal flag for all sequences (self- 
 cross-attention, GQA in fp16/bf16) goes through one varlen kernel call (cuda_varlen.py: flash for
 fp16/bf16, memory-efficient for fp32) with no nested tensors and no host sync; other plans take
 the groups and are counted (FusedAttention.cuda_grouped_calls). Checked on an H100 (tests/gpu).
+
+A plan may carry an additive score bias per (T, S) (`attn_bias`, MPNet's relative positions,
+set by the encoder stack): neither varlen kernel takes one, so such plans run the SDPA groups,
+each group's bias broadcast over its sequences (they share the length, so the bias).
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class Plan:
     varlen_ok: bool = False  # one varlen kernel call can do it (no masks, one causal flag)
     seq_causal: list[bool] = field(default_factory=list)  # per sequence
     seq_masked: list[bool] = field(default_factory=list)  # per sequence: its mask hides keys
+    # (tgt_len, src_len) -> additive (1, H, T, S) score bias, or None (position_bias.BiasCache)
+    attn_bias: Callable[[int, int], Tensor] | None = field(default=None, repr=False)
     _groups: list[Group] | None = field(default=None, repr=False)
     _cpu: dict[int, tuple[Tensor | None, list[Group]]] = field(default_factory=dict, repr=False)
 
@@ -290,6 +296,7 @@ def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
     return (
         query.is_cuda
         and plan.varlen_ok
+        and plan.attn_bias is None
         and attn.extra_keys == 0
         and attn.head_dim % 8 == 0
         and attn.head_dim <= 256
@@ -324,7 +331,7 @@ def packed_attention(
         )  # fmt: skip
     else:
         if query.is_cuda:
-            attn.cuda_grouped_calls += 1  # masks, mixed causal flags, fp32 GQA, extra keys
+            attn.cuda_grouped_calls += 1  # masks, mixed causal flags, fp32 GQA, extra keys, bias
         merged = cpu_or_grouped_attention(attn, plan, q, k, v, qkv if fused else None)  # (N, E)
     return linear(attn.out_proj, merged, residual=residual)  # (N, E)
 
@@ -336,7 +343,7 @@ def cpu_or_grouped_attention(
     """Merged heads (N, E): cpu_varlen's kernel for the sequences it takes (short, unmasked;
     decided per sequence, never by batch-mates), grouped SDPA calls for the rest."""
     projections = {"qkv": qkv} if qkv is not None else {"q": q, "k": k, "v": v}
-    if attn.extra_keys == 0 and cpu_varlen.usable(q, k, v):
+    if attn.extra_keys == 0 and plan.attn_bias is None and cpu_varlen.usable(q, k, v):
         modes, others = plan.cpu_split(cpu_varlen.max_len(q.dtype))
         if modes is not None:  # some sequence for the kernel
             merged = cpu_varlen.varlen_attention(
@@ -380,7 +387,8 @@ def grouped_attention(
             gq = _take(q, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E)
             gk = _take(k, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
             gv = _take(v, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
-        y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal)  # (G, T, E)
+        bias = None if plan.attn_bias is None else plan.attn_bias(g.tgt_len, g.src_len)
+        y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal, attn_bias=bias)
         y = y.reshape(-1, E)  # (G*T, E)
         if g.real is not None:  # padded bucket: keep the real query rows only
             merged.index_copy_(0, g.out_rows, y.index_select(0, g.real))

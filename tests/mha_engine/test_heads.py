@@ -1,5 +1,5 @@
-"""Sequence-classification checkpoints (BERT, RoBERTa, XLM-R, DistilBERT) load with their heads
-and give transformers' logits; 1_Pooling chooses mean, CLS or last-token pooling."""
+"""Sequence-classification checkpoints (BERT, RoBERTa, XLM-R, DistilBERT, MPNet) load with their
+heads and give transformers' logits; 1_Pooling chooses mean, CLS or last-token pooling."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests import text_models as tm
 
 TEXTS = ["the cat sat on the mat", "deep learning", "what is the capital of france", "good"]
 PAIRS = [("what is deep learning", "deep learning is machine learning"), ("paris", "rain")]
-FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert"]
+FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert", "mpnet"]
 
 
 def _logits(ref, encoded, with_types: bool):

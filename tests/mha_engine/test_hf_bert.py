@@ -1,6 +1,6 @@
 """Hugging Face BERT-family directories load onto the engine and give transformers' numbers.
 
-Tiny randomly initialised models (bert, roberta, xlm-roberta, distilbert) are saved with
+Tiny randomly initialised models (bert, roberta, xlm-roberta, distilbert, mpnet) are saved with
 save_pretrained, loaded with load_model and compared with transformers on padded batches.
 """
 
@@ -46,7 +46,8 @@ def make_hf(model_type: str, head: str = "", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = _config(model_type, **overrides)
     cls = getattr(transformers, f"AutoModel{head}")
-    model = cls.from_config(config, attn_implementation="sdpa").eval()
+    eager = model_type == "mpnet"  # transformers' MPNet has no SDPA implementation
+    model = cls.from_config(config, attn_implementation="eager" if eager else "sdpa").eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -73,7 +74,7 @@ def _batch(lengths: list[int], seed: int = 3):
 LENGTHS = [7, 3, 12, 7, 1]
 
 
-@pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta", "distilbert"])
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta", "distilbert", "mpnet"])
 def test_last_hidden_state_matches_transformers(tmp_path, model_type):
     ref = make_hf(model_type)
     model = load_model(save_hf(ref, tmp_path), device="cpu")

@@ -168,7 +168,7 @@ def _write_st_settings(directory, pooling: str, normalize: bool, max_len: int) -
     (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_len}))
 
 
-@pytest.mark.parametrize("model_type", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "distilbert", "mpnet"])
 def test_text_model_saves_as_a_hugging_face_directory(tmp_path, model_type):
     """A loaded BERT-family model saves as an HF directory: load_model gives identical numbers,
     and transformers loads it into the original model's function."""

@@ -1,5 +1,5 @@
 """SPLADE sparse encoders against transformers' own `...ForMaskedLM` modules: the MLM head's
-logits through max over tokens of log(1 + relu), for BERT, RoBERTa and DistilBERT; batch
+logits through max over tokens of log(1 + relu), for BERT, RoBERTa, DistilBERT and MPNet; batch
 invariance; what a directory that cannot be served this way is told."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.support import FP32_TOL
 TEXTS = ["the cat sat on the mat", "what is deep learning?", "hello", "a dog . a cat . a mat"]
 
 
-@pytest.fixture(scope="module", params=["bert", "roberta", "distilbert"])
+@pytest.fixture(scope="module", params=["bert", "roberta", "distilbert", "mpnet"])
 def splade(request, tmp_path_factory) -> tuple:
     return tm.splade(tmp_path_factory.mktemp("splade") / request.param, request.param)
 
@@ -76,10 +76,17 @@ def test_what_cannot_run_as_splade_is_refused_naming_why(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(
     ("model_type", "act"),
-    [("bert", "relu"), ("roberta", "relu"), ("distilbert", "relu"), ("roberta", "gelu_new")],
+    [
+        ("bert", "relu"),
+        ("roberta", "relu"),
+        ("distilbert", "relu"),
+        ("roberta", "gelu_new"),
+        ("mpnet", "relu"),
+    ],
 )
 def test_each_familys_head_activation_is_transformers(tmp_path: Path, model_type, act) -> None:
-    """BERT's and DistilBERT's heads follow the encoder's activation; RoBERTa's is always GELU."""
+    """BERT's and DistilBERT's heads follow the encoder's activation; RoBERTa's and MPNet's are
+    always GELU."""
     field = "activation" if model_type == "distilbert" else "hidden_act"
     reference, path = tm.splade(tmp_path / "sp", model_type, **{field: act})
     encoded = tm.tokenize(path, TEXTS)

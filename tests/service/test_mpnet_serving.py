@@ -1,0 +1,72 @@
+"""An MPNet sentence-transformers directory (all-mpnet-base-v2's layout: mean pooling, Normalize)
+served in process: /v1/embeddings, TEI's /embed and the attention debug route equal transformers'
+MPNetModel at fp32 tolerance, with several sentences batched together."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.inprocess import asgi_client
+from tests.support import FP32_TOL
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from tests import text_models as tm
+
+NAME = "mpnet"
+TEXTS = ["the cat sat on the mat", "what is deep learning?", "hello", "paris is the capital"]
+TOKEN = "debug-token"
+
+
+@pytest.fixture(scope="module")
+def mpnet(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    root = tmp_path_factory.mktemp("mpnet")
+    return tm.sentence_transformer(root / NAME, pooling="mean", model_type="mpnet")
+
+
+def _reference(model, directory: Path, texts: list[str]) -> tuple[np.ndarray, tuple]:
+    """Normalized mean-pooled vectors and the per-layer attention weights of the first text."""
+    ids, mask, _ = tm.padded(tm.tokenize(directory, texts))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    m = mask[..., None].float()
+    mean = (out.last_hidden_state * m).sum(1) / m.sum(1)
+    first = int(mask[0].sum())
+    weights = tuple(a[:1, :, :first, :first] for a in out.attentions)
+    return torch.nn.functional.normalize(mean, dim=-1).numpy(), weights
+
+
+def test_embeddings_and_attention_equal_transformers(mpnet) -> None:
+    model, directory = mpnet
+    want, weights = _reference(model, directory, TEXTS)
+
+    async def main() -> None:
+        settings = {"debug_endpoint": True, "debug_token": TOKEN}
+        async with asgi_client(model_dir=directory, model_name=NAME, **settings) as client:
+            openai = await client.post("/v1/embeddings", json={"model": NAME, "input": TEXTS})
+            assert openai.status_code == 200, openai.text
+            got = np.array([d["embedding"] for d in openai.json()["data"]])
+            np.testing.assert_allclose(got, want, **FP32_TOL)
+            tei = await client.post("/embed", json={"inputs": TEXTS})
+            assert tei.status_code == 200, tei.text
+            np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
+            info = (await client.get("/info")).json()
+            assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+
+            text = {"name": "text", "shape": [1], "datatype": "BYTES", "data": [TEXTS[0]]}
+            debug = await client.post(
+                f"/v2/models/{NAME}/attention",
+                json={"inputs": [text]},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert debug.status_code == 200, debug.text
+            out = {o["name"]: o for o in debug.json()["outputs"]}["attention_weights"]
+            got_weights = torch.tensor(out["data"]).reshape(out["shape"])  # (L, 1, H, T, T)
+            torch.testing.assert_close(got_weights, torch.stack(weights), **FP32_TOL)
+
+    asyncio.run(main())
