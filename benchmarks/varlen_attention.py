@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from mha_engine import cpu_varlen, fused, varlen
+from mha_engine import cpu_varlen, fused, packed_attention, varlen
 from mha_engine.attention import FusedAttention
 from mha_engine.config import MultiheadAttentionConfig
 
@@ -62,7 +62,7 @@ def main() -> None:
 
                 attn = FusedAttention(MultiheadAttentionConfig(embed_dim=E, num_heads=H))
 
-                grouped = partial(varlen.grouped_attention, attn, plan, q=q, k=k, v=v)
+                grouped = partial(packed_attention.grouped_attention, attn, plan, q=q, k=k, v=v)
                 kernel = partial(
                     cpu_varlen.varlen_attention,
                     q, k, v, plan.cu_seqlens, None, modes, lens, lens, H, H, head_dim,

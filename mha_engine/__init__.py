@@ -7,7 +7,8 @@ attention-weights path for debugging, and packed varlen batches. Encoders, decod
 PyTorch state dicts.
 Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out),
 TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out), or
-SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out).
+SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out); ModernBERT
+directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers).
 """
 
 from .attention import FusedAttention
@@ -15,6 +16,7 @@ from .blocks import EncoderLayer, EncoderStack
 from .checkpoint import CheckpointError, load_model
 from .config import (
     EngineConfig,
+    ModernBertEncoderConfig,
     MultiheadAttentionConfig,
     TextEncoderConfig,
     TransformerConfig,
@@ -31,6 +33,7 @@ from .engine_model import EngineModel
 from .errors import DeviceError
 from .heads import ClassifierInfo, TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
+from .modernbert import ModernBertModel
 from .protocol import ServedClassifierModel, ServedModel, ServedSparseModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .save import save_model
@@ -52,6 +55,8 @@ __all__ = [
     "FusedAttention",
     "Int8Linear",
     "Int8Unsupported",
+    "ModernBertEncoderConfig",
+    "ModernBertModel",
     "MultiheadAttentionConfig",
     "MultiheadAttentionModel",
     "ServedClassifierModel",

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from .config import MultiheadAttentionConfig
 from .fused import linear, padded_gemm
 from .masks import causal_mask, merge_masks
-from .varlen import Plan, packed_attention
+from .packed_attention import packed_attention
+from .varlen import AttnBias, Plan
 
 # enable_gqa arrived in torch 2.5; older builds take the explicit repeat in `sdpa`.
 SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -214,12 +215,14 @@ class FusedAttention(nn.Module):
         key: Tensor | None = None,
         value: Tensor | None = None,
         residual: Tensor | None = None,
+        attn_bias: AttnBias | None = None,
     ) -> Tensor:
         """Packed (N, E) queries (and (M, kdim|vdim) keys/values) attended per the plan's groups;
-        a residual (N, E) is added inside out_proj (one fused GEMM on CPU)."""
+        a residual (N, E) is added inside out_proj (one fused GEMM on CPU); attn_bias gives a
+        score bias per sequence length (varlen.AttnBias)."""
         key = query if key is None else key
         value = key if value is None else value
-        return packed_attention(self, query, key, value, plan, residual)  # (N, E)
+        return packed_attention(self, query, key, value, plan, residual, attn_bias)  # (N, E)
 
 
 def _from_pytorch_names(module: FusedAttention, state: dict, prefix: str, *_: object) -> None:

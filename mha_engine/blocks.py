@@ -14,7 +14,7 @@ from .attention import FusedAttention
 from .config import TransformerEncoderConfig
 from .fused import linear
 from .position_bias import BiasCache, RelativePositionBias
-from .varlen import Plan
+from .varlen import AttnBias, Plan
 
 
 class EncoderLayer(nn.Module):
@@ -40,12 +40,13 @@ class EncoderLayer(nn.Module):
         is_causal: bool,
         plan: Plan | None,
         need_weights: bool,
-        attn_bias: Tensor | None,
+        attn_bias: Tensor | AttnBias | None,
         residual: Tensor,
     ) -> tuple[Tensor, Tensor | None]:
         """residual + self-attention(h); packed, the add is fused into out_proj."""
         if plan is not None:  # packed tokens: attention per group of equal-shaped sequences
-            return self.self_attn.forward_packed(h, plan, residual=residual), None  # (N, E)
+            out = self.self_attn.forward_packed(h, plan, residual=residual, attn_bias=attn_bias)
+            return out, None  # (N, E)
         attend = (key_padding_mask, attn_mask, is_causal, need_weights, attn_bias)
         a, w = self.self_attn(h, h, h, *attend)
         return residual + a, w
@@ -63,10 +64,10 @@ class EncoderLayer(nn.Module):
         is_causal: bool = False,
         plan: Plan | None = None,
         need_weights: bool = False,
-        attn_bias: Tensor | None = None,
+        attn_bias: Tensor | AttnBias | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x: dense (B, T, E) with masks, or packed (N, E) with the plan of its sequences;
-        attn_bias: an additive (1, H, T, T) score bias of the dense path (packed: the plan's).
+        attn_bias: an additive score bias, (1, H, T, T) dense, per sequence length packed.
 
         Returns the layer output (same shape) and, with need_weights, weights (B, H, T, S).
         """
@@ -99,6 +100,13 @@ class EncoderStack(nn.Module):
         buckets = getattr(config, "relative_attention_num_buckets", 0)  # TextEncoderConfig's
         self.position_bias = RelativePositionBias(config.nhead, buckets) if buckets else None
 
+    @property
+    def cuda_graphs_refusal(self) -> str | None:
+        """Why CUDA graphs cannot replay this stack (None: they can)."""
+        if self.position_bias is not None:
+            return "the kernel takes no relative position bias (MPNet)"
+        return None
+
     def forward(
         self,
         x: Tensor,
@@ -113,10 +121,10 @@ class EncoderStack(nn.Module):
         Returns the output and, with need_weights, each layer's weights (B, H, T, S).
         """
         weights: list[Tensor] = []
-        bias = None
+        bias: Tensor | AttnBias | None = None
         if self.position_bias is not None:  # computed once, shared by every layer
             if plan is not None:
-                plan.attn_bias = BiasCache(self.position_bias, x.dtype)
+                bias = BiasCache(self.position_bias, x.dtype)
             else:
                 T = x.shape[-2]
                 bias = self.position_bias(T, T, x.dtype)  # (1, H, T, T)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import heads, hf_bert, layouts, sparse
+from . import heads, hf_bert, hf_modernbert, layouts, sparse
 from .config import (
     EngineConfig,
     LayerStackConfig,
@@ -36,6 +36,7 @@ from .errors import CheckpointError, check_state
 from .fused import prepack
 from .heads import TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
+from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .quantize import quantize_int8
 from .text_model import TextEncoderModel, read_text_settings
 from .transformer_model import TransformerModel
@@ -233,7 +234,9 @@ def text_model_from_directory(
     TextClassifierModel when config.architectures names a `...ForSequenceClassification`, or a
     SparseEncoderModel when modules.json asks for SPLADE pooling (sentence-transformers'
     SparseEncoder)."""
-    config = hf_bert.engine_config(hf_config)  # fail on config errors before reading weights
+    modern = hf_config.get("model_type") == hf_modernbert.MODEL_TYPE
+    family = hf_modernbert if modern else hf_bert
+    config = family.engine_config(hf_config)  # fail on config errors before reading weights
     settings = read_text_settings(directory)
     config = replace(
         config,
@@ -242,6 +245,11 @@ def text_model_from_directory(
         max_seq_len=settings.max_seq_len or 0,
     )
     info = heads.classifier_info(hf_config) if heads.is_sequence_classifier(hf_config) else None
+    spec = heads.head_spec(hf_config, config.model_type) if info is not None else None
+    if modern and settings.sparse:
+        raise CheckpointError(
+            f"{directory}: a ModernBERT SPLADE model (its masked-LM head) is not supported"
+        )
     if settings.sparse and not sparse.is_masked_lm(hf_config):
         raise CheckpointError(
             f"{directory}: modules.json asks for SPLADE pooling, but config.json's architectures "
@@ -249,12 +257,15 @@ def text_model_from_directory(
             "...ForMaskedLM checkpoint (its masked-LM head)"
         )
     weights = _read_weights(directory)
-    encoder_state, embedding_state = hf_bert.engine_state(weights, config)
-    validate_state_dict(encoder_state, config)
+    encoder_state, embedding_state = family.engine_state(weights, config)
+    if not modern:
+        validate_state_dict(encoder_state, config)
     head = None  # the head's weights, checked before anything is built
     if info is not None:
-        base = hf_bert.base_prefix(weights)
-        head = heads.head_state(weights, config.model_type, base, config.d_model, info.num_labels)
+        base = family.base_prefix(weights)
+        head = heads.head_state(
+            weights, config.model_type, base, config.d_model, info.num_labels, spec
+        )
     elif settings.sparse:
         head = sparse.mlm_head_state(weights, config)
     del weights
@@ -262,11 +273,12 @@ def text_model_from_directory(
     dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
         if info is not None:
-            model = TextClassifierModel(config, info)
+            classifier = ModernBertClassifierModel if modern else TextClassifierModel
+            model = classifier(config, info, spec)
         elif settings.sparse:
             model = sparse.SparseEncoderModel(config)
         else:
-            model = TextEncoderModel(config)
+            model = (ModernBertModel if modern else TextEncoderModel)(config)
     _assign(model.encoder, encoder_state, device, dtype)
     if head is not None:
         _assign(model.head, head, device, dtype)

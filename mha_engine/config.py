@@ -16,6 +16,7 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 POOLING_MODES = ("mean", "cls", "last_token")
 # Model types whose position ids count only non-pad tokens, from pad_token_id + 1.
 POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta", "mpnet")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # ModernBERT's attention per layer
 # Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
 RELATIVE_BUCKETS = (0, 32)
 
@@ -262,7 +263,7 @@ class TransformerConfig:
 class TextEncoderConfig(TransformerEncoderConfig):
     """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
 
-    model_type: str  # bert | roberta | xlm-roberta | distilbert | mpnet
+    model_type: str  # bert | roberta | xlm-roberta | distilbert | mpnet | modernbert
     vocab_size: int
     max_position_embeddings: int
     type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
@@ -303,6 +304,33 @@ class TextEncoderConfig(TransformerEncoderConfig):
         """From to_dict's output (the Hugging Face form is read by hf_bert.engine_config)."""
         base = TransformerEncoderConfig.from_dict(data)
         return cls(**{**asdict(base), **_known(cls, data)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModernBertEncoderConfig(TextEncoderConfig):
+    """ModernBERT: pre-norm rotary layers without biases, each attending to every key
+    ("full_attention") or to those within sliding_window positions ("sliding_attention")."""
+
+    layer_types: tuple[str, ...]
+    rope_theta: float = 160000.0  # full-attention layers' RoPE base
+    local_rope_theta: float = 10000.0  # sliding layers'
+    sliding_window: int = 64  # half of HF's local_attention
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
+            LAYER_TYPES
+        ):
+            raise CheckpointError(
+                f"config.layer_types must name {self.num_layers} layers, each one of "
+                f"{LAYER_TYPES}, got {list(self.layer_types)}"
+            )
+        for name in ("rope_theta", "local_rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise CheckpointError(f"config.{name} must be a positive number, got {value!r}")
+        _positive("sliding_window", self.sliding_window)
 
 
 EngineConfig = (

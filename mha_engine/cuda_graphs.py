@@ -40,8 +40,9 @@ from .graph_buckets import (
     cross_slots,
     self_layout,
 )
+from .packed_attention import varlen_capable
 from .quantize import is_int8
-from .varlen import Plan, varlen_capable
+from .varlen import Plan
 
 log = logging.getLogger(__name__)
 
@@ -334,11 +335,9 @@ def capture(
             "CUDA graphs need every attention layer to run the varlen kernel (fused Q/K/V, "
             "no bias_k/add_zero_attn, no GQA, head_dim a multiple of 8 up to 256)"
         )
-    stack = getattr(model, "encoder", None)
-    if getattr(stack, "position_bias", None) is not None:  # MPNet
-        raise ValueError(
-            "CUDA graphs replay the varlen kernel, which takes no relative position bias (MPNet)"
-        )
+    refusal = getattr(getattr(model, "encoder", None), "cuda_graphs_refusal", None)
+    if refusal is not None:  # a stack whose layers add score biases (MPNet, ModernBERT)
+        raise ValueError(f"CUDA graphs replay the varlen kernel only: {refusal}")
     graphs = CudaGraphs(
         model.packed_run if captures else None,
         model.embed_dim,

@@ -1,10 +1,13 @@
 """Sequence-classification heads of BERT-family checkpoints (`...ForSequenceClassification`).
 
-Every family reads its sequence's first token ([CLS] / <s>) and applies dense -> activation ->
-linear to num_labels logits; only the names and the activation differ:
+Every family pools its sequence (the first token, [CLS] / <s>; ModernBERT: the first token or
+the mean, as config.classifier_pooling says) and applies dense -> activation (-> LayerNorm) ->
+linear to num_labels logits; the names, the activation and the norm differ:
 - bert:       bert.pooler.dense + tanh, then classifier
 - roberta, xlm-roberta, mpnet: classifier.dense + tanh, then classifier.out_proj
 - distilbert: pre_classifier + ReLU, then classifier
+- modernbert: head.dense (bias if classifier_bias) + classifier_activation + head.norm, then
+  classifier
 Dropout is identity at inference. `TextClassifierModel` is the encoder with such a head.
 """
 
@@ -18,7 +21,9 @@ from torch import Tensor, nn
 
 from .config import TextEncoderConfig
 from .errors import CheckpointError, check_state
-from .fused import linear
+from .fused import ACTIVATIONS, linear
+from .hf_bert import ACTIVATIONS as HF_ACTIVATIONS
+from .text import pool_packed
 from .text_model import TextEncoderModel
 from .varlen import cumulative, lengths, pad_rows
 
@@ -31,7 +36,19 @@ class HeadNames:
 
     dense: str
     out: str
-    activation: str  # tanh | relu
+    activation: str  # tanh | relu (the family's; ModernBERT's comes from its config)
+    norm: str | None = None  # ModernBERT: a LayerNorm after the activation
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """One checkpoint's head: its family's names plus what its config decides."""
+
+    names: HeadNames
+    activation: str  # tanh | relu | gelu | gelu_tanh
+    pooling: str = "cls"  # cls (the first token) | mean
+    dense_bias: bool = True
+    norm_eps: float = 1e-5
 
 
 HEAD_NAMES = {
@@ -40,7 +57,9 @@ HEAD_NAMES = {
     "xlm-roberta": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
     "distilbert": HeadNames("pre_classifier", "classifier", "relu"),
     "mpnet": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
+    "modernbert": HeadNames("head.dense", "classifier", "gelu", norm="head.norm"),
 }
+CLASSIFIER_POOLING = ("cls", "mean")  # ModernBERT's config.classifier_pooling
 
 
 @dataclass(frozen=True)
@@ -90,45 +109,94 @@ def classifier_info(hf_config: dict) -> ClassifierInfo:
     return ClassifierInfo(id2label, problem)
 
 
-def head_state(
-    state: dict[str, Tensor], model_type: str, base_prefix: str, d_model: int, num_labels: int
-) -> dict[str, Tensor]:
-    """The head's weights under ClassificationHead's names (dense.*, out.*), shapes checked."""
+def default_spec(model_type: str) -> HeadSpec:
+    """The family's head as its names say (every family but ModernBERT has one form)."""
     names = HEAD_NAMES[model_type]
-    ours = {"dense": names.dense.format(base=base_prefix), "out": names.out}  # ours -> theirs
-    shapes = {"dense": (d_model, d_model), "out": (num_labels, d_model)}
-    expected = {}
-    for name, theirs in ours.items():
-        expected[f"{theirs}.weight"] = shapes[name]
-        expected[f"{theirs}.bias"] = shapes[name][:1]
+    return HeadSpec(names, names.activation)
+
+
+def head_spec(hf_config: dict, model_type: str) -> HeadSpec:
+    """The head of this checkpoint: the family's, with ModernBERT's pooling, activation and
+    dense bias read from its config (CheckpointError naming a value the engine does not run)."""
+    names = HEAD_NAMES[model_type]
+    if names.norm is None:
+        return default_spec(model_type)
+    pooling = hf_config.get("classifier_pooling", "cls")
+    if pooling not in CLASSIFIER_POOLING:
+        raise CheckpointError(
+            f"config.classifier_pooling {pooling!r} is not one of {CLASSIFIER_POOLING}"
+        )
+    act = hf_config.get("classifier_activation", "gelu")
+    if act not in HF_ACTIVATIONS:
+        raise CheckpointError(
+            f"config.classifier_activation {act!r} is not supported; use one of "
+            f"{list(HF_ACTIVATIONS)}"
+        )
+    bias = bool(hf_config.get("classifier_bias", False))
+    eps = float(hf_config.get("norm_eps", 1e-5))
+    return HeadSpec(names, HF_ACTIVATIONS[act], pooling, bias, eps)
+
+
+def head_state(
+    state: dict[str, Tensor],
+    model_type: str,
+    base_prefix: str,
+    d_model: int,
+    num_labels: int,
+    spec: HeadSpec | None = None,
+) -> dict[str, Tensor]:
+    """The head's weights under ClassificationHead's names (dense.*, norm.*, out.*), shapes
+    checked; spec: the checkpoint's head (head_spec), the family's by default."""
+    spec = spec or default_spec(model_type)
+    names = spec.names
+    shapes = {  # ours -> (theirs, shape)
+        "dense.weight": (names.dense, (d_model, d_model)),
+        "out.weight": (names.out, (num_labels, d_model)),
+        "out.bias": (names.out, (num_labels,)),
+    }
+    if spec.dense_bias:
+        shapes["dense.bias"] = (names.dense, (d_model,))
+    if names.norm is not None:
+        shapes["norm.weight"] = (names.norm, (d_model,))
+    theirs = {
+        ours: f"{name.format(base=base_prefix)}.{ours.rsplit('.', 1)[1]}"
+        for ours, (name, _) in shapes.items()
+    }
+    expected = {theirs[ours]: shape for ours, (_, shape) in shapes.items()}
     found = {k: v for k, v in state.items() if k in expected}
     check_state(found, expected, f"{model_type} sequence-classification head")
-    return {f"{name}.{kind}": found[f"{theirs}.{kind}"]
-            for name, theirs in ours.items() for kind in ("weight", "bias")}  # fmt: skip
+    return {ours: found[name] for ours, name in theirs.items()}
 
 
 class ClassificationHead(nn.Module):
-    """First-token state (B, D) -> logits (B, num_labels): dense, tanh or ReLU, linear."""
+    """Pooled state (B, D) -> logits (B, num_labels): dense, activation, (LayerNorm,) linear."""
 
-    def __init__(self, d_model: int, num_labels: int, activation: str) -> None:
+    def __init__(self, d_model: int, num_labels: int, spec: HeadSpec) -> None:
         super().__init__()
-        self.dense = nn.Linear(d_model, d_model)
+        self.dense = nn.Linear(d_model, d_model, bias=spec.dense_bias)
+        self.norm = (
+            nn.LayerNorm(d_model, eps=spec.norm_eps, bias=False) if spec.names.norm else None
+        )
         self.out = nn.Linear(d_model, num_labels)
-        self.activation = torch.tanh if activation == "tanh" else torch.relu
+        self.activation = torch.tanh if spec.activation == "tanh" else ACTIVATIONS[spec.activation]
 
-    def forward(self, first: Tensor) -> Tensor:
-        h = self.activation(linear(self.dense, first))  # (B, D)
+    def forward(self, pooled: Tensor) -> Tensor:
+        h = self.activation(linear(self.dense, pooled))  # (B, D)
+        if self.norm is not None:
+            h = self.norm(h)
         return linear(self.out, h)  # (B, num_labels)
 
 
 class TextClassifierModel(TextEncoderModel):
     """A BERT-family encoder with its sequence-classification head: ids in, logits out."""
 
-    def __init__(self, config: TextEncoderConfig, info: ClassifierInfo) -> None:
+    def __init__(
+        self, config: TextEncoderConfig, info: ClassifierInfo, spec: HeadSpec | None = None
+    ) -> None:
         super().__init__(config)
         self.info = info
-        activation = HEAD_NAMES[config.model_type].activation
-        self.head = ClassificationHead(config.d_model, info.num_labels, activation)
+        self.spec = spec or default_spec(config.model_type)
+        self.head = ClassificationHead(config.d_model, info.num_labels, self.spec)
 
     @torch.inference_mode()
     def classify_packed(
@@ -140,9 +208,9 @@ class TextClassifierModel(TextEncoderModel):
         """Logits (B, num_labels) float32 of packed id sequences (N,) split at cu_seqlens;
         token_type_ids (N,) mark each pair's second text (None: all 0)."""
         hidden = self.encode_packed(input_ids, cu_seqlens, token_type_ids=token_type_ids)
-        lens = torch.tensor(lengths(cu_seqlens, hidden.shape[0]), device=hidden.device)
-        first = hidden.index_select(0, torch.cumsum(lens, 0) - lens)  # (B, D)
-        return self.head(pad_rows(first))[: first.shape[0]].float()  # (B, num_labels)
+        lens = lengths(cu_seqlens, hidden.shape[0])
+        pooled = pool_packed(hidden, lens, self.spec.pooling).to(hidden.dtype)  # (B, D)
+        return self.head(pad_rows(pooled))[: pooled.shape[0]].float()  # (B, num_labels)
 
     def classify_varlen(
         self, input_ids: list[Tensor], token_type_ids: list[Tensor] | None = None

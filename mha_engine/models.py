@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .attention import FusedAttention
 from .blocks import EncoderStack
@@ -175,10 +175,11 @@ class TransformerEncoderModel(EngineModel):
     """nn.TransformerEncoder(batch_first=True) (optionally with final norm) as a fused callable."""
 
     architecture = TransformerEncoderConfig.architecture
+    stack_class: type[nn.Module] = EncoderStack  # ModernBERT's stack for its models
 
     def __init__(self, config: TransformerEncoderConfig) -> None:
         super().__init__(config)
-        self.encoder = EncoderStack(config)
+        self.encoder = self.stack_class(config)
 
     def attention_layers(self) -> list[FusedAttention]:
         return [layer.self_attn for layer in self.encoder.layers]

@@ -20,6 +20,7 @@ from . import hf_bert
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
 from .heads import TextClassifierModel
+from .modernbert import ModernBertModel
 from .sparse import SparseEncoderModel
 from .text_model import TextEncoderModel, write_text_settings
 
@@ -153,6 +154,11 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     if isinstance(model, EngineModel):
+        if isinstance(model, ModernBertModel):
+            raise ValueError(
+                "a ModernBertModel is not saved: keep the model's original directory "
+                "(save_pretrained from transformers or sentence-transformers)"
+            )
         if isinstance(model, TextClassifierModel | SparseEncoderModel):
             raise ValueError(
                 f"a {type(model).__name__} is not saved: its task head would be lost and the "

@@ -30,7 +30,23 @@ def segment_ids(lengths: list[int], device: torch.device) -> Tensor:
     return upload(torch.arange(len(lengths)).repeat_interleave(lens), device)  # (N,)
 
 
-class TextEmbeddings(nn.Module):
+class Float32Tables(nn.Module):
+    """Embedding tables that stay float32 whatever dtype the model is cast to: lookup and
+    LayerNorm run in float32 and the caller casts the result once, so a bf16 model's first layer
+    gets the fp32 embeddings rounded once. `_table` is one of the subclass's tables."""
+
+    def _table(self) -> Tensor:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        """Apply device moves only: the tables keep float32. The device is what `fn` makes of
+        a tensor where the tables are: a cast by dtype alone keeps them there (a CPU probe
+        would have moved a CUDA model's tables to the CPU)."""
+        device = fn(self._table().new_zeros(())).device
+        return super()._apply(lambda t: t.to(device=device), recurse)
+
+
+class TextEmbeddings(Float32Tables):
     """word + token-type + absolute position embeddings, then LayerNorm (BERT family).
 
     Submodule names are Hugging Face's (word_embeddings, position_embeddings,
@@ -53,12 +69,8 @@ class TextEmbeddings(nn.Module):
         self.pad_token_id = config.pad_token_id
         self.positions_from_padding = config.positions_from_padding
 
-    def _apply(self, fn, recurse=True):
-        """Apply device moves only: the tables keep float32 (see the class docstring). The
-        device is what `fn` makes of a tensor where the tables are: a cast by dtype alone
-        keeps them there (a CPU probe would have moved a CUDA model's tables to the CPU)."""
-        device = fn(self.word_embeddings.weight.new_zeros(())).device
-        return super()._apply(lambda t: t.to(device=device), recurse)
+    def _table(self) -> Tensor:
+        return self.word_embeddings.weight
 
     def padded_positions(self, input_ids: Tensor) -> Tensor:
         """(B, T) position ids as Hugging Face numbers a padded batch.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .config import TextEncoderConfig
 from .devices import upload
@@ -143,9 +143,11 @@ class TextEncoderModel(TransformerEncoderModel):
     Submodules: `embeddings` (TextEmbeddings, float32) and `encoder` (EncoderStack).
     """
 
+    embeddings_class: type[nn.Module] = TextEmbeddings  # ModernBERT's for its models
+
     def __init__(self, config: TextEncoderConfig) -> None:
         super().__init__(config)
-        self.embeddings = TextEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
 
     model_type = property(lambda self: self.config.model_type)
     max_seq_len = property(lambda self: self.config.max_seq_len)

@@ -20,9 +20,11 @@ cross-attention, GQA in fp16/bf16) goes through one varlen kernel call (cuda_var
 fp16/bf16, memory-efficient for fp32) with no nested tensors and no host sync; other plans take
 the groups and are counted (FusedAttention.cuda_grouped_calls). Checked on an H100 (tests/gpu).
 
-A plan may carry an additive score bias per (T, S) (`attn_bias`, MPNet's relative positions,
-set by the encoder stack): neither varlen kernel takes one, so such plans run the SDPA groups,
-each group's bias broadcast over its sequences (they share the length, so the bias).
+A layer may add a score bias that depends only on a sequence's (T, S) (`AttnBias`: MPNet's
+relative positions, ModernBERT's sliding window): each group's bias is broadcast over its
+sequences. Neither varlen kernel takes one: on the CPU a sequence whose bias is None still takes
+cpu_varlen's kernel (decided per sequence, so never by batch-mates); on CUDA a layer with a
+bias runs every sequence grouped.
 """
 
 from __future__ import annotations
@@ -30,22 +32,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import cpu_varlen
-from .cuda_varlen import varlen_attention
 from .devices import upload
-from .eager import eager_only
 from .fused import MIN_ROWS as MIN_GEMM_ROWS  # noqa: F401 (re-exported)
-from .fused import linear, pad_rows  # noqa: F401 (pad_rows re-exported)
-
-if TYPE_CHECKING:
-    from .attention import FusedAttention
+from .fused import pad_rows  # noqa: F401 (re-exported)
 
 Rows = Tensor | slice
+# (tgt_len, src_len) -> an additive (1, H|1, T, S) score bias, or None where it adds nothing
+AttnBias = Callable[[int, int], Tensor | None]
 
 
 @dataclass
@@ -77,10 +75,8 @@ class Plan:
     varlen_ok: bool = False  # one varlen kernel call can do it (no masks, one causal flag)
     seq_causal: list[bool] = field(default_factory=list)  # per sequence
     seq_masked: list[bool] = field(default_factory=list)  # per sequence: its mask hides keys
-    # (tgt_len, src_len) -> additive (1, H, T, S) score bias, or None (position_bias.BiasCache)
-    attn_bias: Callable[[int, int], Tensor] | None = field(default=None, repr=False)
     _groups: list[Group] | None = field(default=None, repr=False)
-    _cpu: dict[int, tuple[Tensor | None, list[Group]]] = field(default_factory=dict, repr=False)
+    _cpu: dict[tuple, tuple[Tensor | None, list[Group]]] = field(default_factory=dict, repr=False)
 
     @property
     def groups(self) -> list[Group]:
@@ -90,20 +86,27 @@ class Plan:
             self._groups = self.build_groups(None)
         return self._groups
 
-    def cpu_split(self, limit: int) -> tuple[Tensor | None, list[Group]]:
+    def cpu_split(
+        self, limit: int, biased: tuple[bool, ...] = ()
+    ) -> tuple[Tensor | None, list[Group]]:
         """For cpu_varlen's kernel with this length limit: each sequence's mode, (B,) uint8
         (0: not the kernel's; None when no sequence is), and the SDPA groups of the mode-0
-        sequences. Cached per limit."""
-        if limit not in self._cpu:
-            modes = cpu_varlen.modes(
-                self.q_lens, self.kv_lens, self.seq_causal, self.seq_masked, limit
+        sequences; `biased` sequences (a layer's score bias applies) are never the kernel's.
+        Cached per (limit, biased)."""
+        key = (limit, biased)
+        if key not in self._cpu:
+            hidden = (
+                [m or b for m, b in zip(self.seq_masked, biased, strict=True)]
+                if biased
+                else self.seq_masked
             )
+            modes = cpu_varlen.modes(self.q_lens, self.kv_lens, self.seq_causal, hidden, limit)
             if not any(modes):  # none for the kernel: all of them grouped, as without it
-                self._cpu[limit] = (None, self.groups)
+                self._cpu[key] = (None, self.groups)
             else:
                 groups = self.build_groups(lambda i: modes[i] == 0) if 0 in modes else []
-                self._cpu[limit] = (torch.tensor(modes, dtype=torch.uint8), groups)
-        return self._cpu[limit]
+                self._cpu[key] = (torch.tensor(modes, dtype=torch.uint8), groups)
+        return self._cpu[key]
 
     @property
     def num_sdpa_calls(self) -> int:
@@ -140,7 +143,7 @@ def _rows(offsets: list[int], length: int, device: torch.device) -> Rows:
     return (starts[:, None] + torch.arange(length, device=device)).reshape(-1)  # (G*T,)
 
 
-def _take(x: Tensor, rows: Rows) -> Tensor:
+def take(x: Tensor, rows: Rows) -> Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
@@ -159,7 +162,7 @@ def _masked(kpm: Tensor | None, kv_lens: list[int]) -> list[bool]:
 def _exact_group(members, q_lens, kv_lens, q_off, kv_off, causal, masked, kpm, device) -> Group:
     t, s, size = q_lens[members[0]], kv_lens[members[0]], len(members)
     kv_rows = _rows([kv_off[i] for i in members], s, device)
-    mask = _take(kpm, kv_rows).view(size, s) if masked[members[0]] else None  # (G, S)
+    mask = take(kpm, kv_rows).view(size, s) if masked[members[0]] else None  # (G, S)
     return Group(
         t, s, causal[members[0]], size, _rows([q_off[i] for i in members], t, device), kv_rows, mask
     )
@@ -179,7 +182,7 @@ def _padded_group(members, q_lens, kv_lens, q_off, kv_off, causal, masked, kpm, 
     pad = pos_s[None] >= ts[:, None]  # (G, S) True on padding keys
     mask: Tensor | None = pad
     if any(masked[i] for i in members):
-        own = _take(kpm, kv_rows).view(len(members), S)
+        own = take(kpm, kv_rows).view(len(members), S)
         mask = own | pad if own.dtype == torch.bool else own.masked_fill(pad, float("-inf"))
     real_q = pos_t[None] < tq[:, None]  # (G, T)
     real = real_q.reshape(-1).nonzero().squeeze(1)  # (sum T_i,)
@@ -275,125 +278,3 @@ def make_plan(
 def _upload(values: list[int], device: torch.device) -> Tensor:
     """An int32 tensor of `values` on `device` (see devices.upload)."""
     return upload(torch.tensor(values, dtype=torch.int32), device)
-
-
-def varlen_capable(attn: FusedAttention) -> bool:
-    """The block can run the CUDA varlen kernel: fused Q/K/V, no extra keys or GQA, flash-sized
-    heads."""
-    return (
-        attn.in_proj is not None
-        and attn.extra_keys == 0
-        and not attn.is_gqa
-        and attn.head_dim % 8 == 0
-        and attn.head_dim <= 256
-    )
-
-
-def use_varlen(attn: FusedAttention, query: Tensor, plan: Plan) -> bool:
-    """The CUDA varlen kernel applies: on the GPU, a plan one call can do, no extra keys,
-    flash-sized heads; GQA only through flash (half precisions), and without empty query
-    sequences (flash's single-query GQA path reshapes the queries to one row per sequence)."""
-    return (
-        query.is_cuda
-        and plan.varlen_ok
-        and plan.attn_bias is None
-        and attn.extra_keys == 0
-        and attn.head_dim % 8 == 0
-        and attn.head_dim <= 256
-        and (
-            not attn.is_gqa
-            or (query.dtype in (torch.float16, torch.bfloat16) and 0 not in plan.q_lens)
-        )
-    )
-
-
-def packed_attention(
-    attn: FusedAttention,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    plan: Plan,
-    residual: Tensor | None = None,
-) -> Tensor:
-    """Attention block on packed tokens: one in_proj, one varlen kernel call (CUDA: flash;
-    CPU: cpu_varlen for short sequences), else one SDPA per group, one out_proj (plus
-    `residual`, fused into out_proj)."""
-    fused = key is query and value is query and attn.in_proj is not None
-    if fused:
-        qkv = linear(attn.in_proj, query)  # (N, E + 2KV): one GEMM for Q, K, V
-        q, k, v = attn.split_qkv(qkv)
-    else:
-        q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
-    if use_varlen(attn, query, plan):
-        merged = varlen_attention(
-            q, k, v, plan.cu_seqlens, max(plan.q_lens), attn.num_heads, attn.head_dim,
-            is_causal=plan.causal, cu_seqlens_k=plan.cu_seqlens_k, max_len_k=max(plan.kv_lens),
-        )  # fmt: skip
-    else:
-        if query.is_cuda:
-            attn.cuda_grouped_calls += 1  # masks, mixed causal flags, fp32 GQA, extra keys, bias
-        merged = cpu_or_grouped_attention(attn, plan, q, k, v, qkv if fused else None)  # (N, E)
-    return linear(attn.out_proj, merged, residual=residual)  # (N, E)
-
-
-@eager_only
-def cpu_or_grouped_attention(
-    attn: FusedAttention, plan: Plan, q: Tensor, k: Tensor, v: Tensor, qkv: Tensor | None
-) -> Tensor:
-    """Merged heads (N, E): cpu_varlen's kernel for the sequences it takes (short, unmasked;
-    decided per sequence, never by batch-mates), grouped SDPA calls for the rest."""
-    projections = {"qkv": qkv} if qkv is not None else {"q": q, "k": k, "v": v}
-    if attn.extra_keys == 0 and plan.attn_bias is None and cpu_varlen.usable(q, k, v):
-        modes, others = plan.cpu_split(cpu_varlen.max_len(q.dtype))
-        if modes is not None:  # some sequence for the kernel
-            merged = cpu_varlen.varlen_attention(
-                q, k, v, plan.cu_seqlens, plan.cu_seqlens_k, modes, plan.q_lens, plan.kv_lens,
-                attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            )  # fmt: skip
-            if others:
-                grouped_attention(attn, plan, groups=others, merged=merged, **projections)
-            return merged
-    return grouped_attention(attn, plan, **projections)
-
-
-@eager_only
-def grouped_attention(
-    attn: FusedAttention,
-    plan: Plan,
-    qkv: Tensor | None = None,
-    q: Tensor | None = None,
-    k: Tensor | None = None,
-    v: Tensor | None = None,
-    groups: list[Group] | None = None,
-    merged: Tensor | None = None,
-) -> Tensor:
-    """One SDPA call per group of the plan (or of `groups`); merged heads (N, E) of the packed
-    queries, written into `merged` where given.
-
-    Never compiled: torch.compile would unroll the loop over groups and guard on every
-    length, recompiling for each new set of lengths. Compiled models run the per-token parts
-    (projections, norms, FFN) compiled with a dynamic token count and this loop eagerly.
-    """
-    E = attn.embed_dim
-    fused = qkv is not None
-    rows = qkv.shape[0] if fused else q.shape[0]
-    if merged is None:
-        merged = (qkv if fused else q).new_empty(rows, E)  # (N, E) merged heads
-    for g in plan.groups if groups is None else groups:
-        if fused:
-            part = _take(qkv, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E + 2KV)
-            gq, gk, gv = attn.split_qkv(part)
-        else:
-            gq = _take(q, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E)
-            gk = _take(k, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
-            gv = _take(v, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
-        bias = None if plan.attn_bias is None else plan.attn_bias(g.tgt_len, g.src_len)
-        y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal, attn_bias=bias)
-        y = y.reshape(-1, E)  # (G*T, E)
-        if g.real is not None:  # padded bucket: keep the real query rows only
-            merged.index_copy_(0, g.out_rows, y.index_select(0, g.real))
-        elif isinstance(g.q_rows, slice):
-            merged[g.q_rows] = y
-        else:
-            merged.index_copy_(0, g.q_rows, y)
-    return merged

@@ -47,6 +47,12 @@ def hf_config(model_type: str, **overrides):
 
     if model_type == "distilbert":
         kwargs = dict(dim=D, n_heads=HEADS, n_layers=LAYERS, hidden_dim=FFN)
+    elif model_type == "modernbert":  # layers: full, sliding (keys within 4 tokens), full
+        kwargs = dict(
+            hidden_size=D, num_attention_heads=HEADS, num_hidden_layers=3, intermediate_size=FFN,
+            local_attention=8, global_attn_every_n_layers=2, bos_token_id=CLS, cls_token_id=CLS,
+            eos_token_id=SEP, sep_token_id=SEP,
+        )  # fmt: skip
     else:
         kwargs = dict(
             hidden_size=D,

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from mha_engine.checkpoint import model_from_state_dict
+from mha_engine.packed_attention import use_varlen
 from mha_engine.save import module_config, module_state
-from mha_engine.varlen import cumulative, make_plan, use_varlen
+from mha_engine.varlen import cumulative, make_plan
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine_helpers import engine_from
 from torch import nn
 
-from mha_engine import cbuild, cpu_varlen, varlen
+from mha_engine import cbuild, cpu_varlen, packed_attention
 from mha_engine.varlen import cumulative, make_plan
 
 EXACT = {"atol": 1e-5, "rtol": 1.3e-6}
@@ -163,13 +163,13 @@ def test_the_grouped_sdpa_switch_and_the_fallback(monkeypatch):
     lens = [3, 9, 9, 20]
     x = torch.randn(sum(lens), 32)
     calls = []
-    real = varlen.grouped_attention
+    real = packed_attention.grouped_attention
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(varlen, "grouped_attention", counting)
+    monkeypatch.setattr(packed_attention, "grouped_attention", counting)
     kernel = model.forward_packed(x, cumulative(lens))
     assert not calls
     assert "varlen attention kernel compiled" in model.diagnostics()["engine_path"]

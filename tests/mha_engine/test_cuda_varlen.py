@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from mha_engine import cuda_varlen
-from mha_engine.varlen import cumulative, make_plan, use_varlen
+from mha_engine.packed_attention import use_varlen
+from mha_engine.varlen import cumulative, make_plan
 from tests.mha_engine.engine_helpers import engine_from, make_mha
 
 LENGTHS = [5, 1, 9, 9, 3]

@@ -13,8 +13,9 @@ import torch
 
 import mha_engine
 from mha_engine import CheckpointError, TextEncoderModel, cuda_graphs
+from mha_engine.packed_attention import use_varlen
 from mha_engine.position_bias import relative_position_bucket
-from mha_engine.varlen import make_plan, use_varlen
+from mha_engine.varlen import make_plan
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -137,8 +138,7 @@ def test_the_kernels_that_take_no_bias_are_not_used(mpnet, monkeypatch) -> None:
     plan = make_plan([5, 7])
     query = SimpleNamespace(is_cuda=True, dtype=torch.float16)
     assert use_varlen(attn, query, plan)
-    plan.attn_bias = lambda t, s: torch.zeros(1, tm.HEADS, t, s)
-    assert not use_varlen(attn, query, plan)
+    assert not use_varlen(attn, query, plan, lambda t, s: torch.zeros(1, tm.HEADS, t, s))
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match="relative position bias"):
+    with pytest.raises(ValueError, match="no relative position bias"):
         cuda_graphs.capture(model, True, False, 64, 8, 4, None)

@@ -33,7 +33,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """name -> (transformers model, directory) for every family and head the tests use."""
     root = tmp_path_factory.mktemp("text-heads")
     built = {}
-    for family in ("bert", "xlm-roberta", "mpnet"):
+    for family in ("bert", "xlm-roberta", "mpnet", "modernbert"):
         built[f"{family}-reranker"] = tm.classifier(family, root / f"{family}-r", {0: "score"})
     for family in ("bert", "roberta", "distilbert"):
         built[f"{family}-classifier"] = tm.classifier(family, root / f"{family}-c", seed=1)
@@ -62,7 +62,7 @@ def transformers_logits(ref, directory: Path, texts: list, pairs: bool) -> np.nd
         return ref(input_ids=ids, attention_mask=mask, **kwargs).logits.numpy()
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "mpnet"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "mpnet", "modernbert"])
 def test_rerank_equals_transformers(models, family):
     ref, path = models[f"{family}-reranker"]
     logits = transformers_logits(ref, path, [(QUERY, p) for p in PASSAGES], pairs=True)[:, 0]

@@ -1,6 +1,7 @@
-"""An MPNet sentence-transformers directory (all-mpnet-base-v2's layout: mean pooling, Normalize)
-served in process: /v1/embeddings, TEI's /embed and the attention debug route equal transformers'
-MPNetModel at fp32 tolerance, with several sentences batched together."""
+"""The newer text families served in process: an MPNet sentence-transformers directory
+(all-mpnet-base-v2's layout: mean pooling, Normalize) and a ModernBERT one answer /v1/embeddings
+and TEI's /embed (MPNet also the attention debug route) equal to transformers' MPNetModel /
+ModernBertModel at fp32 tolerance, with several sentences batched together."""
 
 from __future__ import annotations
 
@@ -68,5 +69,25 @@ def test_embeddings_and_attention_equal_transformers(mpnet) -> None:
             out = {o["name"]: o for o in debug.json()["outputs"]}["attention_weights"]
             got_weights = torch.tensor(out["data"]).reshape(out["shape"])  # (L, 1, H, T, T)
             torch.testing.assert_close(got_weights, torch.stack(weights), **FP32_TOL)
+
+    asyncio.run(main())
+
+
+def test_modernbert_embeddings_equal_transformers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A ModernBERT directory (rotary positions, a sliding-window layer) served the same way;
+    the texts run longer and shorter than the test model's window."""
+    root = tmp_path_factory.mktemp("modernbert")
+    model, directory = tm.sentence_transformer(root / "mb", pooling="mean", model_type="modernbert")
+    texts = [*TEXTS, "what is deep learning and how does a model rank a passage for a query ?"]
+    want, _ = _reference(model, directory, texts)
+
+    async def main() -> None:
+        async with asgi_client(model_dir=directory, model_name="mb") as client:
+            openai = await client.post("/v1/embeddings", json={"model": "mb", "input": texts})
+            assert openai.status_code == 200, openai.text
+            got = np.array([d["embedding"] for d in openai.json()["data"]])
+            np.testing.assert_allclose(got, want, **FP32_TOL)
+            tei = await client.post("/embed", json={"inputs": texts})
+            np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
 
     asyncio.run(main())

@@ -1,0 +1,127 @@
+"""MPNet and ModernBERT sentence embeddings: the engine's packed forward against transformers'
+model plus mean pooling, sentences/s on the same batches, interleaved.
+
+Run `python -m benchmarks.text_families [--family mpnet|modernbert] [--rounds 5] [--seconds 3]
+[--batch 32 --batch 1]` from the repository root under `flock /work/bench.lock` (needs
+transformers). The models have the published shapes, randomly initialised and saved as
+safetensors in a temporary directory (weights do not change the cost): all-mpnet-base-v2's (12
+layers, 768 wide, 12 heads) and ModernBERT-base's (22 layers, 768 wide, 12 heads, a 1,152-wide
+GeGLU, every third layer global, the others a 128-token window). Sentences are seeded random ids
+of 7-37 tokens (the lengths of benchmarks.embeddings' sentences under a BERT tokenizer), or of
+`--min-len`-`--max-len`. transformers runs each batch padded to its longest sentence with an
+attention mask (MPNet: eager attention, the only one it has; ModernBERT: SDPA); the engine runs
+it packed. Both in float32, then the engine in bfloat16 beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import mha_engine
+from benchmarks.text_models import rate
+
+SHAPES = {
+    "mpnet": dict(
+        hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072,
+        vocab_size=30527, max_position_embeddings=514, pad_token_id=1, layer_norm_eps=1e-5,
+    ),
+    "modernbert": dict(
+        hidden_size=768, num_attention_heads=12, num_hidden_layers=22, intermediate_size=1152,
+        vocab_size=50368, max_position_embeddings=8192, pad_token_id=1, local_attention=128,
+        global_attn_every_n_layers=3, bos_token_id=2, eos_token_id=3, cls_token_id=2,
+        sep_token_id=3,
+    ),
+}  # fmt: skip
+
+
+def batch(
+    size: int, vocab: int, lengths: tuple[int, int], seed: int = 0
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Unpadded id sequences and the same batch right-padded with its attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lengths[0], lengths[1] + 1, (size,), generator=g).tolist()
+    seqs = [torch.randint(3, vocab, (n,), generator=g) for n in lens]
+    padded = torch.ones(size, max(lens), dtype=torch.long)  # 1: the models' pad id
+    mask = torch.zeros_like(padded)
+    for row, one in enumerate(seqs):
+        padded[row, : len(one)], mask[row, : len(one)] = one, 1
+    return seqs, padded, mask
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--batch", type=int, action="append")
+    parser.add_argument("--family", choices=sorted(SHAPES), default="mpnet")
+    parser.add_argument("--min-len", type=int, default=7)
+    parser.add_argument("--max-len", type=int, default=37)
+    args = parser.parse_args()
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(args.family, **SHAPES[args.family])
+    attention = "eager" if args.family == "mpnet" else "sdpa"
+    reference = transformers.AutoModel.from_config(config, attn_implementation=attention).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        reference.save_pretrained(Path(tmp), safe_serialization=True)
+        fp32 = mha_engine.load_model(tmp)
+        bf16 = mha_engine.load_model(tmp, dtype="bfloat16")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.processor() or 'cpu'}, "
+        f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; {args.family}"
+    )
+    for size in args.batch or [32, 1]:
+        seqs = batch(size, config.vocab_size, (args.min_len, args.max_len))
+        compare(reference, fp32, bf16, seqs, args.rounds, args.seconds)
+
+
+def compare(reference, fp32, bf16, seqs: tuple, rounds: int, seconds: float) -> None:
+    """One batch: the three runs interleaved, a markdown table of their medians."""
+    seqs, padded, mask = seqs
+    size = len(seqs)
+
+    @torch.inference_mode()
+    def theirs() -> torch.Tensor:
+        hidden = reference(input_ids=padded, attention_mask=mask).last_hidden_state
+        m = mask[..., None].float()
+        return (hidden * m).sum(1) / m.sum(1)  # (B, D)
+
+    steps = {
+        "engine fp32": lambda: fp32.embed_varlen(seqs),
+        "transformers fp32": theirs,
+        "engine bf16": lambda: bf16.embed_varlen(seqs),
+    }
+    diff = (steps["engine fp32"]() - theirs()).abs().max().item()
+    diff16 = (steps["engine bf16"]() - theirs()).abs().max().item()
+    print(
+        f"\nbatch {size}, {min(map(len, seqs))}-{max(map(len, seqs))} tokens; max |engine - "
+        f"transformers| fp32 {diff:.2e}, bf16 {diff16:.2e}"
+    )
+    rows: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(rounds):
+        order = list(steps.items())
+        for name, step in order if i % 2 == 0 else order[::-1]:
+            step()  # warm
+            rows[name].append(rate(step, size, seconds))
+        print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.1f}/s" for k, v in rows.items()))
+    base = statistics.median(rows["transformers fp32"])
+    print("\n| batch | runs | sentences/s (median) | min-max | vs transformers fp32 |")
+    print("|---:|---|---:|---:|---:|")
+    for name, got in rows.items():
+        med = statistics.median(got)
+        spread = f"{min(got):.1f}-{max(got):.1f}"
+        print(f"| {size} | {name} | {med:.1f} | {spread} | {med / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

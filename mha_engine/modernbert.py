@@ -1,0 +1,208 @@
+"""ModernBERT encoders (answerdotai/ModernBERT, gte-modernbert, modernbert-embed) as engine modules.
+
+Each layer is pre-norm (the first without its attention norm): fused Q/K/V with rotary positions
+(RoPE) applied to queries and keys, attention over every key (full layers) or over the keys
+within `sliding_window` tokens of the query (sliding layers, a band mask), then a GeGLU
+feed-forward, act(input) * gate. No biases; a final norm; the embeddings are a token table and a
+LayerNorm (no position table: positions come from RoPE). Equal to transformers' ModernBertModel.
+
+Rotary angles are position * 1 / theta^(2i / head_dim), each layer kind with its own theta,
+computed once per forward. A sequence's band mask depends only on its length, so sliding layers
+take it per (T, S) like MPNet's bias (varlen.AttnBias); sequences no longer than the window get
+none and run as full attention would (the CPU varlen kernel, decided per sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .attention import FusedAttention
+from .config import MultiheadAttentionConfig, TextEncoderConfig
+from .devices import upload
+from .fused import ACTIVATIONS, linear
+from .heads import TextClassifierModel
+from .packed_attention import attend_packed
+from .text import Float32Tables, packed_positions
+from .text_model import TextEncoderModel
+from .varlen import AttnBias, Plan
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def rotary(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin (..., head_dim) of the positions' rotary angles, in `dtype` (as transformers
+    rounds them); the inverse frequencies are computed on the host, as transformers does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = positions[..., None].float() * upload(inv_freq, positions.device)  # (..., hd/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (..., hd)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> Tensor:
+    """RoPE on merged heads x (..., T, H*hd) with cos/sin (T, hd), in float32, back to x's dtype."""
+    shape = x.shape
+    heads = x.reshape(*shape[:-1], num_heads, -1).float()  # (..., T, H, hd)
+    half = heads.shape[-1] // 2
+    turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)  # rotate_half
+    out = heads * cos[:, None, :] + turned * sin[:, None, :]
+    return out.to(x.dtype).reshape(shape)
+
+
+class SlidingWindow:
+    """AttnBias of a sliding layer: (T, S) -> an additive (1, 1, T, S) mask hiding the keys more
+    than `window` positions from their query, or None when no key is that far. One per forward."""
+
+    def __init__(self, window: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.window, self.dtype, self.device = window, dtype, device
+        self._seen: dict[tuple[int, int], Tensor | None] = {}
+
+    def __call__(self, tgt_len: int, src_len: int) -> Tensor | None:
+        key = (tgt_len, src_len)
+        if key not in self._seen:
+            mask = None
+            if max(tgt_len, src_len) - 1 > self.window:
+                query = torch.arange(tgt_len)[:, None]
+                far = (torch.arange(src_len)[None, :] - query).abs() > self.window  # (T, S)
+                bias = torch.zeros(tgt_len, src_len, dtype=self.dtype).masked_fill_(
+                    far, float("-inf")
+                )
+                mask = upload(bias, self.device)[None, None]  # (1, 1, T, S)
+            self._seen[key] = mask
+        return self._seen[key]
+
+
+class ModernBertEmbeddings(Float32Tables):
+    """tok_embeddings then a LayerNorm (Hugging Face's names); float32 tables (Float32Tables).
+    Positions are taken for TextEmbeddings' interface and unused: RoPE places tokens."""
+
+    def __init__(self, config: TextEncoderConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=False)
+
+    def _table(self) -> Tensor:
+        return self.tok_embeddings.weight
+
+    def padded_positions(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[-1]
+        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
+
+    def forward(self, input_ids: Tensor, position_ids=None, token_type_ids=None) -> Tensor:
+        return self.norm(self.tok_embeddings(input_ids))  # (..., D) float32
+
+    def forward_packed(self, input_ids: Tensor, lengths: list[int], token_type_ids=None) -> Tensor:
+        return self.forward(input_ids)  # (N, D)
+
+
+class ModernBertLayer(nn.Module):
+    """attn_norm (not in layer 0) -> rotary attention -> + x; mlp_norm -> GeGLU -> + x."""
+
+    def __init__(self, config: TextEncoderConfig, index: int) -> None:
+        super().__init__()
+        E, F_, eps = config.d_model, config.dim_feedforward, config.layer_norm_eps
+        self.attn_norm = nn.LayerNorm(E, eps=eps, bias=False) if index > 0 else None
+        self.self_attn = FusedAttention(MultiheadAttentionConfig(E, config.nhead, bias=False))
+        self.mlp_norm = nn.LayerNorm(E, eps=eps, bias=False)
+        self.Wi = nn.Linear(E, 2 * F_, bias=False)  # input and gate, stacked
+        self.Wo = nn.Linear(F_, E, bias=False)
+        self.kind = config.layer_types[index]
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(
+        self,
+        x: Tensor,
+        cos_sin: tuple[Tensor, Tensor],
+        key_padding_mask: Tensor | None,
+        plan: Plan | None,
+        need_weights: bool,
+        window: Tensor | AttnBias | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: dense (B, T, E) or packed (N, E) with its plan; cos/sin per position (T|N, hd)."""
+        attn = self.self_attn
+        h = x if self.attn_norm is None else self.attn_norm(x)
+        qkv = linear(attn.in_proj, h)  # (..., 3E)
+        q, k, v = attn.split_qkv(qkv)
+        q, k = rotate(q, *cos_sin, attn.num_heads), rotate(k, *cos_sin, attn.num_heads)
+        weights = None
+        if plan is not None:  # packed: kernels and SDPA groups, the band per sequence length
+            merged = attend_packed(attn, plan, q, k, v, attn_bias=window)  # (N, E)
+        else:
+            attend = (key_padding_mask, None, False, need_weights, window)
+            merged, weights = attn.attend(q, k, v, *attend)  # (B, T, E)
+        x = linear(attn.out_proj, merged, residual=x)
+        hidden, gate = linear(self.Wi, self.mlp_norm(x)).chunk(2, dim=-1)  # (..., F) each
+        return linear(self.Wo, self.act(hidden) * gate, residual=x), weights
+
+
+class ModernBertStack(nn.Module):
+    """The layers and the final norm, with EncoderStack's call signature (bidirectional only)."""
+
+    cuda_graphs_refusal = "sliding-window layers take a band mask the kernel does not (ModernBERT)"
+
+    def __init__(self, config: TextEncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(ModernBertLayer(config, i) for i in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        plan: Plan | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Dense (B, T, E) with an optional padding mask, or packed (N, E) with its plan."""
+        if attn_mask is not None or is_causal or (plan is not None and any(plan.seq_causal)):
+            raise ValueError("ModernBERT attends both ways: attn_mask and is_causal are not taken")
+        c = self.config
+        if plan is not None:
+            positions = packed_positions(plan.q_lens, x.device)  # (N,)
+            extra = x.shape[0] - positions.shape[0]  # rows varlen.pad_rows added (dropped later)
+            if extra:
+                positions = torch.cat([positions, positions.new_zeros(extra)])
+            window = SlidingWindow(c.sliding_window, x.dtype, x.device)
+        else:
+            T = x.shape[-2]
+            positions = torch.arange(T, device=x.device)  # (T,)
+            window = SlidingWindow(c.sliding_window, x.dtype, x.device)(T, T)
+        head_dim = c.d_model // c.nhead
+        thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
+        angles = {
+            kind: rotary(positions, head_dim, theta, x.dtype) for kind, theta in thetas.items()
+        }
+        weights: list[Tensor] = []
+        for layer in self.layers:
+            sliding = layer.kind == SLIDING
+            x, w = layer(
+                x,
+                angles[layer.kind],
+                key_padding_mask,
+                plan,
+                need_weights,
+                window if sliding else None,
+            )
+            if w is not None:
+                weights.append(w)
+        return self.final_norm(x), weights
+
+
+class ModernBertModel(TextEncoderModel):
+    """A ModernBERT encoder: TextEncoderModel's API (ids in, token states or vectors out) over
+    ModernBertEmbeddings and ModernBertStack."""
+
+    stack_class = ModernBertStack
+    embeddings_class = ModernBertEmbeddings
+
+
+class ModernBertClassifierModel(TextClassifierModel):
+    """ModernBertForSequenceClassification: the encoder, pooled (first token or mean), then
+    head.dense, activation, head.norm and the classifier (heads.py)."""
+
+    stack_class = ModernBertStack
+    embeddings_class = ModernBertEmbeddings

@@ -1,0 +1,174 @@
+"""Attention on packed tokens along a varlen Plan: the CUDA varlen kernel (flash /
+memory-efficient) where one call can do the plan, else cpu_varlen's compiled kernel for the
+sequences it takes and one SDPA call per group for the rest; a layer's score bias per sequence
+length (varlen.AttnBias) rides along. The plan itself (groups, lengths, policy) is varlen.py's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from . import cpu_varlen
+from .cuda_varlen import varlen_attention
+from .eager import eager_only
+from .fused import linear
+from .varlen import AttnBias, Group, Plan, take
+
+if TYPE_CHECKING:
+    from .attention import FusedAttention
+
+
+def varlen_capable(attn: FusedAttention) -> bool:
+    """The block can run the CUDA varlen kernel: fused Q/K/V, no extra keys or GQA, flash-sized
+    heads."""
+    return (
+        attn.in_proj is not None
+        and attn.extra_keys == 0
+        and not attn.is_gqa
+        and attn.head_dim % 8 == 0
+        and attn.head_dim <= 256
+    )
+
+
+def use_varlen(
+    attn: FusedAttention, query: Tensor, plan: Plan, attn_bias: AttnBias | None = None
+) -> bool:
+    """The CUDA varlen kernel applies: on the GPU, a plan one call can do, no score bias, no
+    extra keys, flash-sized heads; GQA only through flash (half precisions), and without empty
+    query sequences (flash's single-query GQA path reshapes the queries to one row per
+    sequence)."""
+    return (
+        query.is_cuda
+        and plan.varlen_ok
+        and attn_bias is None
+        and attn.extra_keys == 0
+        and attn.head_dim % 8 == 0
+        and attn.head_dim <= 256
+        and (
+            not attn.is_gqa
+            or (query.dtype in (torch.float16, torch.bfloat16) and 0 not in plan.q_lens)
+        )
+    )
+
+
+def packed_attention(
+    attn: FusedAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: Plan,
+    residual: Tensor | None = None,
+    attn_bias: AttnBias | None = None,
+) -> Tensor:
+    """Attention block on packed tokens: one in_proj, one varlen kernel call (CUDA: flash;
+    CPU: cpu_varlen for short sequences), else one SDPA per group, one out_proj (plus
+    `residual`, fused into out_proj)."""
+    fused = key is query and value is query and attn.in_proj is not None
+    if fused:
+        qkv = linear(attn.in_proj, query)  # (N, E + 2KV): one GEMM for Q, K, V
+        q, k, v = attn.split_qkv(qkv)
+    else:
+        q, k, v = attn.project(query, key, value)  # (N, E), (M, KV), (M, KV)
+    merged = attend_packed(attn, plan, q, k, v, qkv if fused else None, attn_bias)  # (N, E)
+    return linear(attn.out_proj, merged, residual=residual)  # (N, E)
+
+
+def attend_packed(
+    attn: FusedAttention,
+    plan: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qkv: Tensor | None = None,
+    attn_bias: AttnBias | None = None,
+) -> Tensor:
+    """Merged heads (N, E) of projected packed q (N, E), k, v (M, KV) (views of `qkv` where
+    given): the CUDA varlen kernel where it applies, else cpu_varlen's kernel and SDPA groups."""
+    if use_varlen(attn, q, plan, attn_bias):
+        return varlen_attention(
+            q, k, v, plan.cu_seqlens, max(plan.q_lens), attn.num_heads, attn.head_dim,
+            is_causal=plan.causal, cu_seqlens_k=plan.cu_seqlens_k, max_len_k=max(plan.kv_lens),
+        )  # fmt: skip
+    if q.is_cuda:
+        attn.cuda_grouped_calls += 1  # masks, mixed causal flags, fp32 GQA, extra keys, bias
+    return cpu_or_grouped_attention(attn, plan, q, k, v, qkv, attn_bias)  # (N, E)
+
+
+@eager_only
+def cpu_or_grouped_attention(
+    attn: FusedAttention,
+    plan: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qkv: Tensor | None,
+    attn_bias: AttnBias | None = None,
+) -> Tensor:
+    """Merged heads (N, E): cpu_varlen's kernel for the sequences it takes (short, unmasked,
+    no score bias; decided per sequence, never by batch-mates), grouped SDPA calls for the
+    rest."""
+    projections = {"qkv": qkv} if qkv is not None else {"q": q, "k": k, "v": v}
+    if attn.extra_keys == 0 and cpu_varlen.usable(q, k, v):
+        biased = ()
+        if attn_bias is not None:
+            pairs = zip(plan.q_lens, plan.kv_lens, strict=True)
+            biased = tuple(attn_bias(t, s) is not None for t, s in pairs)
+        modes, others = plan.cpu_split(cpu_varlen.max_len(q.dtype), biased)
+        if modes is not None:  # some sequence for the kernel
+            merged = cpu_varlen.varlen_attention(
+                q, k, v, plan.cu_seqlens, plan.cu_seqlens_k, modes, plan.q_lens, plan.kv_lens,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            )  # fmt: skip
+            if others:
+                grouped_attention(
+                    attn, plan, groups=others, merged=merged, attn_bias=attn_bias, **projections
+                )
+            return merged
+    return grouped_attention(attn, plan, attn_bias=attn_bias, **projections)
+
+
+@eager_only
+def grouped_attention(
+    attn: FusedAttention,
+    plan: Plan,
+    qkv: Tensor | None = None,
+    q: Tensor | None = None,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    groups: list[Group] | None = None,
+    merged: Tensor | None = None,
+    attn_bias: AttnBias | None = None,
+) -> Tensor:
+    """One SDPA call per group of the plan (or of `groups`), each with its (T, S)'s score bias;
+    merged heads (N, E) of the packed queries, written into `merged` where given.
+
+    Never compiled: torch.compile would unroll the loop over groups and guard on every
+    length, recompiling for each new set of lengths. Compiled models run the per-token parts
+    (projections, norms, FFN) compiled with a dynamic token count and this loop eagerly.
+    """
+    E = attn.embed_dim
+    fused = qkv is not None
+    rows = qkv.shape[0] if fused else q.shape[0]
+    if merged is None:
+        merged = (qkv if fused else q).new_empty(rows, E)  # (N, E) merged heads
+    for g in plan.groups if groups is None else groups:
+        if fused:
+            part = take(qkv, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E + 2KV)
+            gq, gk, gv = attn.split_qkv(part)
+        else:
+            gq = take(q, g.q_rows).view(g.size, g.tgt_len, -1)  # (G, T, E)
+            gk = take(k, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
+            gv = take(v, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
+        bias = None if attn_bias is None else attn_bias(g.tgt_len, g.src_len)
+        y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal, attn_bias=bias)
+        y = y.reshape(-1, E)  # (G*T, E)
+        if g.real is not None:  # padded bucket: keep the real query rows only
+            merged.index_copy_(0, g.out_rows, y.index_select(0, g.real))
+        elif isinstance(g.q_rows, slice):
+            merged[g.q_rows] = y
+        else:
+            merged.index_copy_(0, g.q_rows, y)
+    return merged

@@ -1,0 +1,182 @@
+"""ModernBERT against transformers' ModernBertModel: rotary positions, full and sliding-window
+layers (sequences longer and shorter than the window), the padded, packed, hidden-state and
+attention-weight paths, both config.json forms, batch invariance in fp32/bf16/int8, the
+sequence-classification head in both poolings, and what is refused (biases, RoPE scaling,
+causal masks, save_model, CUDA graphs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import mha_engine
+from mha_engine import CheckpointError, ModernBertModel, cuda_graphs
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from tests import text_models as tm  # noqa: E402
+from tests.support import FP32_TOL  # noqa: E402
+
+# 1 to 14 tokens: shorter and longer than the 4-token window of the test models' sliding layer
+TEXTS = [
+    "the cat sat on the mat",
+    "hello",
+    "what is deep learning and how does a model rank a passage for a query ?",
+    "a dog . a cat . a mat",
+]
+
+
+@pytest.fixture(scope="module")
+def modernbert(tmp_path_factory) -> tuple:
+    reference = tm.build("modernbert")
+    return reference, tm.save(reference, tmp_path_factory.mktemp("modernbert"))
+
+
+def _padded(lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), max(lengths)), tm.PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(2, len(tm.VOCAB), (n,), generator=g)
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def test_token_states_equal_transformers_padded_and_packed(modernbert) -> None:
+    reference, path = modernbert
+    model = mha_engine.load_model(path)
+    assert isinstance(model, ModernBertModel) and model.model_type == "modernbert"
+    layers = ("full_attention", "sliding_attention", "full_attention")
+    assert model.config.layer_types == layers and model.config.sliding_window == 4
+    ids, mask = _padded([7, 3, 12, 7, 1, 30])
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(model.encode(ids, mask)[real], want[real], **FP32_TOL)
+    packed = model.encode_varlen([row[m] for row, m in zip(ids, real, strict=True)])
+    for got, w, m in zip(packed, want, real, strict=True):
+        torch.testing.assert_close(got, w[m], **FP32_TOL)
+
+
+def test_the_original_config_form_loads_the_same_model(modernbert, tmp_path: Path) -> None:
+    """answerdotai/ModernBERT-base's config.json: global_attn_every_n_layers and two thetas."""
+    _, path = modernbert
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    del config["layer_types"]
+    config["global_rope_theta"] = rope["full_attention"]["rope_theta"]
+    config["local_rope_theta"] = rope["sliding_attention"]["rope_theta"]
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    old, new = mha_engine.load_model(tmp_path), mha_engine.load_model(path)
+    assert old.config == new.config
+    assert (old.config.rope_theta, old.config.local_rope_theta) == (160000.0, 10000.0)
+
+
+def test_hidden_state_api_and_attention_weights(modernbert) -> None:
+    """The tensor API runs the layers and final norm on embedded states: transformers'
+    inputs_embeds path normalises them first, so ours takes the normalised ones."""
+    reference, path = modernbert
+    model = mha_engine.load_model(path)
+    embeds = torch.randn(2, 9, tm.D, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = reference(inputs_embeds=embeds, output_attentions=True)
+        hidden = reference.embeddings.norm(embeds)
+    torch.testing.assert_close(model(hidden), out.last_hidden_state, **FP32_TOL)
+    [packed] = model.forward_varlen([hidden[0]])
+    torch.testing.assert_close(packed, out.last_hidden_state[0], **FP32_TOL)
+    _, weights = model.attention_weights(hidden)  # (L, B, H, T, T)
+    torch.testing.assert_close(weights, torch.stack(out.attentions), **FP32_TOL)
+    assert (weights[1][..., 0, 5:] == 0).all()  # the sliding layer: keys 5+ away are hidden
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_a_sequences_numbers_never_depend_on_its_batch(modernbert, dtype: str) -> None:
+    """Bit for bit, alone or among sequences shorter and longer than the window (a short one
+    takes the CPU varlen kernel in the sliding layer either way, a long one the band mask)."""
+    _, path = modernbert
+    model = mha_engine.load_model(path, dtype=dtype)
+    seqs = [ids for ids, _ in tm.tokenize(path, TEXTS)]
+    alone = [model.encode_varlen([s])[0] for s in seqs]
+    together = model.encode_varlen(seqs)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_bf16_and_int8_stay_close(modernbert, dtype: str) -> None:
+    reference, path = modernbert
+    encoded = tm.tokenize(path, TEXTS)
+    ids, mask, _ = tm.padded(encoded)
+    with torch.no_grad():
+        hidden = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    m = mask[..., None].float()
+    want = (hidden * m).sum(1) / m.sum(1)
+    got = mha_engine.load_model(path, dtype=dtype).embed_varlen([i for i, _ in encoded])
+    # measured here: largest difference 7.9e-3 (bf16), 1.6e-3 (int8) on values of order 1
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"attention_bias": True}, "attention_bias is set"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "'linear'",
+        ),
+        ({"layer_types": ["full_attention", "chunked"]}, "layer_types must name 3 layers"),
+        ({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
+        (
+            {"architectures": ["ModernBertForSequenceClassification"], "classifier_pooling": "max"},
+            "classifier_pooling 'max'",
+        ),
+    ],
+)
+def test_what_the_engine_does_not_run_is_refused(modernbert, tmp_path, changes, match) -> None:
+    _, path = modernbert
+    config = {**json.loads((path / "config.json").read_text()), **changes}
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=match):
+        mha_engine.load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "head", [{}, {"classifier_pooling": "mean", "classifier_bias": True,
+                  "classifier_activation": "gelu_pytorch_tanh"}],
+)  # fmt: skip
+def test_classifier_logits_equal_transformers(tmp_path: Path, head: dict) -> None:
+    """ModernBertForSequenceClassification: first-token or mean pooling, then head.dense,
+    activation, head.norm, classifier (gte-reranker-modernbert-base's form is the first)."""
+    reference, path = tm.classifier("modernbert", tmp_path, **head)
+    model = mha_engine.load_model(path)
+    assert model.spec.pooling == reference.config.classifier_pooling
+    encoded = tm.tokenize(path, TEXTS)
+    ids, mask, _ = tm.padded(encoded)
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).logits
+    got = model.classify_varlen([i for i, _ in encoded])
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    assert torch.equal(got[2:3], model.classify_varlen([encoded[2][0]]))
+
+
+def test_causal_save_and_cuda_graphs_are_refused(modernbert, tmp_path, monkeypatch) -> None:
+    _, path = modernbert
+    model = mha_engine.load_model(path)
+    with pytest.raises(ValueError, match="attends both ways"):
+        model(torch.randn(1, 3, tm.D), is_causal=True)
+    with pytest.raises(ValueError, match="ModernBertModel is not saved"):
+        mha_engine.save_model(model, tmp_path)
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match="band mask"):
+        cuda_graphs.capture(model, True, False, 64, 8, 4, None)
+
+
+def test_a_modernbert_splade_directory_is_refused(tmp_path: Path) -> None:
+    _, path = tm.splade(tmp_path / "sp", "modernbert")
+    with pytest.raises(CheckpointError, match="ModernBERT SPLADE model"):
+        mha_engine.load_model(path)
