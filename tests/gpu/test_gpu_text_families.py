@@ -1,0 +1,52 @@
+"""MPNet and ModernBERT on a real GPU (skipped without one): token states against transformers'
+own modules on the CPU, and a sentence's states alone against the same sentence among others.
+Both take the grouped SDPA path on CUDA for their biased layers (MPNet's relative positions,
+ModernBERT's sliding window), counted in cuda_grouped_calls; not yet run on a GPU when written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mha_engine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from tests import text_models as tm  # noqa: E402
+
+TEXTS = [
+    "the cat sat on the mat",
+    "hello",
+    "what is deep learning and how does a model rank a passage for a query ?",
+    "a dog . a cat . a mat",
+]
+TOLERANCES = {torch.float32: (2e-5, 1.3e-6), torch.bfloat16: (3e-2, 0)}
+FP32_DRIFT = 4e-6  # cuBLAS fp32 GEMMs pick kernels by row count (tests/gpu/test_gpu_engine.py)
+
+
+@pytest.mark.parametrize("family", ["mpnet", "modernbert"])
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_token_states_equal_transformers_and_never_depend_on_the_batch(tmp_path, family, dtype):
+    reference = tm.build(family)
+    path = tm.save(reference, tmp_path)
+    model = mha_engine.load_model(path, device="cuda", dtype=dtype)
+    encoded = tm.tokenize(path, TEXTS)
+    seqs = [ids for ids, _ in encoded]
+    ids, mask, _ = tm.padded(encoded)
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    together = model.encode_varlen(seqs)
+    atol, rtol = TOLERANCES[dtype]
+    for got, w, m in zip(together, want, mask.bool(), strict=True):
+        torch.testing.assert_close(got.float().cpu(), w[m], atol=atol, rtol=rtol)
+    assert model.cuda_grouped_calls > 0  # the biased layers ran grouped, as documented
+    for one, got in zip(seqs, together, strict=True):
+        alone = model.encode_varlen([one])[0]
+        if dtype == torch.float32:
+            torch.testing.assert_close(alone, got, atol=FP32_DRIFT, rtol=0)
+        else:
+            assert torch.equal(alone, got)
