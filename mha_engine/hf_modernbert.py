@@ -4,7 +4,8 @@ weights (checked under their HF names) onto ModernBertStack and ModernBertEmbedd
 Both config forms are read: transformers 5's (`layer_types`, `rope_parameters`) and the original
 checkpoints' (`global_attn_every_n_layers`, `global_rope_theta`, `local_rope_theta`). What the
 engine does not run is refused naming the field: biases (`attention_bias`, `mlp_bias`,
-`norm_bias`; every published checkpoint has none) and RoPE scaling.
+`norm_bias`; every published checkpoint has none) and RoPE scaling. `hf_config` / `hf_state`
+write a loaded model back in transformers 5's form (save_model).
 """
 
 from __future__ import annotations
@@ -13,11 +14,20 @@ from torch import Tensor
 
 from .config import ModernBertEncoderConfig
 from .errors import CheckpointError, check_state, positive_int
-from .hf_bert import ACTIVATIONS
+from .hf_bert import ACTIVATIONS, HF_ACTIVATIONS
 
 MODEL_TYPE = "modernbert"
 FULL, SLIDING = "full_attention", "sliding_attention"
 TOKENS = "embeddings.tok_embeddings.weight"
+# a layer's weights: HF's name -> ModernBertLayer's (PyTorch's names for the attention)
+NAMES = (
+    ("attn.Wqkv.weight", "self_attn.in_proj_weight"),  # rows [Q; K; V], as PyTorch's
+    ("attn.Wo.weight", "self_attn.out_proj.weight"),
+    ("attn_norm.weight", "attn_norm.weight"),
+    ("mlp_norm.weight", "mlp_norm.weight"),
+    ("mlp.Wi.weight", "Wi.weight"),
+    ("mlp.Wo.weight", "Wo.weight"),
+)
 
 
 def _rope_theta(config: dict, kind: str, legacy: str, default: float) -> float:
@@ -133,18 +143,52 @@ def engine_state(
     check_state(base, expected_shapes(config), f"{MODEL_TYPE} config")
     encoder = {"final_norm.weight": base["final_norm.weight"]}
     for i in range(config.num_layers):
-        src = dst = f"layers.{i}."
-        for theirs, ours in (
-            ("attn.Wqkv.weight", "self_attn.in_proj_weight"),  # rows [Q; K; V], as PyTorch's
-            ("attn.Wo.weight", "self_attn.out_proj.weight"),
-            ("attn_norm.weight", "attn_norm.weight"),
-            ("mlp_norm.weight", "mlp_norm.weight"),
-            ("mlp.Wi.weight", "Wi.weight"),
-            ("mlp.Wo.weight", "Wo.weight"),
-        ):
-            if f"{src}{theirs}" in base:  # layer 0 has no attn_norm
-                encoder[f"{dst}{ours}"] = base[f"{src}{theirs}"]
+        p = f"layers.{i}."
+        for theirs, ours in NAMES:
+            if f"{p}{theirs}" in base:  # layer 0 has no attn_norm
+                encoder[f"{p}{ours}"] = base[f"{p}{theirs}"]
     embeddings = {
         k.removeprefix("embeddings."): v for k, v in base.items() if k.startswith("embeddings.")
     }
     return encoder, embeddings
+
+
+def hf_config(config: ModernBertEncoderConfig) -> dict:
+    """The Hugging Face config.json of a ModernBERT model (inverse of engine_config)."""
+    return {
+        "model_type": MODEL_TYPE,
+        "architectures": ["ModernBertModel"],
+        "hidden_size": config.d_model,
+        "num_attention_heads": config.nhead,
+        "num_hidden_layers": config.num_layers,
+        "intermediate_size": config.dim_feedforward,
+        "hidden_activation": HF_ACTIVATIONS[config.activation],
+        "norm_eps": config.layer_norm_eps,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "pad_token_id": config.pad_token_id,
+        "layer_types": list(config.layer_types),
+        "rope_parameters": {
+            FULL: {"rope_type": "default", "rope_theta": config.rope_theta},
+            SLIDING: {"rope_type": "default", "rope_theta": config.local_rope_theta},
+        },
+        "local_attention": 2 * config.sliding_window,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "norm_bias": False,
+    }
+
+
+def hf_state(
+    encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: ModernBertEncoderConfig
+) -> dict[str, Tensor]:
+    """HF base-model weight names from the stack's and the embeddings' states (inverse of
+    engine_state)."""
+    out = {f"embeddings.{k}": v for k, v in embeddings.items()}
+    out["final_norm.weight"] = encoder["final_norm.weight"]
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for theirs, ours in NAMES:
+            if f"{p}{ours}" in encoder:  # layer 0 has no attn_norm
+                out[f"{p}{theirs}"] = encoder[f"{p}{ours}"]
+    return out

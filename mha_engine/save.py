@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import hf_bert
+from . import hf_bert, hf_modernbert
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
 from .heads import TextClassifierModel
@@ -132,10 +132,11 @@ def module_state(module: nn.Module) -> dict[str, Tensor]:
 def engine_files(model: EngineModel) -> tuple[dict, dict[str, Tensor]]:
     """(config.json contents, state dict) of a loaded model, in the form load_model reads."""
     if isinstance(model, TextEncoderModel):
-        state = hf_bert.hf_state(
+        family = hf_modernbert if isinstance(model, ModernBertModel) else hf_bert
+        state = family.hf_state(
             model.encoder.state_dict(), model.embeddings.state_dict(), model.config
         )
-        return hf_bert.hf_config(model.config), _cpu_copies(state)
+        return family.hf_config(model.config), _cpu_copies(state)
     config = model.config
     if isinstance(config, MultiheadAttentionConfig):
         config = replace(config, attention_layout=None)  # the weights are in PyTorch's names now
@@ -154,11 +155,6 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     if isinstance(model, EngineModel):
-        if isinstance(model, ModernBertModel):
-            raise ValueError(
-                "a ModernBertModel is not saved: keep the model's original directory "
-                "(save_pretrained from transformers or sentence-transformers)"
-            )
         if isinstance(model, TextClassifierModel | SparseEncoderModel):
             raise ValueError(
                 f"a {type(model).__name__} is not saved: its task head would be lost and the "

@@ -1,8 +1,8 @@
 """ModernBERT against transformers' ModernBertModel: rotary positions, full and sliding-window
 layers (sequences longer and shorter than the window), the padded, packed, hidden-state and
 attention-weight paths, both config.json forms, batch invariance in fp32/bf16/int8, the
-sequence-classification head in both poolings, and what is refused (biases, RoPE scaling,
-causal masks, save_model, CUDA graphs)."""
+sequence-classification head in both poolings, save_model round trips, and what is refused
+(biases, RoPE scaling, causal masks, CUDA graphs, a SPLADE head)."""
 
 from __future__ import annotations
 
@@ -164,13 +164,24 @@ def test_classifier_logits_equal_transformers(tmp_path: Path, head: dict) -> Non
     assert torch.equal(got[2:3], model.classify_varlen([encoded[2][0]]))
 
 
-def test_causal_save_and_cuda_graphs_are_refused(modernbert, tmp_path, monkeypatch) -> None:
+def test_save_model_round_trips_through_transformers(modernbert, tmp_path: Path) -> None:
+    reference, path = modernbert
+    model = mha_engine.load_model(path)
+    mha_engine.save_model(model, tmp_path)
+    assert mha_engine.load_model(tmp_path).config == model.config
+    again = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids, mask = _padded([9, 4, 30])
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = again(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(got, want)
+
+
+def test_causal_masks_and_cuda_graphs_are_refused(modernbert, tmp_path, monkeypatch) -> None:
     _, path = modernbert
     model = mha_engine.load_model(path)
     with pytest.raises(ValueError, match="attends both ways"):
         model(torch.randn(1, 3, tm.D), is_causal=True)
-    with pytest.raises(ValueError, match="ModernBertModel is not saved"):
-        mha_engine.save_model(model, tmp_path)
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
     with pytest.raises(ValueError, match="band mask"):
         cuda_graphs.capture(model, True, False, 64, 8, 4, None)

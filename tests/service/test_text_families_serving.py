@@ -81,13 +81,28 @@ def test_modernbert_embeddings_equal_transformers(tmp_path_factory: pytest.TempP
     texts = [*TEXTS, "what is deep learning and how does a model rank a passage for a query ?"]
     want, _ = _reference(model, directory, texts)
 
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
     async def main() -> None:
-        async with asgi_client(model_dir=directory, model_name="mb") as client:
+        settings = {"debug_endpoint": True, "debug_token": TOKEN}
+        async with asgi_client(model_dir=directory, model_name="mb", **settings) as client:
             openai = await client.post("/v1/embeddings", json={"model": "mb", "input": texts})
             assert openai.status_code == 200, openai.text
             got = np.array([d["embedding"] for d in openai.json()["data"]])
             np.testing.assert_allclose(got, want, **FP32_TOL)
             tei = await client.post("/embed", json={"inputs": texts})
             np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
+            # the debug routes and the model's metadata and configuration
+            text = {"name": "text", "shape": [1], "datatype": "BYTES", "data": [texts[-1]]}
+            debug = await client.post(
+                "/v2/models/mb/attention", json={"inputs": [text]}, headers=auth
+            )
+            assert debug.status_code == 200, debug.text
+            heads = await client.get("/v2/models/mb/heads", headers=auth)
+            assert heads.status_code == 200, heads.text
+            assert len(heads.json()["layers"]) == 3
+            for route in ("/v2/models/mb", "/v2/models/mb/config", "/debug/info", "/info"):
+                response = await client.get(route, headers=auth)
+                assert response.status_code == 200, (route, response.text)
 
     asyncio.run(main())
