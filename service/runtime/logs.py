@@ -34,11 +34,16 @@ def rfc3339(created: float) -> str:
 
 
 PROBE_PATHS = ("/v2/health/", "/metrics", "/health", "/ping")
+PROBE_METHODS = ("ServerLive", "ServerReady")  # gRPC's health probes (their lines' path)
 
 
 def _not_probe(record: logging.LogRecord) -> bool:
-    """Drops access-log lines of health probes and metrics scrapes (--no-access-log-probes)."""
-    return not str(getattr(record, "path", "")).startswith(PROBE_PATHS)
+    """Drops access-log lines of health probes and metrics scrapes (--no-access-log-probes),
+    over HTTP and gRPC."""
+    path = str(getattr(record, "path", ""))
+    if getattr(record, "method", None) == "GRPC":
+        return path not in PROBE_METHODS
+    return not path.startswith(PROBE_PATHS)
 
 
 def set_access_log_probes(on: bool) -> None:

@@ -251,8 +251,9 @@ class Settings(BaseSettings):
     )
     access_log_probes: bool = Field(
         True,
-        description="Write access-log lines for /v2/health/*, /health, /ping and /metrics "
-        "(--no-access-log-probes drops them; other requests are always logged).",
+        description="Write access-log lines for /v2/health/*, /health, /ping and /metrics, "
+        "and gRPC's ServerLive and ServerReady (--no-access-log-probes drops them; other "
+        "requests are always logged).",
     )
     access_log_sample_rate: float = Field(
         1.0,

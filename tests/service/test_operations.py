@@ -181,6 +181,21 @@ async def test_probe_access_lines_can_be_dropped(restore_logging) -> None:
     assert not [p for p in paths if p and (p.startswith("/v2/health") or p == "/metrics")]
 
 
+def test_grpc_probe_access_lines_can_be_dropped(restore_logging) -> None:
+    """gRPC's health probes are the ServerLive / ServerReady calls (their lines' path); an HTTP
+    path of the same name is not one."""
+    stream = _captured(False)
+    access = logging.getLogger("service.access")
+    lines = [("GRPC", "ServerLive"), ("GRPC", "ServerReady"), ("GRPC", "ModelReady")]
+    lines.append(("GET", "ServerLive"))
+    for method, path in lines:
+        access.info("%s %s", method, path, extra={"method": method, "path": path, "status": 0})
+    kept = [
+        (line["method"], line["path"]) for line in map(json.loads, stream.getvalue().splitlines())
+    ]
+    assert kept == [("GRPC", "ModelReady"), ("GET", "ServerLive")]
+
+
 # -- body rate ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("fast_path", [True, False])
 async def test_slow_body_gets_408_and_close(fast_path: bool) -> None:
