@@ -15,7 +15,7 @@ from .errors import CheckpointError
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 POOLING_MODES = ("mean", "cls", "last_token")
 # Model types whose position ids count only non-pad tokens, from pad_token_id + 1.
-POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta", "mpnet")
+POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta", "camembert", "mpnet")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # ModernBERT's attention per layer
 # Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
 RELATIVE_BUCKETS = (0, 32)
@@ -263,7 +263,7 @@ class TransformerConfig:
 class TextEncoderConfig(TransformerEncoderConfig):
     """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
 
-    model_type: str  # bert | roberta | xlm-roberta | distilbert | mpnet | modernbert
+    model_type: str  # bert | roberta | xlm-roberta | camembert | distilbert | mpnet | modernbert
     vocab_size: int
     max_position_embeddings: int
     type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)

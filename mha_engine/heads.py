@@ -4,7 +4,7 @@ Every family pools its sequence (the first token, [CLS] / <s>; ModernBERT: the f
 the mean, as config.classifier_pooling says) and applies dense -> activation (-> LayerNorm) ->
 linear to num_labels logits; the names, the activation and the norm differ:
 - bert:       bert.pooler.dense + tanh, then classifier
-- roberta, xlm-roberta, mpnet: classifier.dense + tanh, then classifier.out_proj
+- roberta, xlm-roberta, camembert, mpnet: classifier.dense + tanh, then classifier.out_proj
 - distilbert: pre_classifier + ReLU, then classifier
 - modernbert: head.dense (bias if classifier_bias) + classifier_activation + head.norm, then
   classifier
@@ -55,6 +55,7 @@ HEAD_NAMES = {
     "bert": HeadNames("{base}pooler.dense", "classifier", "tanh"),
     "roberta": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
     "xlm-roberta": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
+    "camembert": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
     "distilbert": HeadNames("pre_classifier", "classifier", "relu"),
     "mpnet": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
     "modernbert": HeadNames("head.dense", "classifier", "gelu", norm="head.norm"),

@@ -1,5 +1,5 @@
-"""Hugging Face BERT-family directories (bert, roberta, xlm-roberta, distilbert, mpnet) in engine
-terms.
+"""Hugging Face BERT-family directories (bert, roberta, xlm-roberta, camembert, distilbert, mpnet)
+in engine terms.
 
 `engine_config` turns the HF config.json into a post-norm transformer_encoder config plus the
 text fields (vocabulary, positions); `engine_state` checks every tensor under its HF name, then
@@ -105,6 +105,7 @@ FAMILIES = {
     "bert": BERT,
     "roberta": ROBERTA,
     "xlm-roberta": ROBERTA,
+    "camembert": ROBERTA,  # CamemBERT is RoBERTa's architecture under its own model_type
     "distilbert": DISTILBERT,
     "mpnet": MPNET,
 }

@@ -7,7 +7,8 @@ The head is the checkpoint's `...ForMaskedLM` one (dense -> activation -> LayerN
 to the vocabulary, the decoder's weight tied to the word embeddings when the file leaves it
 out); names per family:
 - bert:       cls.predictions.transform.dense / .LayerNorm, cls.predictions.decoder (+ bias)
-- roberta, xlm-roberta, mpnet: lm_head.dense / lm_head.layer_norm, lm_head.decoder (+ lm_head.bias)
+- roberta, xlm-roberta, camembert, mpnet: lm_head.dense / lm_head.layer_norm, lm_head.decoder
+  (+ lm_head.bias)
 - distilbert: vocab_transform / vocab_layer_norm, vocab_projector
 """
 
@@ -52,6 +53,9 @@ MLM_NAMES = {
     "xlm-roberta": MlmNames(
         "lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"
     ),
+    "camembert": MlmNames(
+        "lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"
+    ),
     "distilbert": MlmNames(
         "vocab_transform", "vocab_layer_norm", "vocab_projector", "vocab_projector.bias"
     ),
@@ -59,7 +63,7 @@ MLM_NAMES = {
 }  # fmt: skip
 # heads that apply exact GELU whatever the encoder's activation (transformers' RobertaLMHead,
 # MPNetLMHead); BERT's and DistilBERT's use the encoder's
-GELU_HEADS = ("roberta", "xlm-roberta", "mpnet")
+GELU_HEADS = ("roberta", "xlm-roberta", "camembert", "mpnet")
 
 
 def is_masked_lm(hf_config: dict) -> bool:

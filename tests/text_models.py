@@ -59,7 +59,7 @@ def hf_config(model_type: str, **overrides):
             num_attention_heads=HEADS,
             num_hidden_layers=LAYERS,
             intermediate_size=FFN,
-            type_vocab_size=1 if model_type in ("roberta", "xlm-roberta") else 2,
+            type_vocab_size=1 if model_type in ("roberta", "xlm-roberta", "camembert") else 2,
             layer_norm_eps=1e-12,
         )
     kwargs.update(vocab_size=len(VOCAB), max_position_embeddings=POSITIONS, pad_token_id=PAD)

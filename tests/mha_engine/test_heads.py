@@ -18,7 +18,7 @@ from tests import text_models as tm
 
 TEXTS = ["the cat sat on the mat", "deep learning", "what is the capital of france", "good"]
 PAIRS = [("what is deep learning", "deep learning is machine learning"), ("paris", "rain")]
-FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "modernbert"]
+FAMILIES = ["bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "modernbert"]
 
 
 def _logits(ref, encoded, with_types: bool):

@@ -1,7 +1,8 @@
 """Hugging Face BERT-family directories load onto the engine and give transformers' numbers.
 
-Tiny randomly initialised models (bert, roberta, xlm-roberta, distilbert, mpnet) are saved with
-save_pretrained, loaded with load_model and compared with transformers on padded batches.
+Tiny randomly initialised models (bert, roberta, xlm-roberta, camembert, distilbert, mpnet) are
+saved with save_pretrained, loaded with load_model and compared with transformers on padded
+batches.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def _batch(lengths: list[int], seed: int = 3):
 LENGTHS = [7, 3, 12, 7, 1]
 
 
-@pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta", "distilbert", "mpnet"])
+@pytest.mark.parametrize(
+    "model_type", ["bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet"]
+)
 def test_last_hidden_state_matches_transformers(tmp_path, model_type):
     ref = make_hf(model_type)
     model = load_model(save_hf(ref, tmp_path), device="cpu")

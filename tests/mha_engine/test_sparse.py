@@ -19,7 +19,7 @@ from tests.support import FP32_TOL
 TEXTS = ["the cat sat on the mat", "what is deep learning?", "hello", "a dog . a cat . a mat"]
 
 
-@pytest.fixture(scope="module", params=["bert", "roberta", "distilbert", "mpnet"])
+@pytest.fixture(scope="module", params=["bert", "roberta", "camembert", "distilbert", "mpnet"])
 def splade(request, tmp_path_factory) -> tuple:
     return tm.splade(tmp_path_factory.mktemp("splade") / request.param, request.param)
 

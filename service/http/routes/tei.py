@@ -275,7 +275,7 @@ async def _each_input(request: Request, endpoint: str, kind: str, model: type, r
         return Response(encode(results), media_type="application/json")
 
 
-ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest)
+ROOT_OPENAPI = json_body(EmbedRequest, HubPredictRequest, EmbedSparseRequest)
 EMBED_ALL_RESPONSES = number_arrays(
     "Per input, every token's hidden state (T_i, D), special tokens included", 3
 )

@@ -11,7 +11,14 @@ from fastapi.responses import Response
 from service.http.deps import get_state, loaded_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
 from service.http.routes import tei, tei_rank
-from service.http.routes.tei import ROOT_OPENAPI, EmbedRequest, embed_body, embed_sparse, root
+from service.http.routes.tei import (
+    ROOT_OPENAPI,
+    EmbedRequest,
+    EmbedSparseRequest,
+    embed_body,
+    embed_sparse,
+    root,
+)
 from service.http.routes.tei_common import parse_body, routed_model, text_entry
 from service.http.routes.tei_rank import PredictRequest, RerankRequest, predict, rerank
 from service.pipeline.errors import NotReady
@@ -50,7 +57,7 @@ async def health(request: Request) -> Response:
     summary="SageMaker's inference route, as TEI answers it: /embed for an embedding model, "
     "/embed_sparse for a SPLADE model, /predict for a classifier, /rerank for a reranker (the "
     "first text model, or the one the path names)",
-    openapi_extra=json_body(EmbedRequest, PredictRequest, RerankRequest),
+    openapi_extra=json_body(EmbedRequest, PredictRequest, RerankRequest, EmbedSparseRequest),
 )
 async def invocations(request: Request):
     state = get_state(request)
