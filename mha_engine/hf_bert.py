@@ -109,7 +109,7 @@ FAMILIES = {
     "distilbert": DISTILBERT,
     "mpnet": MPNET,
 }
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+SUPPORTED_MODEL_TYPES = (*FAMILIES, "modernbert")  # modernbert's mapping: hf_modernbert.py
 BUFFERS = ("position_ids", "token_type_ids")  # non-persistent index buffers some files carry
 BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name for MPNet's table
 
