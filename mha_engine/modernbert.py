@@ -7,9 +7,10 @@ feed-forward, act(input) * gate. No biases; a final norm; the embeddings are a t
 LayerNorm (no position table: positions come from RoPE). Equal to transformers' ModernBertModel.
 
 Rotary angles are position * 1 / theta^(2i / head_dim), each layer kind with its own theta,
-computed once per forward. A sequence's band mask depends only on its length, so sliding layers
-take it per (T, S) like MPNet's bias (varlen.AttnBias); sequences no longer than the window get
-none and run as full attention would (the CPU varlen kernel, decided per sequence).
+computed once per forward. A sliding layer's packed sequences longer than the window attend by
+blocks of queries against the keys in reach (a small band mask per block, varlen.LocalWindow),
+so their cost grows with T, not T^2; sequences no longer than the window run as in a full layer
+(the CPU varlen kernel, decided per sequence). The dense path takes a (T, T) band mask.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from .heads import TextClassifierModel
 from .packed_attention import attend_packed
 from .text import Float32Tables, packed_positions
 from .text_model import TextEncoderModel
-from .varlen import AttnBias, Plan
+from .varlen import AttnBias, LocalWindow, Plan
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+BLOCK = 128  # queries per block of a long sequence's sliding-window attention
 
 
 def rotary(
@@ -51,27 +53,20 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> Tensor:
     return out.to(x.dtype).reshape(shape)
 
 
-class SlidingWindow:
-    """AttnBias of a sliding layer: (T, S) -> an additive (1, 1, T, S) mask hiding the keys more
-    than `window` positions from their query, or None when no key is that far. One per forward."""
+def band_mask(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive (1, 1, T, T) mask hiding the keys more than `window` positions from their query:
+    the dense path's (the packed one attends by blocks, packed_attention.banded_attention)."""
+    query = torch.arange(length)[:, None]
+    far = (torch.arange(length)[None, :] - query).abs() > window  # (T, T)
+    bias = torch.zeros(length, length, dtype=dtype).masked_fill_(far, float("-inf"))
+    return upload(bias, device)[None, None]
 
-    def __init__(self, window: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.window, self.dtype, self.device = window, dtype, device
-        self._seen: dict[tuple[int, int], Tensor | None] = {}
 
-    def __call__(self, tgt_len: int, src_len: int) -> Tensor | None:
-        key = (tgt_len, src_len)
-        if key not in self._seen:
-            mask = None
-            if max(tgt_len, src_len) - 1 > self.window:
-                query = torch.arange(tgt_len)[:, None]
-                far = (torch.arange(src_len)[None, :] - query).abs() > self.window  # (T, S)
-                bias = torch.zeros(tgt_len, src_len, dtype=self.dtype).masked_fill_(
-                    far, float("-inf")
-                )
-                mask = upload(bias, self.device)[None, None]  # (1, 1, T, S)
-            self._seen[key] = mask
-        return self._seen[key]
+def sliding_window(window: int) -> AttnBias:
+    """AttnBias of a sliding layer on packed sequences: None where no key is farther than the
+    window (the layer runs as a full one), else a LocalWindow (attention by query blocks)."""
+    local = LocalWindow(window, BLOCK)
+    return lambda tgt_len, src_len: None if max(tgt_len, src_len) - 1 <= window else local
 
 
 class ModernBertEmbeddings(Float32Tables):
@@ -166,11 +161,11 @@ class ModernBertStack(nn.Module):
             extra = x.shape[0] - positions.shape[0]  # rows varlen.pad_rows added (dropped later)
             if extra:
                 positions = torch.cat([positions, positions.new_zeros(extra)])
-            window = SlidingWindow(c.sliding_window, x.dtype, x.device)
+            window = sliding_window(c.sliding_window)
         else:
             T = x.shape[-2]
             positions = torch.arange(T, device=x.device)  # (T,)
-            window = SlidingWindow(c.sliding_window, x.dtype, x.device)(T, T)
+            window = band_mask(T, c.sliding_window, x.dtype, x.device)  # (1, 1, T, T)
         head_dim = c.d_model // c.nhead
         thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
         angles = {

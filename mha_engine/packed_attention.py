@@ -15,7 +15,7 @@ from . import cpu_varlen
 from .cuda_varlen import varlen_attention
 from .eager import eager_only
 from .fused import linear
-from .varlen import AttnBias, Group, Plan, take
+from .varlen import AttnBias, Group, LocalWindow, Plan, take
 
 if TYPE_CHECKING:
     from .attention import FusedAttention
@@ -163,7 +163,10 @@ def grouped_attention(
             gk = take(k, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
             gv = take(v, g.kv_rows).view(g.size, g.src_len, -1)  # (G, S, KV)
         bias = None if attn_bias is None else attn_bias(g.tgt_len, g.src_len)
-        y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal, attn_bias=bias)
+        if isinstance(bias, LocalWindow):
+            y = banded_attention(attn, gq, gk, gv, g.key_padding_mask, bias)  # (G, T, E)
+        else:
+            y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal, attn_bias=bias)
         y = y.reshape(-1, E)  # (G*T, E)
         if g.real is not None:  # padded bucket: keep the real query rows only
             merged.index_copy_(0, g.out_rows, y.index_select(0, g.real))
@@ -172,3 +175,32 @@ def grouped_attention(
         else:
             merged.index_copy_(0, g.q_rows, y)
     return merged
+
+
+def banded_attention(
+    attn: FusedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    local: LocalWindow,
+) -> Tensor:
+    """Bidirectional sliding-window attention of (G, T, E) queries on (G, S, KV) keys/values:
+    each block of queries against the keys within the window of any of them, a (block, keys)
+    band mask, so the cost grows with T * (block + 2 window), not T * S; merged heads (G, T, E).
+    Each sequence's numbers depend on its own length alone (batch invariant)."""
+    T, S, w = q.shape[1], k.shape[1], local.window
+    out = q.new_empty(q.shape[0], T, attn.embed_dim)  # (G, T, E)
+    for start in range(0, T, local.block):
+        stop = min(T, start + local.block)
+        k0, k1 = max(0, start - w), min(S, stop + w)
+        rows = torch.arange(start, stop, device=q.device)[:, None]  # (b, 1)
+        far = (torch.arange(k0, k1, device=q.device)[None, :] - rows).abs() > w  # (b, keys)
+        band = torch.zeros(far.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            far, float("-inf")
+        )[None, None]  # (1, 1, b, keys)
+        kpm = None if key_padding_mask is None else key_padding_mask[:, k0:k1]
+        out[:, start:stop], _ = attn.attend(
+            q[:, start:stop], k[:, k0:k1], v[:, k0:k1], kpm, None, False, attn_bias=band
+        )
+    return out

@@ -42,8 +42,21 @@ from .fused import MIN_ROWS as MIN_GEMM_ROWS  # noqa: F401 (re-exported)
 from .fused import pad_rows  # noqa: F401 (re-exported)
 
 Rows = Tensor | slice
-# (tgt_len, src_len) -> an additive (1, H|1, T, S) score bias, or None where it adds nothing
-AttnBias = Callable[[int, int], Tensor | None]
+
+
+@dataclass(frozen=True)
+class LocalWindow:
+    """What an AttnBias gives for long sequences of a sliding-window layer: attend to the keys
+    within `window` positions of each query, `block` queries at a time against their keys only
+    (packed_attention.banded_attention), never a (T, S) mask."""
+
+    window: int
+    block: int = 128
+
+
+# (tgt_len, src_len) -> an additive (1, H|1, T, S) score bias, a LocalWindow, or None where it
+# adds nothing
+AttnBias = Callable[[int, int], Tensor | LocalWindow | None]
 
 
 @dataclass

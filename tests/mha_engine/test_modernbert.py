@@ -14,6 +14,7 @@ import torch
 
 import mha_engine
 from mha_engine import CheckpointError, ModernBertModel, cuda_graphs
+from mha_engine import modernbert as modernbert_module
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -92,6 +93,23 @@ def test_hidden_state_api_and_attention_weights(modernbert) -> None:
     _, weights = model.attention_weights(hidden)  # (L, B, H, T, T)
     torch.testing.assert_close(weights, torch.stack(out.attentions), **FP32_TOL)
     assert (weights[1][..., 0, 5:] == 0).all()  # the sliding layer: keys 5+ away are hidden
+
+
+@pytest.mark.parametrize("block", [128, 3])
+def test_long_sequences_attend_by_blocks_of_queries(modernbert, monkeypatch, block: int) -> None:
+    """A sliding layer's long packed sequences attend block by block to the keys in reach:
+    one block (128) or many (3 queries each, so blocks meet the sequence's ends mid-window)."""
+    reference, path = modernbert
+    monkeypatch.setattr(modernbert_module, "BLOCK", block)
+    model = mha_engine.load_model(path)
+    ids, mask = _padded([30, 17, 5, 1])
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    seqs = [row[m] for row, m in zip(ids, mask.bool(), strict=True)]
+    together = model.encode_varlen(seqs)
+    for got, w, m, one in zip(together, want, mask.bool(), seqs, strict=True):
+        torch.testing.assert_close(got, w[m], **FP32_TOL)
+        assert torch.equal(model.encode_varlen([one])[0], got)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
