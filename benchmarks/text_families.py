@@ -113,14 +113,14 @@ def compare(reference, fp32, bf16, seqs: tuple, rounds: int, seconds: float) -> 
         for name, step in order if i % 2 == 0 else order[::-1]:
             step()  # warm
             rows[name].append(rate(step, size, seconds))
-        print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.1f}/s" for k, v in rows.items()))
+        print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.3g}/s" for k, v in rows.items()))
     base = statistics.median(rows["transformers fp32"])
     print("\n| batch | runs | sentences/s (median) | min-max | vs transformers fp32 |")
     print("|---:|---|---:|---:|---:|")
     for name, got in rows.items():
         med = statistics.median(got)
-        spread = f"{min(got):.1f}-{max(got):.1f}"
-        print(f"| {size} | {name} | {med:.1f} | {spread} | {med / base:.2f}x |")
+        spread = f"{min(got):.3g}-{max(got):.3g}"
+        print(f"| {size} | {name} | {med:.3g} | {spread} | {med / base:.2f}x |")
 
 
 if __name__ == "__main__":
