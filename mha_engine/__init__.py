@@ -8,7 +8,8 @@ PyTorch state dicts.
 Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out),
 TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out), or
 SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out); ModernBERT
-directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers).
+directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers) or
+ModernBertClassifierModel (a TextClassifierModel) with a sequence-classification head.
 """
 
 from .attention import FusedAttention
@@ -33,7 +34,7 @@ from .engine_model import EngineModel
 from .errors import DeviceError
 from .heads import ClassifierInfo, TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
-from .modernbert import ModernBertModel
+from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .protocol import ServedClassifierModel, ServedModel, ServedSparseModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .save import save_model
@@ -55,6 +56,7 @@ __all__ = [
     "FusedAttention",
     "Int8Linear",
     "Int8Unsupported",
+    "ModernBertClassifierModel",
     "ModernBertEncoderConfig",
     "ModernBertModel",
     "MultiheadAttentionConfig",

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .config import TextEncoderConfig
 from .errors import CheckpointError, check_state
 from .fused import ACTIVATIONS, linear
-from .hf_bert import ACTIVATIONS as HF_ACTIVATIONS
+from .hf_bert import ACTIVATIONS as FROM_HF
 from .text import pool_packed
 from .text_model import TextEncoderModel
 from .varlen import cumulative, lengths, pad_rows
@@ -128,14 +128,13 @@ def head_spec(hf_config: dict, model_type: str) -> HeadSpec:
             f"config.classifier_pooling {pooling!r} is not one of {CLASSIFIER_POOLING}"
         )
     act = hf_config.get("classifier_activation", "gelu")
-    if act not in HF_ACTIVATIONS:
+    if act not in FROM_HF:
         raise CheckpointError(
-            f"config.classifier_activation {act!r} is not supported; use one of "
-            f"{list(HF_ACTIVATIONS)}"
+            f"config.classifier_activation {act!r} is not supported; use one of {list(FROM_HF)}"
         )
     bias = bool(hf_config.get("classifier_bias", False))
     eps = float(hf_config.get("norm_eps", 1e-5))
-    return HeadSpec(names, HF_ACTIVATIONS[act], pooling, bias, eps)
+    return HeadSpec(names, FROM_HF[act], pooling, bias, eps)
 
 
 def head_state(

@@ -95,7 +95,6 @@ MPNET = replace(
     ),
     norm1="attention.LayerNorm",
     token_types=False,
-    layer_norm_eps=1e-5,
     relative_bias="encoder.relative_attention_bias.weight",
 )
 # transformers' MPNetEmbeddings number positions from a padding index fixed at 1, whatever

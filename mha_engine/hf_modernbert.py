@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .config import ModernBertEncoderConfig
+from .config import LAYER_TYPES, ModernBertEncoderConfig
 from .errors import CheckpointError, check_state, positive_int
 from .hf_bert import ACTIVATIONS, HF_ACTIVATIONS
 
 MODEL_TYPE = "modernbert"
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING = LAYER_TYPES
 TOKENS = "embeddings.tok_embeddings.weight"
 # a layer's weights: HF's name -> ModernBertLayer's (PyTorch's names for the attention)
 NAMES = (
@@ -31,10 +31,10 @@ NAMES = (
 
 
 def _rope_theta(config: dict, kind: str, legacy: str, default: float) -> float:
+    if config.get("rope_scaling") is not None:  # transformers merges it into both kinds
+        raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
     params = config.get("rope_parameters")
     if not isinstance(params, dict) or params.get(kind) is None:
-        if config.get("rope_scaling") is not None:
-            raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
         return config.get(legacy, default)
     rope = params[kind]
     if rope.get("rope_type", "default") != "default":
@@ -153,6 +153,14 @@ def engine_state(
     return encoder, embeddings
 
 
+def _every_n(types: tuple[str, ...]) -> dict:
+    """global_attn_every_n_layers where the layer types follow its pattern, else nothing."""
+    for every in range(1, len(types) + 1):
+        if list(types) == [SLIDING if i % every else FULL for i in range(len(types))]:
+            return {"global_attn_every_n_layers": every}
+    return {}
+
+
 def hf_config(config: ModernBertEncoderConfig) -> dict:
     """The Hugging Face config.json of a ModernBERT model (inverse of engine_config)."""
     return {
@@ -173,6 +181,10 @@ def hf_config(config: ModernBertEncoderConfig) -> dict:
             SLIDING: {"rope_type": "default", "rope_theta": config.local_rope_theta},
         },
         "local_attention": 2 * config.sliding_window,
+        # the original checkpoints' fields too, for transformers 4 (which reads only these)
+        "global_rope_theta": config.rope_theta,
+        "local_rope_theta": config.local_rope_theta,
+        **_every_n(config.layer_types),
         "attention_bias": False,
         "mlp_bias": False,
         "norm_bias": False,

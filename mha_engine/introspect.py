@@ -85,8 +85,12 @@ def engine_path(model: EngineModel) -> str:
         gemms = f"int8 oneDNN GEMMs (per-row activation scales; row passes {kernel_status()})"
     else:
         gemms = "fused in_proj GEMM"
+    stack = getattr(model, "encoder", None)
+    if getattr(stack, "position_bias", None) is not None:  # no kernel takes the bias
+        return f"{gemms} + scaled_dot_product_attention with MPNet's relative position bias"
+    note = getattr(stack, "attention_note", None)  # ModernBERT's sliding-window layers
     if model.device.type != "cpu" or not cpu_varlen.max_len(model.dtype):
-        return f"{gemms} + scaled_dot_product_attention"
+        return f"{gemms} + scaled_dot_product_attention" + (f"; {note}" if note else "")
     attention = cpu_varlen.kernel_status()
     if attention.startswith("compiled"):
         attention = (
@@ -95,7 +99,7 @@ def engine_path(model: EngineModel) -> str:
         )
     else:
         attention = f"scaled_dot_product_attention (varlen attention kernel {attention})"
-    return f"{gemms} + {attention}"
+    return f"{gemms} + {attention}" + (f"; {note}" if note else "")
 
 
 def diagnostics(model: EngineModel, batch_size: int = 1, seq_len: int = 128) -> dict[str, Any]:

@@ -19,17 +19,17 @@ import torch
 from torch import Tensor, nn
 
 from .attention import FusedAttention
-from .config import MultiheadAttentionConfig, TextEncoderConfig
+from .config import LAYER_TYPES, MultiheadAttentionConfig, TextEncoderConfig
 from .devices import upload
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
-from .packed_attention import attend_packed
+from .packed_attention import attend_packed, band_bias
 from .text import Float32Tables, packed_positions
 from .text_model import TextEncoderModel
 from .varlen import AttnBias, LocalWindow, Plan
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-BLOCK = 128  # queries per block of a long sequence's sliding-window attention
+FULL, SLIDING = LAYER_TYPES
+BLOCK = LocalWindow.block  # queries per block of a long sequence's sliding-window attention
 
 
 def rotary(
@@ -51,15 +51,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> Tensor:
     turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)  # rotate_half
     out = heads * cos[:, None, :] + turned * sin[:, None, :]
     return out.to(x.dtype).reshape(shape)
-
-
-def band_mask(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Additive (1, 1, T, T) mask hiding the keys more than `window` positions from their query:
-    the dense path's (the packed one attends by blocks, packed_attention.banded_attention)."""
-    query = torch.arange(length)[:, None]
-    far = (torch.arange(length)[None, :] - query).abs() > window  # (T, T)
-    bias = torch.zeros(length, length, dtype=dtype).masked_fill_(far, float("-inf"))
-    return upload(bias, device)[None, None]
 
 
 def sliding_window(window: int) -> AttnBias:
@@ -136,6 +127,10 @@ class ModernBertStack(nn.Module):
     """The layers and the final norm, with EncoderStack's call signature (bidirectional only)."""
 
     cuda_graphs_refusal = "sliding-window layers take a band mask the kernel does not (ModernBERT)"
+    attention_note = (
+        "sliding-window layers: a sequence past the window attends by blocks of queries "
+        "(scaled_dot_product_attention with a band mask)"
+    )
 
     def __init__(self, config: TextEncoderConfig) -> None:
         super().__init__()
@@ -165,7 +160,7 @@ class ModernBertStack(nn.Module):
         else:
             T = x.shape[-2]
             positions = torch.arange(T, device=x.device)  # (T,)
-            window = band_mask(T, c.sliding_window, x.dtype, x.device)  # (1, 1, T, T)
+            window = band_bias(range(T), range(T), c.sliding_window, x.dtype, x.device)
         head_dim = c.d_model // c.nhead
         thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
         angles = {

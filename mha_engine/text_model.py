@@ -140,7 +140,8 @@ def write_text_settings(directory: Path, config: TextEncoderConfig) -> None:
 class TextEncoderModel(TransformerEncoderModel):
     """A BERT-family encoder: transformer_encoder tensor API plus token ids in, vectors out.
 
-    Submodules: `embeddings` (TextEmbeddings, float32) and `encoder` (EncoderStack).
+    Submodules: `embeddings` (`embeddings_class`: TextEmbeddings, float32) and `encoder`
+    (`stack_class`: EncoderStack); ModernBertModel swaps in its own two.
     """
 
     embeddings_class: type[nn.Module] = TextEmbeddings  # ModernBERT's for its models

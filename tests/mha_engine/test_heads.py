@@ -1,5 +1,6 @@
-"""Sequence-classification checkpoints (BERT, RoBERTa, XLM-R, DistilBERT, MPNet) load with their
-heads and give transformers' logits; 1_Pooling chooses mean, CLS or last-token pooling."""
+"""Sequence-classification checkpoints (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, MPNet,
+ModernBERT) load with their heads and give transformers' logits; 1_Pooling chooses mean, CLS or
+last-token pooling."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ pytest.importorskip("tokenizers")
 from tests import text_models as tm  # noqa: E402
 from tests.support import FP32_TOL  # noqa: E402
 
-# 1 to 14 tokens: shorter and longer than the 4-token window of the test models' sliding layer
+# 3 to 21 tokens: shorter and longer than the test models' window (4 positions each way)
 TEXTS = [
     "the cat sat on the mat",
     "hello",
@@ -63,19 +63,31 @@ def test_token_states_equal_transformers_padded_and_packed(modernbert) -> None:
 
 
 def test_the_original_config_form_loads_the_same_model(modernbert, tmp_path: Path) -> None:
-    """answerdotai/ModernBERT-base's config.json: global_attn_every_n_layers and two thetas."""
+    """answerdotai/ModernBERT-base's config.json: global_attn_every_n_layers and two thetas (not
+    the defaults here, so a loader that ignored them would fail)."""
     _, path = modernbert
     config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"]["full_attention"]["rope_theta"] = 5000.0
+    config["rope_parameters"]["sliding_attention"]["rope_theta"] = 500.0
+    new, old = tmp_path / "new", tmp_path / "old"
+    for directory in (new, old):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    (new / "config.json").write_text(json.dumps(config))
     rope = config.pop("rope_parameters")
     del config["layer_types"]
     config["global_rope_theta"] = rope["full_attention"]["rope_theta"]
     config["local_rope_theta"] = rope["sliding_attention"]["rope_theta"]
-    for name in ("model.safetensors", "tokenizer.json"):
-        (tmp_path / name).write_bytes((path / name).read_bytes())
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    old, new = mha_engine.load_model(tmp_path), mha_engine.load_model(path)
-    assert old.config == new.config
-    assert (old.config.rope_theta, old.config.local_rope_theta) == (160000.0, 10000.0)
+    (old / "config.json").write_text(json.dumps(config))
+    model = mha_engine.load_model(old)
+    assert model.config == mha_engine.load_model(new).config
+    assert (model.config.rope_theta, model.config.local_rope_theta) == (5000.0, 500.0)
+    reference = transformers.AutoModel.from_pretrained(new, attn_implementation="eager").eval()
+    ids, mask = _padded([12, 7])
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(model.encode(ids, mask)[real], want[real], **FP32_TOL)
 
 
 def test_hidden_state_api_and_attention_weights(modernbert) -> None:
@@ -102,7 +114,7 @@ def test_long_sequences_attend_by_blocks_of_queries(modernbert, monkeypatch, blo
     reference, path = modernbert
     monkeypatch.setattr(modernbert_module, "BLOCK", block)
     model = mha_engine.load_model(path)
-    ids, mask = _padded([30, 17, 5, 1])
+    ids, mask = _padded([30, 17, 5, 1, 30, 5])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     seqs = [row[m] for row, m in zip(ids, mask.bool(), strict=True)]
@@ -119,6 +131,7 @@ def test_a_sequences_numbers_never_depend_on_its_batch(modernbert, dtype: str) -
     _, path = modernbert
     model = mha_engine.load_model(path, dtype=dtype)
     seqs = [ids for ids, _ in tm.tokenize(path, TEXTS)]
+    seqs += [seqs[0].flip(0), seqs[1].flip(0)]  # partners of one length, past and within the window
     alone = [model.encode_varlen([s])[0] for s in seqs]
     together = model.encode_varlen(seqs)
     assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
@@ -187,6 +200,9 @@ def test_save_model_round_trips_through_transformers(modernbert, tmp_path: Path)
     model = mha_engine.load_model(path)
     mha_engine.save_model(model, tmp_path)
     assert mha_engine.load_model(tmp_path).config == model.config
+    saved = json.loads((tmp_path / "config.json").read_text())  # transformers 4 reads these
+    assert saved["global_attn_every_n_layers"] == 2
+    assert (saved["global_rope_theta"], saved["local_rope_theta"]) == (160000.0, 10000.0)
     again = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids, mask = _padded([9, 4, 30])
     with torch.no_grad():
@@ -209,3 +225,17 @@ def test_a_modernbert_splade_directory_is_refused(tmp_path: Path) -> None:
     _, path = tm.splade(tmp_path / "sp", "modernbert")
     with pytest.raises(CheckpointError, match="ModernBERT SPLADE model"):
         mha_engine.load_model(path)
+
+
+def test_batch_invariance_at_a_realistic_size(tmp_path: Path) -> None:
+    """Wide enough (256) and long enough (about 1,800 tokens) that torch splits the elementwise
+    ops (rotary angles, GELU) among threads at places that depend on the batch's size."""
+    reference = tm.build("modernbert", hidden_size=256, intermediate_size=384, local_attention=64,
+                         max_position_embeddings=512)  # fmt: skip
+    model = mha_engine.load_model(tm.save(reference, tmp_path))
+    g = torch.Generator().manual_seed(5)
+    lengths = [300, 33, 33, 120, 1, 500, 64, 400, 400, 100]  # 33: within the window (32)
+    seqs = [torch.randint(2, len(tm.VOCAB), (n,), generator=g) for n in lengths]
+    together = model.encode_varlen(seqs)
+    for one, got in zip(seqs, together, strict=True):
+        assert torch.equal(model.encode_varlen([one])[0], got)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mha_engine
-from mha_engine import CheckpointError, TextEncoderModel, cuda_graphs
+from mha_engine import CheckpointError, TextEncoderModel, cpu_varlen, cuda_graphs
 from mha_engine.packed_attention import use_varlen
 from mha_engine.position_bias import relative_position_bucket
 from mha_engine.varlen import make_plan
@@ -130,10 +130,18 @@ def test_a_bucket_count_transformers_would_not_use_is_refused(tmp_path: Path) ->
 
 
 def test_the_kernels_that_take_no_bias_are_not_used(mpnet, monkeypatch) -> None:
-    """A plan with a bias never takes the CUDA varlen kernel (counted as grouped), nor CUDA
-    graphs (refused at capture, so the service logs and runs eagerly)."""
+    """MPNet never runs the CPU varlen kernel, a plan with a bias never takes the CUDA one
+    (counted as grouped), nor CUDA graphs (refused at capture: the service logs, runs eagerly)."""
     _, path = mpnet
     model = mha_engine.load_model(path)
+    seqs = [ids for ids, _ in tm.tokenize(path, TEXTS)]
+    want = model.encode_varlen(seqs)
+
+    def kernel(*args, **kwargs):
+        raise AssertionError("the CPU varlen kernel ran on an MPNet layer")
+
+    monkeypatch.setattr(cpu_varlen, "varlen_attention", kernel)
+    assert all(torch.equal(a, b) for a, b in zip(model.encode_varlen(seqs), want, strict=True))
     attn = model.attention_layers()[0]
     plan = make_plan([5, 7])
     query = SimpleNamespace(is_cuda=True, dtype=torch.float16)
@@ -142,3 +150,32 @@ def test_the_kernels_that_take_no_bias_are_not_used(mpnet, monkeypatch) -> None:
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda", 0)))
     with pytest.raises(ValueError, match="no relative position bias"):
         cuda_graphs.capture(model, True, False, 64, 8, 4, None)
+
+
+def test_positions_count_from_padding_index_1_whatever_the_config_says(tmp_path: Path) -> None:
+    """transformers' MPNetEmbeddings fix the padding index at 1; config.pad_token_id 0 must not
+    move the positions (real tokens from 2)."""
+    reference = tm.build("mpnet", pad_token_id=0)
+    model = mha_engine.load_model(tm.save(reference, tmp_path))
+    ids, mask = _padded([9, 4])  # padded with id 1, as the tokenizer would
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(model.encode(ids, mask)[real], want[real], **FP32_TOL)
+    [packed] = model.encode_varlen([ids[0]])
+    torch.testing.assert_close(packed, want[0], **FP32_TOL)
+
+
+def test_batch_invariance_at_a_realistic_size(tmp_path: Path) -> None:
+    """Wide (256) and long (about 1,600 tokens) enough that torch splits elementwise ops among
+    threads at places that depend on the batch's size; lengths past 128 share the last bucket."""
+    reference = tm.build(
+        "mpnet", hidden_size=256, intermediate_size=384, max_position_embeddings=514
+    )
+    model = mha_engine.load_model(tm.save(reference, tmp_path))
+    g = torch.Generator().manual_seed(5)
+    lengths = [300, 33, 33, 120, 1, 500, 64, 200, 200, 100]
+    seqs = [torch.randint(2, len(tm.VOCAB), (n,), generator=g) for n in lengths]
+    together = model.encode_varlen(seqs)
+    for one, got in zip(seqs, together, strict=True):
+        assert torch.equal(model.encode_varlen([one])[0], got)
