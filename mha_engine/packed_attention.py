@@ -20,6 +20,12 @@ from .varlen import AttnBias, Group, LocalWindow, Plan, take
 if TYPE_CHECKING:
     from .attention import FusedAttention
 
+# CPU SDPA is not batch invariant for calls with 1-3 queries and more keys (torch 2.13: of 1,360
+# shapes probed, every one that differed between a batch of 3 and the first sequence alone had 1-3
+# queries and 8+ keys; e.g. a 1-token target on 300 memory tokens differs by 7e-9). Groups of
+# fewer queries than this run one SDPA call per sequence; it costs little at such sizes.
+SMALL_QUERIES = 8
+
 
 def varlen_capable(attn: FusedAttention) -> bool:
     """The block can run the CUDA varlen kernel: fused Q/K/V, no extra keys or GQA, flash-sized
@@ -165,6 +171,14 @@ def grouped_attention(
         bias = None if attn_bias is None else attn_bias(g.tgt_len, g.src_len)
         if isinstance(bias, LocalWindow):
             y = banded_attention(attn, gq, gk, gv, g.key_padding_mask, bias)  # (G, T, E)
+        elif g.size > 1 and g.tgt_len < SMALL_QUERIES:  # one call per sequence, see there
+            kpm = g.key_padding_mask
+            y = torch.cat([
+                attn.attend(gq[i : i + 1], gk[i : i + 1], gv[i : i + 1],
+                            None if kpm is None else kpm[i : i + 1], None, g.is_causal,
+                            attn_bias=bias)[0]
+                for i in range(g.size)
+            ])  # fmt: skip
         else:
             y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal, attn_bias=bias)
         y = y.reshape(-1, E)  # (G*T, E)
