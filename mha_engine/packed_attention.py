@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # CPU SDPA is not batch invariant for calls with 1-3 queries and more keys (torch 2.13: of 1,360
 # shapes probed, every one that differed between a batch of 3 and the first sequence alone had 1-3
 # queries and 8+ keys; e.g. a 1-token target on 300 memory tokens differs by 7e-9). Groups of
-# fewer queries than this run one SDPA call per sequence; it costs little at such sizes.
+# fewer queries than this, and than keys, run one SDPA call per sequence (cheap at such sizes).
 SMALL_QUERIES = 8
 
 
@@ -171,7 +171,7 @@ def grouped_attention(
         bias = None if attn_bias is None else attn_bias(g.tgt_len, g.src_len)
         if isinstance(bias, LocalWindow):
             y = banded_attention(attn, gq, gk, gv, g.key_padding_mask, bias)  # (G, T, E)
-        elif g.size > 1 and g.tgt_len < SMALL_QUERIES:  # one call per sequence, see there
+        elif g.size > 1 and g.tgt_len < min(SMALL_QUERIES, g.src_len):  # see SMALL_QUERIES
             kpm = g.key_padding_mask
             y = torch.cat([
                 attn.attend(gq[i : i + 1], gk[i : i + 1], gv[i : i + 1],
