@@ -22,6 +22,13 @@ VOCAB = [*SPECIALS, *string.ascii_lowercase, *(f"##{c}" for c in string.ascii_lo
 PAD, CLS, SEP = 1, 2, 3
 D, HEADS, LAYERS, FFN, POSITIONS = 32, 4, 2, 48, 40
 LABELS3 = {0: "negative", 1: "neutral", 2: "positive"}
+# 3 to 21 tokens: shorter and longer than the ModernBERT test model's window (4 each way)
+LONG_AND_SHORT = [
+    "the cat sat on the mat",
+    "hello",
+    "what is deep learning and how does a model rank a passage for a query ?",
+    "a dog . a cat . a mat",
+]
 
 
 def write_tokenizer(directory: Path, pair_type: int = 1) -> None:
@@ -183,3 +190,15 @@ def padded(encoded):
     for i, (row, t) in enumerate(encoded):
         ids[i, : len(row)], mask[i, : len(row)], types[i, : len(row)] = row, 1, t
     return ids, mask, types
+
+
+def random_padded(lengths: list[int], seed: int = 3):
+    """Seeded random ids (never the pad id) of these lengths, right-padded with PAD, and the
+    attention mask: (B, T) each."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), max(lengths)), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(2, len(VOCAB), (n,), generator=g)
+        mask[i, :n] = 1
+    return ids, mask

@@ -18,12 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 from tests import text_models as tm  # noqa: E402
 
-TEXTS = [
-    "the cat sat on the mat",
-    "hello",
-    "what is deep learning and how does a model rank a passage for a query ?",
-    "a dog . a cat . a mat",
-]
+TEXTS = tm.LONG_AND_SHORT
 TOLERANCES = {torch.float32: (2e-5, 1.3e-6), torch.bfloat16: (3e-2, 0)}
 FP32_DRIFT = 4e-6  # cuBLAS fp32 GEMMs pick kernels by row count (tests/gpu/test_gpu_engine.py)
 

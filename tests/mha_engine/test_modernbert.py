@@ -21,13 +21,7 @@ pytest.importorskip("tokenizers")
 from tests import text_models as tm  # noqa: E402
 from tests.support import FP32_TOL  # noqa: E402
 
-# 3 to 21 tokens: shorter and longer than the test models' window (4 positions each way)
-TEXTS = [
-    "the cat sat on the mat",
-    "hello",
-    "what is deep learning and how does a model rank a passage for a query ?",
-    "a dog . a cat . a mat",
-]
+TEXTS = tm.LONG_AND_SHORT
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +30,13 @@ def modernbert(tmp_path_factory) -> tuple:
     return reference, tm.save(reference, tmp_path_factory.mktemp("modernbert"))
 
 
-def _padded(lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((len(lengths), max(lengths)), tm.PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(2, len(tm.VOCAB), (n,), generator=g)
-        mask[i, :n] = 1
-    return ids, mask
-
-
 def test_token_states_equal_transformers_padded_and_packed(modernbert) -> None:
     reference, path = modernbert
     model = mha_engine.load_model(path)
     assert isinstance(model, ModernBertModel) and model.model_type == "modernbert"
     layers = ("full_attention", "sliding_attention", "full_attention")
     assert model.config.layer_types == layers and model.config.sliding_window == 4
-    ids, mask = _padded([7, 3, 12, 7, 1, 30])
+    ids, mask = tm.random_padded([7, 3, 12, 7, 1, 30])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
@@ -83,7 +67,7 @@ def test_the_original_config_form_loads_the_same_model(modernbert, tmp_path: Pat
     assert model.config == mha_engine.load_model(new).config
     assert (model.config.rope_theta, model.config.local_rope_theta) == (5000.0, 500.0)
     reference = transformers.AutoModel.from_pretrained(new, attn_implementation="eager").eval()
-    ids, mask = _padded([12, 7])
+    ids, mask = tm.random_padded([12, 7])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
@@ -114,7 +98,7 @@ def test_long_sequences_attend_by_blocks_of_queries(modernbert, monkeypatch, blo
     reference, path = modernbert
     monkeypatch.setattr(modernbert_module, "BLOCK", block)
     model = mha_engine.load_model(path)
-    ids, mask = _padded([30, 17, 5, 1, 30, 5])
+    ids, mask = tm.random_padded([30, 17, 5, 1, 30, 5])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     seqs = [row[m] for row, m in zip(ids, mask.bool(), strict=True)]
@@ -204,7 +188,7 @@ def test_save_model_round_trips_through_transformers(modernbert, tmp_path: Path)
     assert saved["global_attn_every_n_layers"] == 2
     assert (saved["global_rope_theta"], saved["local_rope_theta"]) == (160000.0, 10000.0)
     again = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    ids, mask = _padded([9, 4, 30])
+    ids, mask = tm.random_padded([9, 4, 30])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
         got = again(input_ids=ids, attention_mask=mask).last_hidden_state

@@ -31,16 +31,6 @@ def mpnet(tmp_path_factory) -> tuple:
     return reference, tm.save(reference, tmp_path_factory.mktemp("mpnet"))
 
 
-def _padded(lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((len(lengths), max(lengths)), tm.PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(2, len(tm.VOCAB), (n,), generator=g)
-        mask[i, :n] = 1
-    return ids, mask
-
-
 def test_buckets_are_transformers() -> None:
     from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
@@ -54,7 +44,7 @@ def test_token_states_equal_transformers_padded_and_packed(mpnet) -> None:
     model = mha_engine.load_model(path)
     assert isinstance(model, TextEncoderModel) and model.model_type == "mpnet"
     assert model.config.relative_attention_num_buckets == 32 and model.max_seq_len == 38
-    ids, mask = _padded([7, 3, 12, 7, 1, 30])
+    ids, mask = tm.random_padded([7, 3, 12, 7, 1, 30])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
@@ -68,7 +58,7 @@ def test_sequences_past_the_bucket_range(tmp_path: Path) -> None:
     """Distances beyond 128 tokens share the last bucket: 150 and 300 tokens, padded and packed."""
     reference = tm.build("mpnet", max_position_embeddings=320)
     model = mha_engine.load_model(tm.save(reference, tmp_path))
-    ids, mask = _padded([300, 150])
+    ids, mask = tm.random_padded([300, 150])
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
@@ -157,7 +147,7 @@ def test_positions_count_from_padding_index_1_whatever_the_config_says(tmp_path:
     move the positions (real tokens from 2)."""
     reference = tm.build("mpnet", pad_token_id=0)
     model = mha_engine.load_model(tm.save(reference, tmp_path))
-    ids, mask = _padded([9, 4])  # padded with id 1, as the tokenizer would
+    ids, mask = tm.random_padded([9, 4])  # padded with id 1, as the tokenizer would
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
