@@ -1,7 +1,8 @@
 """Attention on packed tokens along a varlen Plan: the CUDA varlen kernel (flash /
 memory-efficient) where one call can do the plan, else cpu_varlen's compiled kernel for the
-sequences it takes and one SDPA call per group for the rest; a layer's score bias per sequence
-length (varlen.AttnBias) rides along. The plan itself (groups, lengths, policy) is varlen.py's.
+sequences it takes and one SDPA call per group for the rest (per sequence where SDPA would not be
+batch invariant: SMALL_QUERIES, banded_attention); a layer's score bias per sequence length
+(varlen.AttnBias) rides along. The plan itself (groups, lengths, policy) is varlen.py's.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ from torch import Tensor
 from . import cpu_varlen
 from .cuda_varlen import varlen_attention
 from .eager import eager_only
-from .fused import linear
+from .fused import MIN_ROWS, linear
 from .varlen import AttnBias, Group, LocalWindow, Plan, take
 
 if TYPE_CHECKING:
     from .attention import FusedAttention
 
-# CPU SDPA is not batch invariant for calls with 1-3 queries and more keys (torch 2.13: of 1,360
-# shapes probed, every one that differed between a batch of 3 and the first sequence alone had 1-3
-# queries and 8+ keys; e.g. a 1-token target on 300 memory tokens differs by 7e-9). Groups of
-# fewer queries than this, and than keys, run one SDPA call per sequence (cheap at such sizes).
-SMALL_QUERIES = 8
+# CPU SDPA is not batch invariant for calls with few queries on more keys (torch 2.13, AMD EPYC:
+# of 1,360 fp32 shapes probed, every one that differed between a batch of 3 and the first
+# sequence alone had 1-3 queries and 8+ keys; e.g. a 1-token target on 300 memory tokens differs
+# by 7e-9; bf16 never did). Its GEMMs are small-row ones, which differ up to 15 rows on an AMX Xeon
+# (fused.py), so groups of fewer queries than MIN_ROWS, and than keys, run one SDPA call per
+# sequence (cheap at such sizes).
+SMALL_QUERIES = MIN_ROWS
 
 
 def varlen_capable(attn: FusedAttention) -> bool:
@@ -148,7 +151,8 @@ def grouped_attention(
     merged: Tensor | None = None,
     attn_bias: AttnBias | None = None,
 ) -> Tensor:
-    """One SDPA call per group of the plan (or of `groups`), each with its (T, S)'s score bias;
+    """One SDPA call per group of the plan (or of `groups`), each with its (T, S)'s score bias
+    (one per sequence for few queries on more keys, SMALL_QUERIES, and for LocalWindow groups);
     merged heads (N, E) of the packed queries, written into `merged` where given.
 
     Never compiled: torch.compile would unroll the loop over groups and guard on every
@@ -205,13 +209,18 @@ def banded_attention(
 
     One sequence per SDPA call: CPU SDPA is not batch invariant when a call has fewer queries
     than keys (measured on torch 2.13: 3 queries on 11 keys give other bits in a batch of 2 than
-    alone), which every interior block has. So each sequence's numbers depend on it alone."""
+    alone), which every interior block has. So each sequence's numbers depend on it alone.
+    Interior blocks share one band mask (the same offsets)."""
     T, S, w = q.shape[1], k.shape[1], local.window
     out = q.new_empty(q.shape[0], T, attn.embed_dim)  # (G, T, E)
+    bands: dict[tuple[int, int, int], Tensor] = {}
     for start in range(0, T, local.block):
         stop = min(T, start + local.block)
         k0, k1 = max(0, start - w), min(S, stop + w)
-        band = band_bias(range(start, stop), range(k0, k1), w, q.dtype, q.device)
+        shape = (stop - start, k0 - start, k1 - start)  # the mask depends on offsets only
+        if shape not in bands:
+            bands[shape] = band_bias(range(start, stop), range(k0, k1), w, q.dtype, q.device)
+        band = bands[shape]
         for g in range(q.shape[0]):
             kpm = None if key_padding_mask is None else key_padding_mask[g : g + 1, k0:k1]
             out[g : g + 1, start:stop], _ = attn.attend(

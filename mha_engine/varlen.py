@@ -6,7 +6,9 @@ attention needs sequence boundaries, and `make_plan` decides its SDPA calls once
 
 Grouping policy (the default is exact): sequences sharing (T, S, is_causal, has_mask) are
 stacked into one (G, H, T, head_dim) SDPA call. No row of any call depends on padding or on
-batch-mates, so a sequence's numbers never depend on what it was batched with.
+batch-mates, so a sequence's numbers never depend on what it was batched with (where SDPA itself
+would not keep that, few queries on more keys, packed_attention runs a group's sequences one by
+one).
 
 Opt-in bucketing (`bucket_padding` > 0): sequences of nearby lengths share one masked SDPA
 call, padded to the bucket's longest (T, S). A bucket grows (longest first) while
@@ -22,9 +24,9 @@ the groups and are counted (FusedAttention.cuda_grouped_calls). Checked on an H1
 
 A layer may add a score bias that depends only on a sequence's (T, S) (`AttnBias`: MPNet's
 relative positions, ModernBERT's sliding window): each group's bias is broadcast over its
-sequences. Neither varlen kernel takes one: on the CPU a sequence whose bias is None still takes
-cpu_varlen's kernel (decided per sequence, so never by batch-mates); on CUDA a layer with a
-bias runs every sequence grouped.
+sequences (a LocalWindow is attended by blocks, one sequence at a time). Neither varlen kernel
+takes one: on the CPU a sequence whose bias is None still takes cpu_varlen's kernel (decided per
+sequence, so never by batch-mates); on CUDA a layer with a bias runs every sequence grouped.
 """
 
 from __future__ import annotations

@@ -145,6 +145,7 @@ def test_bf16_and_int8_stay_close(modernbert, dtype: str) -> None:
         ),
         ({"layer_types": ["full_attention", "chunked"]}, "layer_types must name 3 layers"),
         ({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling is not supported"),
         (
             {"architectures": ["ModernBertForSequenceClassification"], "classifier_pooling": "max"},
             "classifier_pooling 'max'",

@@ -5,6 +5,7 @@ fast kernels that take no bias kept out of the way."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -130,6 +131,8 @@ def test_the_kernels_that_take_no_bias_are_not_used(mpnet, monkeypatch) -> None:
     def kernel(*args, **kwargs):
         raise AssertionError("the CPU varlen kernel ran on an MPNet layer")
 
+    if cpu_varlen.KERNEL.library() is None:
+        pytest.skip("the CPU varlen kernel is not built here")
     monkeypatch.setattr(cpu_varlen, "varlen_attention", kernel)
     assert all(torch.equal(a, b) for a, b in zip(model.encode_varlen(seqs), want, strict=True))
     attn = model.attention_layers()[0]
@@ -169,3 +172,13 @@ def test_batch_invariance_at_a_realistic_size(tmp_path: Path) -> None:
     together = model.encode_varlen(seqs)
     for one, got in zip(seqs, together, strict=True):
         assert torch.equal(model.encode_varlen([one])[0], got)
+
+
+def test_a_config_without_layer_norm_eps_takes_transformers_default(tmp_path: Path) -> None:
+    """MPNetConfig's default eps is 1e-12 (not RoBERTa-like checkpoints' 1e-5)."""
+    path = tm.save(tm.build("mpnet"), tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    del config["layer_norm_eps"]
+    (path / "config.json").write_text(json.dumps(config))
+    model = mha_engine.load_model(path)
+    assert model.config.layer_norm_eps == transformers.MPNetConfig().layer_norm_eps == 1e-12

@@ -51,13 +51,13 @@ def test_short_sequences_bit_equal_alone_and_packed(kind, dtype):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_few_queries_on_many_keys_bit_equal_alone_and_packed(masked):
+def test_few_queries_on_many_keys_bit_equal_alone_and_packed(masked, monkeypatch):
     """1-3 query tokens on 8+ keys (a short target on a long memory): CPU SDPA gives other bits
     for such a call in a batch than alone, so these groups attend one sequence per call
     (packed_attention.SMALL_QUERIES). 300 keys pass the CPU kernel's limit; a mask bars it."""
     model = engine_from(make_mha(64, 8))
     g = torch.Generator().manual_seed(1)
-    q_lens, kv_lens = [1, 1, 1, 2, 3, 3], [300, 300, 12, 12, 12, 12]
+    q_lens, kv_lens = [1, 1, 1, 2, 3, 3, 9, 9, 15, 15], [300, 300, 12, 12, 12, 12, *[40] * 4]
     queries = [torch.randn(t, 64, generator=g) for t in q_lens]
     keys = [torch.randn(s, 64, generator=g) for s in kv_lens]
     masks = None
@@ -69,8 +69,13 @@ def test_few_queries_on_many_keys_bit_equal_alone_and_packed(masked):
         m = None if masks is None else [masks[i] for i in idx]
         return model.forward_varlen([queries[i] for i in idx], k, k, m)
 
+    from mha_engine import packed_attention
+
+    with monkeypatch.context() as patch:  # the premise: one SDPA call per group differs
+        patch.setattr(packed_attention, "SMALL_QUERIES", 0)
+        grouped = run(range(len(q_lens)))
+        if all(torch.equal(run([i])[0], grouped[i]) for i in range(len(q_lens))):
+            pytest.skip("SDPA is batch invariant for these shapes on this CPU: nothing to show")
     batch = run(range(len(q_lens)))
     for i in range(len(q_lens)):
         assert torch.equal(run([i])[0], batch[i]), f"sequence {i}: {q_lens[i]} on {kv_lens[i]}"
-    # (with packed_attention.SMALL_QUERIES = 0, sequences 0, 1, 4 and 5 differed by up to 3e-8
-    # on an AMD EPYC, AVX-512: the premise depends on the CPU, so it is not asserted here)

@@ -298,8 +298,9 @@ async def embed_all(request: Request) -> Response:
 
 @router.post(
     "/",
-    summary="Hugging Face-compatible route: /embed for an embedding model, a text "
-    "classification (one list of labels per input) for a classifier or reranker (TEI)",
+    summary="Hugging Face-compatible route: /embed for an embedding model, /embed_sparse for a "
+    "SPLADE model, a text classification (one list of labels per input) for a classifier or "
+    "reranker (TEI)",
     openapi_extra=ROOT_OPENAPI,
 )
 async def root(request: Request):
