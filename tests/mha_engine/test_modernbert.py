@@ -224,3 +224,12 @@ def test_batch_invariance_at_a_realistic_size(tmp_path: Path) -> None:
     together = model.encode_varlen(seqs)
     for one, got in zip(seqs, together, strict=True):
         assert torch.equal(model.encode_varlen([one])[0], got)
+
+
+def test_engine_path_says_how_each_family_attends(modernbert, tmp_path: Path) -> None:
+    """The metadata's engine_path: MPNet never takes the varlen kernel; ModernBERT's sliding
+    layers attend by blocks."""
+    _, path = modernbert
+    assert "sliding-window layers" in mha_engine.load_model(path).diagnostics()["engine_path"]
+    mpnet = mha_engine.load_model(tm.save(tm.build("mpnet"), tmp_path))
+    assert mpnet.diagnostics()["engine_path"].endswith("with MPNet's relative position bias")

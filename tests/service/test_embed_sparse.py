@@ -182,3 +182,17 @@ def test_every_tei_route_answers_errors_in_teis_shape() -> None:
     paths = {route.path for router in (tei.router, tei_rank.router, tei_mount.router)
              for route in router.routes}  # fmt: skip
     assert paths <= TEI_ROUTES, sorted(paths - TEI_ROUTES)
+
+
+def test_the_routes_that_forward_to_embed_sparse_document_its_body(models) -> None:
+    """POST / and /invocations answer a SPLADE model's /embed_sparse: their OpenAPI request
+    bodies list its request among the alternatives."""
+
+    async def test(client: httpx.AsyncClient) -> None:
+        spec = (await client.get("/openapi.json")).json()
+        for path in ("/", "/invocations"):
+            schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+            titles = {option.get("title") for option in schema["schema"]["anyOf"]}
+            assert "EmbedSparseRequest" in titles, (path, titles)
+
+    run(models, test)
