@@ -245,7 +245,7 @@ def text_model_from_directory(
         max_seq_len=settings.max_seq_len or 0,
     )
     info = heads.classifier_info(hf_config) if heads.is_sequence_classifier(hf_config) else None
-    spec = heads.head_spec(hf_config, config.model_type) if info is not None else None
+    spec = heads.head_spec(hf_config, config) if info is not None else None
     if modern and settings.sparse:
         raise CheckpointError(
             f"{directory}: a ModernBERT SPLADE model (its masked-LM head) is not supported"

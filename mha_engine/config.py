@@ -14,8 +14,6 @@ from .errors import CheckpointError
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 POOLING_MODES = ("mean", "cls", "last_token")
-# Model types whose position ids count only non-pad tokens, from pad_token_id + 1.
-POSITIONS_FROM_PADDING = ("roberta", "xlm-roberta", "camembert", "mpnet")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # ModernBERT's attention per layer
 # Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
 RELATIVE_BUCKETS = (0, 32)
@@ -268,7 +266,7 @@ class TextEncoderConfig(TransformerEncoderConfig):
     max_position_embeddings: int
     type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
     pad_token_id: int | None = None
-    position_offset: int = 0  # RoBERTa: pad_token_id + 1
+    position_offset: int = 0  # RoBERTa-like (positions from padding): pad_token_id + 1
     relative_attention_num_buckets: int = 0  # MPNet: 32 (a relative position bias)
     pooling: str = "mean"  # mean | cls | last_token
     normalize: bool = False
@@ -297,7 +295,9 @@ class TextEncoderConfig(TransformerEncoderConfig):
 
     @property
     def positions_from_padding(self) -> bool:
-        return self.model_type in POSITIONS_FROM_PADDING
+        """Position ids count only non-pad tokens, from pad_token_id + 1 (RoBERTa, XLM-R,
+        CamemBERT, MPNet: the families hf_bert maps with an offset; BERT's is 0)."""
+        return self.position_offset > 0
 
     @classmethod
     def from_dict(cls, data: dict) -> TextEncoderConfig:

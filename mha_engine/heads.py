@@ -51,13 +51,14 @@ class HeadSpec:
     norm_eps: float = 1e-5
 
 
+ROBERTA_HEAD = HeadNames("classifier.dense", "classifier.out_proj", "tanh")
 HEAD_NAMES = {
     "bert": HeadNames("{base}pooler.dense", "classifier", "tanh"),
-    "roberta": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
-    "xlm-roberta": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
-    "camembert": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
+    "roberta": ROBERTA_HEAD,
+    "xlm-roberta": ROBERTA_HEAD,
+    "camembert": ROBERTA_HEAD,
     "distilbert": HeadNames("pre_classifier", "classifier", "relu"),
-    "mpnet": HeadNames("classifier.dense", "classifier.out_proj", "tanh"),
+    "mpnet": ROBERTA_HEAD,
     "modernbert": HeadNames("head.dense", "classifier", "gelu", norm="head.norm"),
 }
 CLASSIFIER_POOLING = ("cls", "mean")  # ModernBERT's config.classifier_pooling
@@ -116,12 +117,13 @@ def default_spec(model_type: str) -> HeadSpec:
     return HeadSpec(names, names.activation)
 
 
-def head_spec(hf_config: dict, model_type: str) -> HeadSpec:
+def head_spec(hf_config: dict, config: TextEncoderConfig) -> HeadSpec:
     """The head of this checkpoint: the family's, with ModernBERT's pooling, activation and
-    dense bias read from its config (CheckpointError naming a value the engine does not run)."""
-    names = HEAD_NAMES[model_type]
+    dense bias read from its config (CheckpointError naming a value the engine does not run);
+    its norm's eps is the encoder's."""
+    names = HEAD_NAMES[config.model_type]
     if names.norm is None:
-        return default_spec(model_type)
+        return default_spec(config.model_type)
     pooling = hf_config.get("classifier_pooling", "cls")
     if pooling not in CLASSIFIER_POOLING:
         raise CheckpointError(
@@ -133,8 +135,7 @@ def head_spec(hf_config: dict, model_type: str) -> HeadSpec:
             f"config.classifier_activation {act!r} is not supported; use one of {list(FROM_HF)}"
         )
     bias = bool(hf_config.get("classifier_bias", False))
-    eps = float(hf_config.get("norm_eps", 1e-5))
-    return HeadSpec(names, FROM_HF[act], pooling, bias, eps)
+    return HeadSpec(names, FROM_HF[act], pooling, bias, config.layer_norm_eps)
 
 
 def head_state(

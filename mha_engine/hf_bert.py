@@ -170,9 +170,9 @@ def engine_config(config: dict) -> TextEncoderConfig:
     return TextEncoderConfig(**c)
 
 
-def base_prefix(state: dict) -> str:
-    """'' for a base model's keys, 'bert.' (etc.) for a model with a task head."""
-    name = "embeddings.word_embeddings.weight"
+def base_prefix(state: dict, name: str = "embeddings.word_embeddings.weight") -> str:
+    """'' for a base model's keys, 'bert.' (etc.) for a model with a task head: the prefix of
+    the one key ending in `name` (a base-model tensor every file of the family has)."""
     if name in state:
         return ""
     prefixes = sorted(k[: -len(name)] for k in state if k.endswith("." + name))

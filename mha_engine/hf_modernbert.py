@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from . import hf_bert
 from .config import LAYER_TYPES, ModernBertEncoderConfig
 from .errors import CheckpointError, check_state, positive_int
 from .hf_bert import ACTIVATIONS, HF_ACTIVATIONS
@@ -101,12 +102,7 @@ def engine_config(config: dict) -> ModernBertEncoderConfig:
 
 def base_prefix(state: dict) -> str:
     """'' for a base model's keys, 'model.' for a model with a task head."""
-    if TOKENS in state:
-        return ""
-    prefixes = sorted(k[: -len(TOKENS)] for k in state if k.endswith("." + TOKENS))
-    if len(prefixes) != 1:
-        raise CheckpointError(f"no {TOKENS} in the weights (e.g. {sorted(state)[:5]})")
-    return prefixes[0]
+    return hf_bert.base_prefix(state, TOKENS)
 
 
 def expected_shapes(config: ModernBertEncoderConfig) -> dict[str, tuple[int, ...]]:

@@ -160,8 +160,10 @@ class ModernBertStack(nn.Module):
         else:
             T = x.shape[-2]
             positions = torch.arange(T, device=x.device)  # (T,)
-            w = c.sliding_window
-            window = band_bias(range(T), range(T), w, x.dtype, x.device) if w < T - 1 else None
+            reach = c.sliding_window
+            window = (
+                band_bias(range(T), range(T), reach, x.dtype, x.device) if reach < T - 1 else None
+            )
         head_dim = c.d_model // c.nhead
         thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
         angles = {

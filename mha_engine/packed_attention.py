@@ -176,13 +176,7 @@ def grouped_attention(
         if isinstance(bias, LocalWindow):
             y = banded_attention(attn, gq, gk, gv, g.key_padding_mask, bias)  # (G, T, E)
         elif g.size > 1 and g.tgt_len < min(SMALL_QUERIES, g.src_len):  # see SMALL_QUERIES
-            kpm = g.key_padding_mask
-            y = torch.cat([
-                attn.attend(gq[i : i + 1], gk[i : i + 1], gv[i : i + 1],
-                            None if kpm is None else kpm[i : i + 1], None, g.is_causal,
-                            attn_bias=bias)[0]
-                for i in range(g.size)
-            ])  # fmt: skip
+            y = attend_each(attn, gq, gk, gv, g.key_padding_mask, g.is_causal, bias)
         else:
             y, _ = attn.attend(gq, gk, gv, g.key_padding_mask, None, g.is_causal, attn_bias=bias)
         y = y.reshape(-1, E)  # (G*T, E)
@@ -220,14 +214,30 @@ def banded_attention(
         shape = (stop - start, k0 - start, k1 - start)  # the mask depends on offsets only
         if shape not in bands:
             bands[shape] = band_bias(range(start, stop), range(k0, k1), w, q.dtype, q.device)
-        band = bands[shape]
-        for g in range(q.shape[0]):
-            kpm = None if key_padding_mask is None else key_padding_mask[g : g + 1, k0:k1]
-            out[g : g + 1, start:stop], _ = attn.attend(
-                q[g : g + 1, start:stop], k[g : g + 1, k0:k1], v[g : g + 1, k0:k1], kpm,
-                None, False, attn_bias=band,
-            )  # fmt: skip
+        kpm = None if key_padding_mask is None else key_padding_mask[:, k0:k1]
+        out[:, start:stop] = attend_each(
+            attn, q[:, start:stop], k[:, k0:k1], v[:, k0:k1], kpm, False, bands[shape]
+        )
     return out
+
+
+def attend_each(
+    attn: FusedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    attn_bias: Tensor | None,
+) -> Tensor:
+    """FusedAttention.attend of (G, T, E) queries on (G, S, KV) keys/values one sequence per
+    SDPA call, for the shapes where a batched call would not be batch invariant; (G, T, E)."""
+    return torch.cat([
+        attn.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1],
+                    None if key_padding_mask is None else key_padding_mask[i : i + 1],
+                    None, is_causal, attn_bias=attn_bias)[0]
+        for i in range(q.shape[0])
+    ])  # fmt: skip
 
 
 def band_bias(

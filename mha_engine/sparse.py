@@ -42,28 +42,26 @@ class MlmNames:
     norm: str
     decoder: str
     bias: str  # the decoder's bias (some files keep it only here)
+    gelu: bool = False  # exact GELU whatever the encoder's activation (else the encoder's)
 
 
+# transformers' RobertaLMHead (and MPNetLMHead): always GELU
+ROBERTA_MLM = MlmNames(
+    "lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias", gelu=True
+)
 MLM_NAMES = {
     "bert": MlmNames(
         "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
         "cls.predictions.decoder", "cls.predictions.bias",
     ),
-    "roberta": MlmNames("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"),
-    "xlm-roberta": MlmNames(
-        "lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"
-    ),
-    "camembert": MlmNames(
-        "lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"
-    ),
+    "roberta": ROBERTA_MLM,
+    "xlm-roberta": ROBERTA_MLM,
+    "camembert": ROBERTA_MLM,
     "distilbert": MlmNames(
         "vocab_transform", "vocab_layer_norm", "vocab_projector", "vocab_projector.bias"
     ),
-    "mpnet": MlmNames("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"),
+    "mpnet": ROBERTA_MLM,
 }  # fmt: skip
-# heads that apply exact GELU whatever the encoder's activation (transformers' RobertaLMHead,
-# MPNetLMHead); BERT's and DistilBERT's use the encoder's
-GELU_HEADS = ("roberta", "xlm-roberta", "camembert", "mpnet")
 
 
 def is_masked_lm(hf_config: dict) -> bool:
@@ -111,7 +109,7 @@ class MaskedLMHead(nn.Module):
         self.dense = nn.Linear(D, D)
         self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(D, config.vocab_size)
-        gelu = config.model_type in GELU_HEADS
+        gelu = MLM_NAMES[config.model_type].gelu
         self.activation = "gelu" if gelu else config.activation
 
     def forward(self, states: Tensor) -> Tensor:
