@@ -1,15 +1,18 @@
-"""MPNet and ModernBERT sentence embeddings: the engine's packed forward against transformers'
-model plus mean pooling, sentences/s on the same batches, interleaved.
+"""MPNet, ModernBERT and Qwen3 sentence embeddings: the engine's packed forward against
+transformers' model plus pooling (mean; Qwen3: last token), sentences/s on the same batches,
+interleaved.
 
-Run `python -m benchmarks.text_families [--family mpnet|modernbert] [--rounds 5] [--seconds 3]
+Run `python -m benchmarks.text_families [--family mpnet|modernbert|qwen3] [--rounds 5] [--seconds 3]
 [--batch 32 --batch 1]` from the repository root under `flock /work/bench.lock` (needs
 transformers). The models have the published shapes, randomly initialised and saved as
 safetensors in a temporary directory (weights do not change the cost): all-mpnet-base-v2's (12
 layers, 768 wide, 12 heads) and ModernBERT-base's (22 layers, 768 wide, 12 heads, a 1,152-wide
-GeGLU, every third layer global, the others a 128-token window). Sentences are seeded random ids
+GeGLU, every third layer global, the others a 128-token window), Qwen3-Embedding-0.6B's (28
+causal layers, 1,024 wide, 16 query and 8 K/V heads of 128, a 3,072-wide SwiGLU). Sentences are
+seeded random ids
 of 7-37 tokens (the lengths of benchmarks.embeddings' sentences under a BERT tokenizer), or of
 `--min-len`-`--max-len`. transformers runs each batch padded to its longest sentence with an
-attention mask (MPNet: eager attention, the only one it has; ModernBERT: SDPA); the engine runs
+attention mask (MPNet: eager attention, the only one it has; the others: SDPA); the engine runs
 it packed. Both in float32, then the engine in bfloat16 beside them.
 """
 
@@ -39,7 +42,14 @@ SHAPES = {
         global_attn_every_n_layers=3, bos_token_id=2, eos_token_id=3, cls_token_id=2,
         sep_token_id=3,
     ),
+    "qwen3": dict(
+        hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=28, intermediate_size=3072, vocab_size=151669,
+        max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        pad_token_id=1,
+    ),
 }  # fmt: skip
+POOLING = {"qwen3": "last_token"}  # the others: mean
 
 
 def batch(
@@ -82,10 +92,13 @@ def main() -> None:
     )
     for size in args.batch or [32, 1]:
         seqs = batch(size, config.vocab_size, (args.min_len, args.max_len))
-        compare(reference, fp32, bf16, seqs, args.rounds, args.seconds)
+        pooling = POOLING.get(args.family, "mean")
+        compare(reference, fp32, bf16, seqs, args.rounds, args.seconds, pooling)
 
 
-def compare(reference, fp32, bf16, seqs: tuple, rounds: int, seconds: float) -> None:
+def compare(
+    reference, fp32, bf16, seqs: tuple, rounds: int, seconds: float, pooling: str = "mean"
+) -> None:
     """One batch: the three runs interleaved, a markdown table of their medians."""
     seqs, padded, mask = seqs
     size = len(seqs)
@@ -93,13 +106,15 @@ def compare(reference, fp32, bf16, seqs: tuple, rounds: int, seconds: float) -> 
     @torch.inference_mode()
     def theirs() -> torch.Tensor:
         hidden = reference(input_ids=padded, attention_mask=mask).last_hidden_state
+        if pooling == "last_token":  # right padding: each row's last real token
+            return hidden[torch.arange(size), mask.sum(1) - 1]  # (B, D)
         m = mask[..., None].float()
         return (hidden * m).sum(1) / m.sum(1)  # (B, D)
 
     steps = {
-        "engine fp32": lambda: fp32.embed_varlen(seqs),
+        "engine fp32": lambda: fp32.embed_varlen(seqs, pooling=pooling),
         "transformers fp32": theirs,
-        "engine bf16": lambda: bf16.embed_varlen(seqs),
+        "engine bf16": lambda: bf16.embed_varlen(seqs, pooling=pooling),
     }
     diff = (steps["engine fp32"]() - theirs()).abs().max().item()
     diff16 = (steps["engine bf16"]() - theirs()).abs().max().item()

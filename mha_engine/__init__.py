@@ -9,7 +9,8 @@ Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sen
 TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out), or
 SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out); ModernBERT
 directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers) or
-ModernBertClassifierModel (a TextClassifierModel) with a sequence-classification head.
+ModernBertClassifierModel (a TextClassifierModel) with a sequence-classification head; Qwen3
+directories (Qwen3-Embedding) as Qwen3Model (a TextEncoderModel with causal, rotary GQA layers).
 """
 
 from .attention import FusedAttention
@@ -19,6 +20,7 @@ from .config import (
     EngineConfig,
     ModernBertEncoderConfig,
     MultiheadAttentionConfig,
+    Qwen3EncoderConfig,
     TextEncoderConfig,
     TransformerConfig,
     TransformerDecoderConfig,
@@ -37,6 +39,7 @@ from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .protocol import ServedClassifierModel, ServedModel, ServedSparseModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
+from .qwen3 import Qwen3Model
 from .save import save_model
 from .sparse import SparseEncoderModel
 from .text import TextEmbeddings
@@ -61,6 +64,8 @@ __all__ = [
     "ModernBertModel",
     "MultiheadAttentionConfig",
     "MultiheadAttentionModel",
+    "Qwen3EncoderConfig",
+    "Qwen3Model",
     "ServedClassifierModel",
     "ServedModel",
     "ServedSparseModel",

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import heads, hf_bert, hf_modernbert, layouts, sparse
+from . import heads, hf_bert, hf_modernbert, hf_qwen3, layouts, sparse
 from .config import (
     EngineConfig,
     LayerStackConfig,
@@ -38,10 +38,17 @@ from .heads import TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .quantize import quantize_int8
+from .qwen3 import Qwen3Model
 from .text_model import TextEncoderModel, read_text_settings
 from .transformer_model import TransformerModel
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
+# model_type -> (its mapping, encoder class, classifier class or None) for the families with
+# their own stack; every other model_type maps through hf_bert onto EncoderStack
+OWN_STACKS: dict[str, tuple] = {
+    hf_modernbert.MODEL_TYPE: (hf_modernbert, ModernBertModel, ModernBertClassifierModel),
+    hf_qwen3.MODEL_TYPE: (hf_qwen3, Qwen3Model, None),
+}
 
 
 MODEL_CLASSES: dict[str, type[EngineModel]] = {
@@ -234,8 +241,10 @@ def text_model_from_directory(
     TextClassifierModel when config.architectures names a `...ForSequenceClassification`, or a
     SparseEncoderModel when modules.json asks for SPLADE pooling (sentence-transformers'
     SparseEncoder)."""
-    modern = hf_config.get("model_type") == hf_modernbert.MODEL_TYPE
-    family = hf_modernbert if modern else hf_bert
+    model_type = hf_config.get("model_type")
+    own = OWN_STACKS.get(model_type)
+    bert = (hf_bert, TextEncoderModel, TextClassifierModel)
+    family, encoder_class, classifier_class = own or bert
     config = family.engine_config(hf_config)  # fail on config errors before reading weights
     settings = read_text_settings(directory)
     config = replace(
@@ -245,11 +254,16 @@ def text_model_from_directory(
         max_seq_len=settings.max_seq_len or 0,
     )
     info = heads.classifier_info(hf_config) if heads.is_sequence_classifier(hf_config) else None
-    spec = heads.head_spec(hf_config, config) if info is not None else None
-    if modern and settings.sparse:
+    if own is not None and settings.sparse:
         raise CheckpointError(
-            f"{directory}: a ModernBERT SPLADE model (its masked-LM head) is not supported"
+            f"{directory}: a {model_type} SPLADE model (its masked-LM head) is not supported"
         )
+    if info is not None and classifier_class is None:
+        raise CheckpointError(
+            f"{directory}: a {model_type} sequence classifier ({hf_config.get('architectures')}) "
+            "is not supported; its base model serves embeddings"
+        )
+    spec = heads.head_spec(hf_config, config) if info is not None else None
     if settings.sparse and not sparse.is_masked_lm(hf_config):
         raise CheckpointError(
             f"{directory}: modules.json asks for SPLADE pooling, but config.json's architectures "
@@ -258,7 +272,7 @@ def text_model_from_directory(
         )
     weights = _read_weights(directory)
     encoder_state, embedding_state = family.engine_state(weights, config)
-    if not modern:
+    if own is None:
         validate_state_dict(encoder_state, config)
     head = None  # the head's weights, checked before anything is built
     if info is not None:
@@ -273,12 +287,11 @@ def text_model_from_directory(
     dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
         if info is not None:
-            classifier = ModernBertClassifierModel if modern else TextClassifierModel
-            model = classifier(config, info, spec)
+            model = classifier_class(config, info, spec)
         elif settings.sparse:
             model = sparse.SparseEncoderModel(config)
         else:
-            model = (ModernBertModel if modern else TextEncoderModel)(config)
+            model = encoder_class(config)
     _assign(model.encoder, encoder_state, device, dtype)
     if head is not None:
         _assign(model.head, head, device, dtype)

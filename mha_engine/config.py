@@ -145,6 +145,7 @@ class LayerStackConfig:
 
     architecture: ClassVar[str] = ""
     cross_attention: ClassVar[bool] = False  # self-attention only
+    activations: ClassVar[tuple[str, ...]] = ACTIVATIONS  # what `activation` may name
 
     d_model: int
     nhead: int
@@ -159,9 +160,9 @@ class LayerStackConfig:
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
             _positive(name, getattr(self, name))
-        if self.activation not in ACTIVATIONS:
+        if self.activation not in self.activations:
             raise CheckpointError(
-                f"config.activation must be relu or gelu (or gelu_tanh), got {self.activation!r}"
+                f"config.activation must be one of {self.activations}, got {self.activation!r}"
             )
         for name in ("norm_first", "bias", "final_norm"):
             _flag(name, getattr(self, name))
@@ -331,6 +332,39 @@ class ModernBertEncoderConfig(TextEncoderConfig):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise CheckpointError(f"config.{name} must be a positive number, got {value!r}")
         _positive("sliding_window", self.sliding_window)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3EncoderConfig(TextEncoderConfig):
+    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm causal layers with RoPE, attention of
+    nhead query heads and num_kv_heads key/value heads of head_dim each (nhead * head_dim need
+    not be d_model), RMSNorm per query and key head, and a SwiGLU feed-forward."""
+
+    activations: ClassVar[tuple[str, ...]] = ("silu",)  # SwiGLU's gate
+
+    head_dim: int
+    num_kv_heads: int
+    activation: str = "silu"
+    rope_theta: float = 1000000.0
+    attention_bias: bool = False  # biases on the Q/K/V and output projections
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise CheckpointError(f"config.head_dim must be even (RoPE), got {self.head_dim}")
+        if _positive("num_kv_heads", self.num_kv_heads) > self.nhead or (
+            self.nhead % self.num_kv_heads
+        ):
+            raise CheckpointError(
+                f"config.num_attention_heads {self.nhead} must be a multiple of "
+                f"config.num_key_value_heads {self.num_kv_heads}"
+            )
+        _flag("attention_bias", self.attention_bias)
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, int | float):
+            raise CheckpointError(f"config.rope_theta must be a number, got {self.rope_theta!r}")
+        if self.rope_theta <= 0:
+            raise CheckpointError(f"config.rope_theta must be positive, got {self.rope_theta!r}")
 
 
 EngineConfig = (

@@ -128,14 +128,15 @@ def head_importance(layers: list[FusedAttention]) -> list[dict[str, Any]]:
     """Per layer: each head's share of ||out_proj.weight||_F and cosine similarity between heads."""
     report = []
     for index, attn in enumerate(layers):
-        H, hd, E = attn.num_heads, attn.head_dim, attn.embed_dim
+        H, hd = attn.num_heads, attn.head_dim
         out = attn.out_proj
         w = out.dequantize() if hasattr(out, "dequantize") else out.weight.detach().float()
-        w = w.view(E, H, hd).transpose(0, 1).reshape(H, E * hd)  # (H, E*hd)
+        D = w.shape[0]  # the model width (Qwen3: not H * hd)
+        w = w.view(D, H, hd).transpose(0, 1).reshape(H, D * hd)  # (H, D*hd)
         norms = w.norm(dim=1)  # (H,)
         total = norms.sum()
         share = norms / total if total > 0 else torch.full_like(norms, 1.0 / H)
-        unit = w / norms.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # (H, E*hd)
+        unit = w / norms.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # (H, D*hd)
         correlation = unit @ unit.T  # (H, H)
         report.append(
             {

@@ -20,37 +20,16 @@ from torch import Tensor, nn
 
 from .attention import FusedAttention
 from .config import LAYER_TYPES, MultiheadAttentionConfig, TextEncoderConfig
-from .devices import upload
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
 from .packed_attention import attend_packed, band_bias
+from .rope import rotary, rotate
 from .text import Float32Tables, packed_positions
 from .text_model import TextEncoderModel
 from .varlen import AttnBias, LocalWindow, Plan
 
 FULL, SLIDING = LAYER_TYPES
 BLOCK = LocalWindow.block  # queries per block of a long sequence's sliding-window attention
-
-
-def rotary(
-    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """cos and sin (..., head_dim) of the positions' rotary angles, in `dtype` (as transformers
-    rounds them); the inverse frequencies are computed on the host, as transformers does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    freqs = positions[..., None].float() * upload(inv_freq, positions.device)  # (..., hd/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (..., hd)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> Tensor:
-    """RoPE on merged heads x (..., T, H*hd) with cos/sin (T, hd), in float32, back to x's dtype."""
-    shape = x.shape
-    heads = x.reshape(*shape[:-1], num_heads, -1).float()  # (..., T, H, hd)
-    half = heads.shape[-1] // 2
-    turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)  # rotate_half
-    out = heads * cos[:, None, :] + turned * sin[:, None, :]
-    return out.to(x.dtype).reshape(shape)
 
 
 def sliding_window(window: int) -> AttnBias:

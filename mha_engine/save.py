@@ -16,11 +16,12 @@ from pathlib import Path
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import hf_bert, hf_modernbert
+from . import hf_bert, hf_modernbert, hf_qwen3
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
 from .heads import TextClassifierModel
 from .modernbert import ModernBertModel
+from .qwen3 import Qwen3Model
 from .sparse import SparseEncoderModel
 from .text_model import TextEncoderModel, write_text_settings
 
@@ -132,7 +133,8 @@ def module_state(module: nn.Module) -> dict[str, Tensor]:
 def engine_files(model: EngineModel) -> tuple[dict, dict[str, Tensor]]:
     """(config.json contents, state dict) of a loaded model, in the form load_model reads."""
     if isinstance(model, TextEncoderModel):
-        family = hf_modernbert if isinstance(model, ModernBertModel) else hf_bert
+        families = {ModernBertModel: hf_modernbert, Qwen3Model: hf_qwen3}
+        family = next((f for c, f in families.items() if isinstance(model, c)), hf_bert)
         state = family.hf_state(
             model.encoder.state_dict(), model.embeddings.state_dict(), model.config
         )

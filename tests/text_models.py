@@ -60,6 +60,12 @@ def hf_config(model_type: str, **overrides):
             local_attention=8, global_attn_every_n_layers=2, bos_token_id=CLS, cls_token_id=CLS,
             eos_token_id=SEP, sep_token_id=SEP,
         )  # fmt: skip
+    elif model_type == "qwen3":  # GQA (4 query heads, 2 K/V heads) of 16 dims: 64 wide, not 32
+        kwargs = dict(
+            hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=LAYERS, intermediate_size=FFN, eos_token_id=SEP,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        )  # fmt: skip
     else:
         kwargs = dict(
             hidden_size=D,
@@ -76,7 +82,8 @@ def hf_config(model_type: str, **overrides):
 
 def build(model_type: str, head: str = "", seed: int = 0, **overrides):
     """A seeded eval-mode transformers model, every parameter perturbed (zero biases and unit
-    LayerNorms would hide mapping mistakes). head: "" or "ForSequenceClassification"."""
+    LayerNorms would hide mapping mistakes). head: "", "ForSequenceClassification",
+    "ForMaskedLM" or "ForCausalLM"."""
     import transformers
 
     torch.manual_seed(seed)

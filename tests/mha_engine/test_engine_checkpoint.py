@@ -173,7 +173,7 @@ def test_non_floating_tensor(tmp_path):
                 "dim_feedforward": 8,
                 "activation": "silu",
             },
-            "activation must be relu or gelu",
+            r"activation must be one of \(.relu., .gelu., .gelu_tanh.\)",
         ),
     ],
 )

@@ -208,7 +208,7 @@ def test_causal_masks_and_cuda_graphs_are_refused(modernbert, tmp_path, monkeypa
 
 def test_a_modernbert_splade_directory_is_refused(tmp_path: Path) -> None:
     _, path = tm.splade(tmp_path / "sp", "modernbert")
-    with pytest.raises(CheckpointError, match="ModernBERT SPLADE model"):
+    with pytest.raises(CheckpointError, match="modernbert SPLADE model"):
         mha_engine.load_model(path)
 
 

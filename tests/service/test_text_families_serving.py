@@ -106,3 +106,55 @@ def test_modernbert_embeddings_equal_transformers(tmp_path_factory: pytest.TempP
                 assert response.status_code == 200, (route, response.text)
 
     asyncio.run(main())
+
+
+def test_qwen3_embeddings_equal_transformers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A Qwen3-Embedding directory (causal GQA decoder, last-token pooling, Normalize, a query
+    prompt) answers /v1/embeddings and /embed with the prompt applied, equal to transformers'
+    Qwen3Model; the debug routes take its heads (64 wide on a 32-wide model)."""
+    root = tmp_path_factory.mktemp("qwen3")
+    prompt = "Instruct: find the passage\nQuery: "
+    model, directory = tm.sentence_transformer(
+        root / "qw", pooling="last_token", prompts={"query": prompt}, model_type="qwen3"
+    )
+    texts = [*TEXTS, "what is deep learning and how does a model rank a passage for a query ?"]
+
+    def reference(batch: list[str]) -> np.ndarray:
+        ids, mask, _ = tm.padded(tm.tokenize(directory, batch))
+        with torch.no_grad():
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        last = hidden[torch.arange(len(batch)), mask.sum(1) - 1]  # right padding
+        return torch.nn.functional.normalize(last, dim=-1).numpy()
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def main() -> None:
+        settings = {"debug_endpoint": True, "debug_token": TOKEN}
+        async with asgi_client(model_dir=directory, model_name="qw", **settings) as client:
+            openai = await client.post("/v1/embeddings", json={"model": "qw", "input": texts})
+            assert openai.status_code == 200, openai.text
+            got = np.array([d["embedding"] for d in openai.json()["data"]])
+            np.testing.assert_allclose(got, reference(texts), **FP32_TOL)
+            tei = await client.post("/embed", json={"inputs": texts, "prompt_name": "query"})
+            assert tei.status_code == 200, tei.text
+            want = reference([prompt + t for t in texts])
+            np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
+            info = (await client.get("/info")).json()
+            assert info["model_type"] == {"embedding": {"pooling": "last_token"}}
+            text = {"name": "text", "shape": [1], "datatype": "BYTES", "data": [texts[0]]}
+            debug = await client.post(
+                "/v2/models/qw/attention", json={"inputs": [text]}, headers=auth
+            )
+            assert debug.status_code == 200, debug.text
+            out = {o["name"]: o for o in debug.json()["outputs"]}["attention_weights"]
+            weights = torch.tensor(out["data"]).reshape(out["shape"])  # (L, 1, H, T, T)
+            assert weights.shape[:3] == (tm.LAYERS, 1, tm.HEADS)
+            assert (weights.triu(diagonal=1) == 0).all()  # causal
+            heads = await client.get("/v2/models/qw/heads", headers=auth)
+            assert heads.status_code == 200, heads.text
+            assert len(heads.json()["layers"]) == tm.LAYERS
+            for route in ("/v2/models/qw", "/v2/models/qw/config", "/debug/info"):
+                response = await client.get(route, headers=auth)
+                assert response.status_code == 200, (route, response.text)
+
+    asyncio.run(main())

@@ -1,0 +1,188 @@
+"""Hugging Face Qwen3 directories (Qwen3-Embedding) in engine terms: config.json to
+Qwen3EncoderConfig, the weights (checked under their HF names) onto Qwen3Stack and
+Qwen3Embeddings; `hf_config` / `hf_state` write a loaded model back (save_model).
+
+Both config forms are read (transformers 5's `rope_parameters`, transformers 4's `rope_theta`).
+Refused naming the field: an activation other than SiLU, RoPE scaling, sliding-window layers.
+A causal-LM checkpoint (`model.` prefix, an `lm_head`) loads its base model; the head is unused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import hf_bert
+from .config import LAYER_TYPES, Qwen3EncoderConfig
+from .errors import CheckpointError, check_state, positive_int
+
+MODEL_TYPE = "qwen3"
+TOKENS = "embed_tokens.weight"
+FULL = LAYER_TYPES[0]
+# a layer's weights one to one: HF's name -> Qwen3Layer's
+NAMES = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+    ("self_attn.q_norm.weight", "self_attn.q_norm.weight"),
+    ("self_attn.k_norm.weight", "self_attn.k_norm.weight"),
+    ("self_attn.o_proj.weight", "self_attn.out_proj.weight"),
+    ("self_attn.o_proj.bias", "self_attn.out_proj.bias"),
+    ("mlp.down_proj.weight", "down.weight"),
+)
+# weights stacked into one GEMM: Qwen3Layer's name <- HF's names, in row order
+STACKED = (
+    ("self_attn.in_proj_weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight")),
+    ("self_attn.in_proj_bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                "self_attn.v_proj.bias")),
+    ("gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+)  # fmt: skip
+
+
+def _rope_theta(config: dict) -> float:
+    if config.get("rope_scaling") is not None:
+        raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return config.get("rope_theta", 1000000.0)
+    if rope.get("rope_type", "default") != "default":
+        raise CheckpointError(
+            f"config.rope_parameters.rope_type {rope.get('rope_type')!r} is not supported "
+            "(only 'default')"
+        )
+    return rope.get("rope_theta", config.get("rope_theta", 1000000.0))
+
+
+def engine_config(config: dict) -> Qwen3EncoderConfig:
+    """HF Qwen3 config -> Qwen3EncoderConfig (pooling settings at their defaults)."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"config.hidden_act {act!r} is not supported; Qwen3's is 'silu'")
+    layers = positive_int(config, "num_hidden_layers")
+    types = config.get("layer_types") or [FULL] * layers
+    if config.get("use_sliding_window") or any(t != FULL for t in types):
+        raise CheckpointError(
+            "config.use_sliding_window / layer_types ask for sliding-window layers; the engine "
+            "runs Qwen3 with full causal attention only"
+        )
+    heads = positive_int(config, "num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0:
+        raise CheckpointError(
+            f"config.num_key_value_heads must be a positive integer, got {kv_heads!r}"
+        )
+    pad = config.get("pad_token_id")
+    return Qwen3EncoderConfig(
+        model_type=MODEL_TYPE,
+        d_model=positive_int(config, "hidden_size"),
+        nhead=heads,
+        num_kv_heads=kv_heads,
+        head_dim=config.get("head_dim") or 128,  # Qwen3Config's default
+        num_layers=layers,
+        dim_feedforward=positive_int(config, "intermediate_size"),
+        layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        norm_first=True,
+        bias=False,
+        final_norm=True,
+        attention_bias=bool(config.get("attention_bias", False)),
+        vocab_size=positive_int(config, "vocab_size"),
+        max_position_embeddings=config.get("max_position_embeddings", 32768),
+        pad_token_id=pad if isinstance(pad, int) else None,
+        rope_theta=_rope_theta(config),
+    )
+
+
+def base_prefix(state: dict) -> str:
+    """'' for a base model's keys, 'model.' for a causal LM or a model with a task head."""
+    return hf_bert.base_prefix(state, TOKENS)
+
+
+def expected_shapes(config: Qwen3EncoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF key of the base model (without the prefix) with its shape."""
+    D, F, hd = config.d_model, config.dim_feedforward, config.head_dim
+    Q, KV = config.nhead * hd, config.num_kv_heads * hd
+    shapes = {TOKENS: (config.vocab_size, D), "norm.weight": (D,)}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            f"{p}input_layernorm.weight": (D,), f"{p}post_attention_layernorm.weight": (D,),
+            f"{p}self_attn.q_proj.weight": (Q, D), f"{p}self_attn.k_proj.weight": (KV, D),
+            f"{p}self_attn.v_proj.weight": (KV, D), f"{p}self_attn.o_proj.weight": (D, Q),
+            f"{p}self_attn.q_norm.weight": (hd,), f"{p}self_attn.k_norm.weight": (hd,),
+            f"{p}mlp.gate_proj.weight": (F, D), f"{p}mlp.up_proj.weight": (F, D),
+            f"{p}mlp.down_proj.weight": (D, F),
+        })  # fmt: skip
+        if config.attention_bias:
+            shapes.update({
+                f"{p}self_attn.q_proj.bias": (Q,), f"{p}self_attn.k_proj.bias": (KV,),
+                f"{p}self_attn.v_proj.bias": (KV,), f"{p}self_attn.o_proj.bias": (D,),
+            })  # fmt: skip
+    return shapes
+
+
+def engine_state(
+    state: dict[str, Tensor], config: Qwen3EncoderConfig
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(Qwen3Stack state, Qwen3Embeddings state) from HF weights, shapes checked."""
+    prefix = base_prefix(state)
+    parts = ("embed_tokens.", "layers.", "norm.")  # not lm_head, nor a task head
+    base = {
+        k[len(prefix) :]: v
+        for k, v in state.items()
+        if k.startswith(prefix) and k[len(prefix) :].startswith(parts)
+    }
+    check_state(base, expected_shapes(config), f"{MODEL_TYPE} config")
+    encoder = {"norm.weight": base["norm.weight"]}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for theirs, ours in NAMES:
+            if f"{p}{theirs}" in base:  # o_proj.bias only with attention_bias
+                encoder[f"{p}{ours}"] = base[f"{p}{theirs}"]
+        for ours, theirs in STACKED:
+            if f"{p}{theirs[0]}" in base:
+                encoder[f"{p}{ours}"] = torch.cat([base[f"{p}{t}"] for t in theirs])
+    return encoder, {TOKENS: base[TOKENS]}
+
+
+def hf_config(config: Qwen3EncoderConfig) -> dict:
+    """The Hugging Face config.json of a Qwen3 model (inverse of engine_config)."""
+    return {
+        "model_type": MODEL_TYPE,
+        "architectures": ["Qwen3Model"],
+        "hidden_size": config.d_model,
+        "num_attention_heads": config.nhead,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": config.num_layers,
+        "intermediate_size": config.dim_feedforward,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.layer_norm_eps,
+        "attention_bias": config.attention_bias,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "pad_token_id": config.pad_token_id,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta,  # transformers 4 reads this one
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def hf_state(
+    encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: Qwen3EncoderConfig
+) -> dict[str, Tensor]:
+    """HF base-model weight names from the stack's and the embeddings' states (inverse of
+    engine_state)."""
+    D, KV = config.nhead * config.head_dim, config.num_kv_heads * config.head_dim
+    out = {TOKENS: embeddings[TOKENS], "norm.weight": encoder["norm.weight"]}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for theirs, ours in NAMES:
+            if f"{p}{ours}" in encoder:
+                out[f"{p}{theirs}"] = encoder[f"{p}{ours}"]
+        for ours, theirs in STACKED:
+            if f"{p}{ours}" in encoder:
+                stacked = encoder[f"{p}{ours}"]
+                sizes = (D, KV, KV) if ours.startswith("self_attn") else (len(stacked) // 2,) * 2
+                out.update(zip((f"{p}{t}" for t in theirs), stacked.split(sizes), strict=True))
+    return out

@@ -1,0 +1,184 @@
+"""Qwen3 text embedders (Qwen3-Embedding-0.6B/4B/8B) as engine modules: the decoder as an encoder.
+
+Each layer is pre-norm (RMSNorm): fused Q/K/V projections of num_heads query heads and
+num_kv_heads key/value heads of head_dim each (grouped-query attention; num_heads * head_dim need
+not equal the model width), an RMSNorm over each query and key head, rotary positions (RoPE),
+causal attention, the output projection back to the model width, then a SwiGLU feed-forward,
+down(silu(gate(x)) * up(x)). A final RMSNorm. Equal to transformers' Qwen3Model.
+
+Every sequence attends causally, packed or padded: on packed rows the plan is causal for every
+sequence (the CPU varlen kernel takes causal sequences; CUDA flash takes causal GQA in half
+precision), so a sequence's numbers depend on it alone. Positions restart at 0 in every sequence;
+transformers counts from 0 over the padded width, which equals ours with right padding (RoPE
+depends on relative positions only, so left padding differs only by rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import FusedAttention
+from .config import MultiheadAttentionConfig, Qwen3EncoderConfig
+from .fused import linear
+from .packed_attention import attend_packed
+from .rope import rotary, rotate
+from .text import Float32Tables, packed_positions
+from .text_model import TextEncoderModel
+from .varlen import Plan
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32 and rounded to x's dtype
+    before the weight multiplies (transformers' Qwen3RMSNorm, bit for bit)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Qwen3Embeddings(Float32Tables):
+    """embed_tokens only (positions come from RoPE); a float32 table (Float32Tables)."""
+
+    def __init__(self, config: Qwen3EncoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+
+    def _table(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def padded_positions(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[-1]
+        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
+
+    def forward(self, input_ids: Tensor, position_ids=None, token_type_ids=None) -> Tensor:
+        return self.embed_tokens(input_ids)  # (..., D) float32
+
+    def forward_packed(self, input_ids: Tensor, lengths: list[int], token_type_ids=None) -> Tensor:
+        return self.embed_tokens(input_ids)  # (N, D)
+
+
+class Qwen3Attention(FusedAttention):
+    """FusedAttention over num_heads * head_dim query columns (`embed_dim` here) read from and
+    written back to the model width d_model: in_proj (d_model -> H*hd + 2*Hkv*hd), out_proj
+    (H*hd -> d_model), plus q_norm and k_norm (RMSNorm over each head)."""
+
+    def __init__(self, config: Qwen3EncoderConfig) -> None:
+        width = config.nhead * config.head_dim
+        bias = config.attention_bias
+        attention = MultiheadAttentionConfig(
+            width, config.nhead, num_kv_heads=config.num_kv_heads, bias=bias
+        )
+        super().__init__(attention)
+        D = config.d_model
+        self.in_proj = nn.Linear(D, width + 2 * self.kv_dim, bias=bias)  # rows [Q; K; V]
+        self.out_proj = nn.Linear(width, D, bias=bias)
+        self.q_norm = RMSNorm(config.head_dim, config.layer_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.layer_norm_eps)
+
+    def positioned(
+        self, q: Tensor, k: Tensor, cos_sin: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """Queries (..., H*hd) and keys (..., Hkv*hd) normalised per head, then rotated."""
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, -1))).flatten(-2)
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, -1))).flatten(-2)
+        return rotate(q, *cos_sin, self.num_heads), rotate(k, *cos_sin, self.num_kv_heads)
+
+
+class Qwen3Layer(nn.Module):
+    """input_layernorm -> causal rotary GQA -> + x; post_attention_layernorm -> SwiGLU -> + x."""
+
+    def __init__(self, config: Qwen3EncoderConfig) -> None:
+        super().__init__()
+        D, F_, eps = config.d_model, config.dim_feedforward, config.layer_norm_eps
+        self.input_layernorm = RMSNorm(D, eps)
+        self.self_attn = Qwen3Attention(config)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.gate_up = nn.Linear(D, 2 * F_, bias=False)  # rows [gate; up]
+        self.down = nn.Linear(F_, D, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos_sin: tuple[Tensor, Tensor],
+        key_padding_mask: Tensor | None,
+        plan: Plan | None,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: dense (B, T, D) or packed (N, D) with its (causal) plan; cos/sin (T|N, hd)."""
+        attn = self.self_attn
+        q, k, v = attn.split_qkv(linear(attn.in_proj, self.input_layernorm(x)))
+        q, k = attn.positioned(q, k, cos_sin)  # (..., H*hd), (..., Hkv*hd)
+        weights = None
+        if plan is not None:  # packed: kernels and SDPA groups, every sequence causal
+            merged = attend_packed(attn, plan, q, k, v)  # (N, H*hd)
+        else:
+            merged, weights = attn.attend(q, k, v, key_padding_mask, None, True, need_weights)
+        x = linear(attn.out_proj, merged, residual=x)  # (..., D)
+        gate, up = linear(self.gate_up, self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return linear(self.down, F.silu(gate) * up, residual=x), weights
+
+
+class Qwen3Stack(nn.Module):
+    """The layers and the final norm, with EncoderStack's call signature (causal only)."""
+
+    cuda_graphs_refusal = "Qwen3's layers (per-head norms, RoPE) are not captured yet"
+    attention_note = "causal grouped-query attention with rotary positions (Qwen3)"
+
+    def __init__(self, config: Qwen3EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(Qwen3Layer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.d_model, config.layer_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = True,
+        plan: Plan | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Dense (B, T, D) with an optional padding mask, or packed (N, D) with its plan; always
+        causal (the flag is taken for EncoderStack's signature; an attn_mask is refused)."""
+        if attn_mask is not None or (plan is not None and not all(plan.seq_causal)):
+            raise ValueError("Qwen3 attends causally: attn_mask and non-causal plans are refused")
+        if plan is not None:
+            positions = packed_positions(plan.q_lens, x.device)  # (N,)
+            extra = x.shape[0] - positions.shape[0]  # rows varlen.pad_rows added (dropped later)
+            if extra:
+                positions = torch.cat([positions, positions.new_zeros(extra)])
+        else:
+            positions = torch.arange(x.shape[-2], device=x.device)  # (T,)
+        c = self.config
+        cos_sin = rotary(positions, c.head_dim, c.rope_theta, x.dtype)  # (T|N, hd) each
+        weights: list[Tensor] = []
+        for layer in self.layers:
+            x, w = layer(x, cos_sin, key_padding_mask, plan, need_weights)
+            if w is not None:
+                weights.append(w)
+        return self.norm(x), weights
+
+
+class Qwen3Model(TextEncoderModel):
+    """A Qwen3 embedder: TextEncoderModel's API (ids in, token states or vectors out; usually
+    last-token pooling) over Qwen3Embeddings and Qwen3Stack, every sequence causal."""
+
+    stack_class = Qwen3Stack
+    embeddings_class = Qwen3Embeddings
+    num_kv_heads = property(lambda self: self.config.num_kv_heads)
+    head_dim = property(lambda self: self.config.head_dim)
+
+    def _run(self, src, mask, src_key_padding_mask, is_causal, keep_weights):
+        return super()._run(src, mask, src_key_padding_mask, True, keep_weights)
+
+    def _encode(self, x, lens, key_padding_mask, is_causal, bucket_padding) -> Tensor:
+        return super()._encode(x, lens, key_padding_mask, True, bucket_padding)

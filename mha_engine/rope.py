@@ -1,0 +1,32 @@
+"""Rotary position embeddings (RoPE) as transformers computes them, shared by the rotary text
+families (ModernBERT, Qwen3): cos/sin of position * 1 / theta^(2i / head_dim), applied to
+queries and keys with rotate_half (the first half of each head's dims paired with the second).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .devices import upload
+
+
+def rotary(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin (..., head_dim) of the positions' rotary angles, in `dtype` (as transformers
+    rounds them); the inverse frequencies are computed on the host, as transformers does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = positions[..., None].float() * upload(inv_freq, positions.device)  # (..., hd/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (..., hd)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> Tensor:
+    """RoPE on merged heads x (..., T, H*hd) with cos/sin (T, hd), in float32, back to x's dtype."""
+    shape = x.shape
+    heads = x.reshape(*shape[:-1], num_heads, -1).float()  # (..., T, H, hd)
+    half = heads.shape[-1] // 2
+    turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)  # rotate_half
+    out = heads * cos[:, None, :] + turned * sin[:, None, :]
+    return out.to(x.dtype).reshape(shape)
