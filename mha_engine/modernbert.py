@@ -23,8 +23,8 @@ from .config import LAYER_TYPES, MultiheadAttentionConfig, TextEncoderConfig
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
 from .packed_attention import attend_packed, band_bias
-from .rope import rotary, rotate
-from .text import Float32Tables, packed_positions
+from .rope import rotary, rotate, token_positions
+from .text import Float32Tables
 from .text_model import TextEncoderModel
 from .varlen import AttnBias, LocalWindow, Plan
 
@@ -130,15 +130,11 @@ class ModernBertStack(nn.Module):
         if attn_mask is not None or is_causal or (plan is not None and any(plan.seq_causal)):
             raise ValueError("ModernBERT attends both ways: attn_mask and is_causal are not taken")
         c = self.config
+        positions = token_positions(x, plan)  # (N,) or (T,)
         if plan is not None:
-            positions = packed_positions(plan.q_lens, x.device)  # (N,)
-            extra = x.shape[0] - positions.shape[0]  # rows varlen.pad_rows added (dropped later)
-            if extra:
-                positions = torch.cat([positions, positions.new_zeros(extra)])
             window = sliding_window(c.sliding_window)
         else:
             T = x.shape[-2]
-            positions = torch.arange(T, device=x.device)  # (T,)
             reach = c.sliding_window
             window = (
                 band_bias(range(T), range(T), reach, x.dtype, x.device) if reach < T - 1 else None

@@ -23,8 +23,8 @@ from .attention import FusedAttention
 from .config import MultiheadAttentionConfig, Qwen3EncoderConfig
 from .fused import linear
 from .packed_attention import attend_packed
-from .rope import rotary, rotate
-from .text import Float32Tables, packed_positions
+from .rope import rotary, rotate, token_positions
+from .text import Float32Tables
 from .text_model import TextEncoderModel
 from .varlen import Plan
 
@@ -151,15 +151,8 @@ class Qwen3Stack(nn.Module):
         causal (the flag is taken for EncoderStack's signature; an attn_mask is refused)."""
         if attn_mask is not None or (plan is not None and not all(plan.seq_causal)):
             raise ValueError("Qwen3 attends causally: attn_mask and non-causal plans are refused")
-        if plan is not None:
-            positions = packed_positions(plan.q_lens, x.device)  # (N,)
-            extra = x.shape[0] - positions.shape[0]  # rows varlen.pad_rows added (dropped later)
-            if extra:
-                positions = torch.cat([positions, positions.new_zeros(extra)])
-        else:
-            positions = torch.arange(x.shape[-2], device=x.device)  # (T,)
         c = self.config
-        cos_sin = rotary(positions, c.head_dim, c.rope_theta, x.dtype)  # (T|N, hd) each
+        cos_sin = rotary(token_positions(x, plan), c.head_dim, c.rope_theta, x.dtype)  # (T|N, hd)
         weights: list[Tensor] = []
         for layer in self.layers:
             x, w = layer(x, cos_sin, key_padding_mask, plan, need_weights)

@@ -9,6 +9,19 @@ import torch
 from torch import Tensor
 
 from .devices import upload
+from .text import packed_positions
+from .varlen import Plan
+
+
+def token_positions(x: Tensor, plan: Plan | None) -> Tensor:
+    """Each row's position in its sequence: packed rows (N,) along the plan, from 0 in every
+    sequence (rows varlen.pad_rows appended get 0: they are dropped later), or 0..T-1 for a dense
+    (..., T, D) batch."""
+    if plan is None:
+        return torch.arange(x.shape[-2], device=x.device)  # (T,)
+    positions = packed_positions(plan.q_lens, x.device)  # (N,)
+    extra = x.shape[0] - positions.shape[0]
+    return torch.cat([positions, positions.new_zeros(extra)]) if extra else positions
 
 
 def rotary(
