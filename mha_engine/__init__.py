@@ -18,10 +18,7 @@ from .blocks import EncoderLayer, EncoderStack
 from .checkpoint import CheckpointError, load_model
 from .config import (
     EngineConfig,
-    ModernBertEncoderConfig,
     MultiheadAttentionConfig,
-    Qwen3EncoderConfig,
-    TextEncoderConfig,
     TransformerConfig,
     TransformerDecoderConfig,
     TransformerEncoderConfig,
@@ -43,6 +40,7 @@ from .qwen3 import Qwen3Model
 from .save import save_model
 from .sparse import SparseEncoderModel
 from .text import TextEmbeddings
+from .text_config import DenseConfig, ModernBertEncoderConfig, Qwen3EncoderConfig, TextEncoderConfig
 from .text_model import TextEncoderModel
 from .transformer_model import TransformerModel
 
@@ -51,6 +49,7 @@ __all__ = [
     "ClassifierInfo",
     "DecoderLayer",
     "DecoderStack",
+    "DenseConfig",
     "DeviceError",
     "EncoderLayer",
     "EncoderStack",

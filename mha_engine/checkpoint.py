@@ -39,7 +39,8 @@ from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .quantize import quantize_int8
 from .qwen3 import Qwen3Model
-from .text_model import TextEncoderModel, read_text_settings
+from .st_files import TextSettings, read_text_settings
+from .text_model import TextEncoderModel
 from .transformer_model import TransformerModel
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
@@ -180,6 +181,19 @@ def model_from_state_dict(
     return prepack(quantize_int8(model) if int8 else model)
 
 
+def _dense_state(settings: TextSettings) -> dict[str, Tensor]:
+    """TextEncoderModel.dense's state from the Dense modules' weight files, shapes checked."""
+    state: dict[str, Tensor] = {}
+    for i, (config, where) in enumerate(zip(settings.dense, settings.dense_dirs, strict=True)):
+        expected = {"linear.weight": (config.out_features, config.in_features)}
+        if config.bias:
+            expected["linear.bias"] = (config.out_features,)
+        weights = _read_weights(where)
+        check_state(weights, expected, f"{where / 'config.json'} (Dense)")
+        state.update({f"{i}.{k}": v for k, v in weights.items()})
+    return state
+
+
 def _read_weights(directory: Path) -> dict:
     for name in WEIGHT_FILES:
         path = directory / name
@@ -252,6 +266,7 @@ def text_model_from_directory(
         pooling=settings.pooling,
         normalize=settings.normalize,
         max_seq_len=settings.max_seq_len or 0,
+        dense=settings.dense,
     )
     info = heads.classifier_info(hf_config) if heads.is_sequence_classifier(hf_config) else None
     if own is not None and settings.sparse:
@@ -283,6 +298,7 @@ def text_model_from_directory(
     elif settings.sparse:
         head = sparse.mlm_head_state(weights, config)
     del weights
+    dense = _dense_state(settings)
     device = resolve_device(device)
     dtype, int8 = resolve_precision(dtype, device)
     with torch.device("meta"):
@@ -296,5 +312,6 @@ def text_model_from_directory(
     if head is not None:
         _assign(model.head, head, device, dtype)
     _assign(model.embeddings, embedding_state, device, torch.float32)  # see TextEmbeddings
+    _assign(model.dense, dense, device, torch.float32)  # float32 vectors, as pooling gives
     model = model.requires_grad_(False).eval()
     return prepack(quantize_int8(model) if int8 else model)

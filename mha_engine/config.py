@@ -3,6 +3,7 @@
 Field names are PyTorch's (nn.MultiheadAttention, nn.TransformerEncoderLayer). Construction
 validates, raising CheckpointError naming the field, so a config object is always usable;
 `from_dict` fills PyTorch's defaults from a config.json object and `to_dict` writes one back.
+The text models' configs build on these in text_config.py.
 """
 
 from __future__ import annotations
@@ -13,25 +14,21 @@ from typing import Any, ClassVar
 from .errors import CheckpointError
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-POOLING_MODES = ("mean", "cls", "last_token")
-LAYER_TYPES = ("full_attention", "sliding_attention")  # ModernBERT's attention per layer
-# Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
-RELATIVE_BUCKETS = (0, 32)
 
 
-def _positive(name: str, value: object) -> int:
+def check_positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"config.{name} must be a positive integer, got {value!r}")
     return value
 
 
-def _flag(name: str, value: object) -> bool:
+def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise CheckpointError(f"config.{name} must be true or false, got {value!r}")
     return value
 
 
-def _known(cls: type, data: dict) -> dict[str, Any]:
+def known_fields(cls: type, data: dict) -> dict[str, Any]:
     """The entries of `data` that are fields of `cls`, with None meaning 'use the default'."""
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in data.items() if k in names and v is not None}
@@ -42,8 +39,8 @@ def _layer_fields(cls: type, data: object) -> dict[str, Any]:
     dim_feedforward required (PyTorch's defaults for the rest come from the dataclass)."""
     data = _check_architecture(cls, data)
     for name in ("d_model", "nhead", "dim_feedforward"):
-        _positive(name, data.get(name))
-    known = _known(cls, data)
+        check_positive(name, data.get(name))
+    known = known_fields(cls, data)
     for name in ("norm_first", "bias", "final_norm"):
         if name in known:
             known[name] = bool(known[name])
@@ -80,13 +77,16 @@ class MultiheadAttentionConfig:
     attention_layout: str | None = None  # the source file's projection names, when not PyTorch's
 
     def __post_init__(self) -> None:
-        E, H = _positive("embed_dim", self.embed_dim), _positive("num_heads", self.num_heads)
+        E, H = (
+            check_positive("embed_dim", self.embed_dim),
+            check_positive("num_heads", self.num_heads),
+        )
         for name in ("num_kv_heads", "kdim", "vdim"):
             value = getattr(self, name)
             default = H if name == "num_kv_heads" else E
-            object.__setattr__(self, name, default if value == 0 else _positive(name, value))
+            object.__setattr__(self, name, default if value == 0 else check_positive(name, value))
         for name in ("bias", "add_bias_kv", "add_zero_attn"):
-            _flag(name, getattr(self, name))
+            check_flag(name, getattr(self, name))
         if E % H:
             raise CheckpointError(f"embed_dim {E} is not divisible by num_heads {H}")
         if H % self.num_kv_heads:
@@ -125,11 +125,11 @@ class MultiheadAttentionConfig:
         """From a config.json object: missing fields get nn.MultiheadAttention's defaults."""
         data = _check_architecture(cls, data)
         for name in ("embed_dim", "num_heads"):
-            _positive(name, data.get(name))
-        known = _known(cls, data)
+            check_positive(name, data.get(name))
+        known = known_fields(cls, data)
         for name in ("num_kv_heads", "kdim", "vdim"):
             if name in known:
-                _positive(name, known[name])
+                check_positive(name, known[name])
         for name in ("bias", "add_bias_kv", "add_zero_attn"):
             if name in known:
                 known[name] = bool(known[name])
@@ -159,13 +159,13 @@ class LayerStackConfig:
 
     def __post_init__(self) -> None:
         for name in ("d_model", "nhead", "dim_feedforward", "num_layers"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.activation not in self.activations:
             raise CheckpointError(
                 f"config.activation must be one of {self.activations}, got {self.activation!r}"
             )
         for name in ("norm_first", "bias", "final_norm"):
-            _flag(name, getattr(self, name))
+            check_flag(name, getattr(self, name))
         if self.d_model % self.nhead:
             raise CheckpointError(
                 f"embed_dim {self.d_model} is not divisible by num_heads {self.nhead}"
@@ -222,8 +222,8 @@ class TransformerConfig:
     bias: bool = True
 
     def __post_init__(self) -> None:
-        _positive("num_encoder_layers", self.num_encoder_layers)
-        _positive("num_decoder_layers", self.num_decoder_layers)
+        check_positive("num_encoder_layers", self.num_encoder_layers)
+        check_positive("num_decoder_layers", self.num_decoder_layers)
         self.decoder  # noqa: B018 (validates the shared fields, naming them)
 
     def _stack(self, cls: type, num_layers: int):
@@ -256,115 +256,6 @@ class TransformerConfig:
     def from_dict(cls, data: dict) -> TransformerConfig:
         """From a config.json object: missing fields get nn.Transformer's defaults."""
         return cls(**_layer_fields(cls, data))
-
-
-@dataclass(frozen=True, kw_only=True)
-class TextEncoderConfig(TransformerEncoderConfig):
-    """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
-
-    model_type: str  # bert | roberta | xlm-roberta | camembert | distilbert | mpnet | modernbert
-    vocab_size: int
-    max_position_embeddings: int
-    type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
-    pad_token_id: int | None = None
-    position_offset: int = 0  # RoBERTa-like (positions from padding): pad_token_id + 1
-    relative_attention_num_buckets: int = 0  # MPNet: 32 (a relative position bias)
-    pooling: str = "mean"  # mean | cls | last_token
-    normalize: bool = False
-    max_seq_len: int = 0  # 0: as many tokens as the position table holds
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("vocab_size", "max_position_embeddings"):
-            _positive(name, getattr(self, name))
-        if self.pooling not in POOLING_MODES:
-            raise CheckpointError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
-        if self.positions_from_padding and self.pad_token_id is None:
-            raise CheckpointError(
-                f"config.pad_token_id is needed for {self.model_type} position ids"
-            )
-        if self.relative_attention_num_buckets not in RELATIVE_BUCKETS:
-            raise CheckpointError(
-                "relative_attention_num_buckets must be 32 (MPNet's) or 0 (none), got "
-                f"{self.relative_attention_num_buckets!r}"
-            )
-        table = self.max_position_embeddings - self.position_offset
-        if table < 1:
-            raise CheckpointError("max_position_embeddings leaves no positions after the offset")
-        length = table if self.max_seq_len == 0 else min(table, self.max_seq_len)
-        object.__setattr__(self, "max_seq_len", _positive("max_seq_len", length))
-
-    @property
-    def positions_from_padding(self) -> bool:
-        """Position ids count only non-pad tokens, from pad_token_id + 1 (RoBERTa, XLM-R,
-        CamemBERT, MPNet: the families hf_bert maps with an offset; BERT's is 0)."""
-        return self.position_offset > 0
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TextEncoderConfig:
-        """From to_dict's output (the Hugging Face form is read by hf_bert.engine_config)."""
-        base = TransformerEncoderConfig.from_dict(data)
-        return cls(**{**asdict(base), **_known(cls, data)})
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModernBertEncoderConfig(TextEncoderConfig):
-    """ModernBERT: pre-norm rotary layers without biases, each attending to every key
-    ("full_attention") or to those within sliding_window positions ("sliding_attention")."""
-
-    layer_types: tuple[str, ...]
-    rope_theta: float = 160000.0  # full-attention layers' RoPE base
-    local_rope_theta: float = 10000.0  # sliding layers'
-    sliding_window: int = 64  # half of HF's local_attention
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
-            LAYER_TYPES
-        ):
-            raise CheckpointError(
-                f"config.layer_types must name {self.num_layers} layers, each one of "
-                f"{LAYER_TYPES}, got {list(self.layer_types)}"
-            )
-        for name in ("rope_theta", "local_rope_theta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise CheckpointError(f"config.{name} must be a positive number, got {value!r}")
-        _positive("sliding_window", self.sliding_window)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Qwen3EncoderConfig(TextEncoderConfig):
-    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm causal layers with RoPE, attention of
-    nhead query heads and num_kv_heads key/value heads of head_dim each (nhead * head_dim need
-    not be d_model), RMSNorm per query and key head, and a SwiGLU feed-forward."""
-
-    activations: ClassVar[tuple[str, ...]] = ("silu",)  # SwiGLU's gate
-
-    head_dim: int
-    num_kv_heads: int
-    activation: str = "silu"
-    rope_theta: float = 1000000.0
-    attention_bias: bool = False  # biases on the Q/K/V and output projections
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _positive("head_dim", self.head_dim)
-        if self.head_dim % 2:
-            raise CheckpointError(f"config.head_dim must be even (RoPE), got {self.head_dim}")
-        if _positive("num_kv_heads", self.num_kv_heads) > self.nhead or (
-            self.nhead % self.num_kv_heads
-        ):
-            raise CheckpointError(
-                f"config.num_attention_heads {self.nhead} must be a multiple of "
-                f"config.num_key_value_heads {self.num_kv_heads}"
-            )
-        _flag("attention_bias", self.attention_bias)
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, int | float):
-            raise CheckpointError(f"config.rope_theta must be a number, got {self.rope_theta!r}")
-        if self.rope_theta <= 0:
-            raise CheckpointError(f"config.rope_theta must be positive, got {self.rope_theta!r}")
 
 
 EngineConfig = (

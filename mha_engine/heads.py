@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .config import TextEncoderConfig
 from .errors import CheckpointError, check_state
 from .fused import ACTIVATIONS, linear
 from .hf_bert import ACTIVATIONS as FROM_HF
 from .text import pool_packed
+from .text_config import TextEncoderConfig
 from .text_model import TextEncoderModel
 from .varlen import cumulative, lengths, pad_rows
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from .config import MultiheadAttentionConfig, TextEncoderConfig
+from .config import MultiheadAttentionConfig
 from .errors import CheckpointError, check_state, positive_int
 from .layouts import AttentionKeys, to_pytorch_names
+from .text_config import TextEncoderConfig
 
 # hidden_act -> the engine's activation; the tanh forms are the same function under two names.
 ACTIVATIONS = {

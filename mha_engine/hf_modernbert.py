@@ -13,9 +13,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import hf_bert
-from .config import LAYER_TYPES, ModernBertEncoderConfig
 from .errors import CheckpointError, check_state, positive_int
 from .hf_bert import ACTIVATIONS, HF_ACTIVATIONS
+from .text_config import LAYER_TYPES, ModernBertEncoderConfig
 
 MODEL_TYPE = "modernbert"
 FULL, SLIDING = LAYER_TYPES

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from . import hf_bert
-from .config import LAYER_TYPES, Qwen3EncoderConfig
 from .errors import CheckpointError, check_state, positive_int
+from .text_config import LAYER_TYPES, Qwen3EncoderConfig
 
 MODEL_TYPE = "qwen3"
 TOKENS = "embed_tokens.weight"

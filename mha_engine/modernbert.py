@@ -19,12 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from .attention import FusedAttention
-from .config import LAYER_TYPES, MultiheadAttentionConfig, TextEncoderConfig
+from .config import MultiheadAttentionConfig
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
 from .packed_attention import attend_packed, band_bias
 from .rope import rotary, rotate, token_positions
 from .text import Float32Tables
+from .text_config import LAYER_TYPES, TextEncoderConfig
 from .text_model import TextEncoderModel
 from .varlen import AttnBias, LocalWindow, Plan
 

@@ -87,6 +87,10 @@ class ServedTextModel(ServedModel, Protocol):
 
     @property
     def max_seq_len(self) -> int: ...
+    @property
+    def embedding_dim(self) -> int:
+        """A sentence vector's width (d_model, or the last Dense module's out_features)."""
+        ...
 
     def embed_packed(
         self,

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import FusedAttention
-from .config import MultiheadAttentionConfig, Qwen3EncoderConfig
+from .config import MultiheadAttentionConfig
 from .fused import linear
 from .packed_attention import attend_packed
 from .rope import rotary, rotate, token_positions
 from .text import Float32Tables
+from .text_config import Qwen3EncoderConfig
 from .text_model import TextEncoderModel
 from .varlen import Plan
 

@@ -23,7 +23,8 @@ from .heads import TextClassifierModel
 from .modernbert import ModernBertModel
 from .qwen3 import Qwen3Model
 from .sparse import SparseEncoderModel
-from .text_model import TextEncoderModel, write_text_settings
+from .st_files import write_text_settings
+from .text_model import TextEncoderModel
 
 
 def _cpu_copies(state: dict[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
@@ -176,4 +177,4 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if isinstance(model, TextEncoderModel):
-        write_text_settings(directory, model.config)
+        write_text_settings(directory, model.config, _cpu_copies(model.dense.state_dict()))

@@ -21,11 +21,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .config import TextEncoderConfig
 from .devices import upload
 from .errors import CheckpointError, check_state
 from .fused import linear
 from .hf_bert import legacy_names
+from .text_config import TextEncoderConfig
 from .text_model import TextEncoderModel
 from .varlen import cumulative, lengths
 

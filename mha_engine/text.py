@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import POOLING_MODES, TextEncoderConfig
 from .devices import upload
+from .text_config import POOLING_MODES, TextEncoderConfig
 
 
 def packed_positions(lengths: list[int], device: torch.device) -> Tensor:

@@ -7,134 +7,22 @@ pooling and normalisation behind, as sentence-transformers configures them for t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .config import TextEncoderConfig
 from .devices import upload
-from .errors import CheckpointError
+from .fused import linear
 from .models import TransformerEncoderModel
 from .text import TextEmbeddings, normalize, pool_packed, pool_padded
+from .text_config import DenseConfig, TextEncoderConfig
 from .varlen import cumulative, lengths
 
-ST_POOLING = "sentence_transformers.models.Pooling"
-ST_NORMALIZE = "sentence_transformers.models.Normalize"
-ST_TRANSFORMER = "sentence_transformers.models.Transformer"
-# sentence-transformers' SparseEncoder (SPLADE): the MLM transformer and its pooling
-ST_MLM_TRANSFORMER = "sentence_transformers.sparse_encoder.models.MLMTransformer"
-ST_SPLADE_POOLING = "sentence_transformers.sparse_encoder.models.SpladePooling"
-# 1_Pooling/config.json's pooling_mode_<name> -> the engine's pooling mode
-ST_POOLING_MODES = {"mean_tokens": "mean", "cls_token": "cls", "lasttoken": "last_token"}
-
-
-@dataclass(frozen=True)
-class TextSettings:
-    """How token states become a sentence vector, and the longest input (in tokens)."""
-
-    pooling: str = "mean"
-    normalize: bool = False
-    max_seq_len: int | None = None  # None: as many as the position table holds
-    sparse: bool = False  # SPLADE (MLM head, max of log(1 + relu)): mha_engine.sparse
-
-
-def _json(path: Path) -> object:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not readable JSON: {exc}") from exc
-
-
-def read_text_settings(directory: Path) -> TextSettings:
-    """Pooling, normalisation and max length from sentence-transformers files, if present.
-
-    A plain Hugging Face directory gets sentence-transformers' defaults for a bare model:
-    mean pooling, no normalisation. Modules the engine does not run (Dense, ...) are refused,
-    since skipping them would give different vectors.
-    """
-    pooling, norm, max_len, sparse = "mean", False, None, False
-    modules_path = directory / "modules.json"
-    pooling_dir = None
-    if modules_path.is_file():
-        modules = _json(modules_path)
-        if not isinstance(modules, list):
-            raise CheckpointError(f"{modules_path} must hold a list of modules")
-        for module in modules:
-            kind = module.get("type") if isinstance(module, dict) else None
-            if kind == ST_POOLING:
-                pooling_dir = directory / str(module.get("path", ""))
-            elif kind == ST_NORMALIZE:
-                norm = True
-            elif kind == ST_SPLADE_POOLING:
-                sparse = True
-                _check_splade(directory / str(module.get("path", "")))
-            elif kind not in (ST_TRANSFORMER, ST_MLM_TRANSFORMER):
-                raise CheckpointError(
-                    f"{modules_path} lists module {kind!r}; the engine runs only Transformer, "
-                    "Pooling and Normalize, or a sparse encoder's MLMTransformer and "
-                    "SpladePooling"
-                )
-    if pooling_dir is not None and (pooling_dir / "config.json").is_file():
-        config = _json(pooling_dir / "config.json")
-        modes = [
-            k.removeprefix("pooling_mode_")
-            for k, v in (config.items() if isinstance(config, dict) else [])
-            if k.startswith("pooling_mode_") and v is True
-        ]
-        if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
-            raise CheckpointError(
-                f"{pooling_dir / 'config.json'} asks for pooling {modes}; supported: "
-                f"exactly one of {list(ST_POOLING_MODES)}"
-            )
-        pooling = ST_POOLING_MODES[modes[0]]
-    st_config = directory / "sentence_bert_config.json"
-    if st_config.is_file():
-        value = _json(st_config)
-        length = value.get("max_seq_length") if isinstance(value, dict) else None
-        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
-            max_len = length
-    return TextSettings(pooling, norm, max_len, sparse)
-
-
-def _check_splade(pooling_dir: Path) -> None:
-    """SpladePooling's config: the max of relu's log1p is what the engine runs."""
-    path = pooling_dir / "config.json"
-    config = _json(path) if path.is_file() else {}
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} must hold an object")
-    wanted = {"pooling_strategy": "max", "activation_function": "relu"}
-    for key, value in wanted.items():
-        if config.get(key, value) != value:
-            raise CheckpointError(
-                f"{path} asks for {key} {config[key]!r}; the engine runs SPLADE's {value!r}"
-            )
-
-
-def write_text_settings(directory: Path, config: TextEncoderConfig) -> None:
-    """sentence-transformers' files for the config's pooling, normalisation and max length."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": ST_TRANSFORMER},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_POOLING},
-    ]
-    if config.normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": ST_NORMALIZE})
-    (directory / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
-    pooling = {
-        "word_embedding_dimension": config.d_model,
-        "pooling_mode_cls_token": config.pooling == "cls",
-        "pooling_mode_mean_tokens": config.pooling == "mean",
-        "pooling_mode_lasttoken": config.pooling == "last_token",
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-    }
-    (directory / "1_Pooling").mkdir(exist_ok=True)
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
-    settings = {"max_seq_length": config.max_seq_len, "do_lower_case": False}
-    (directory / "sentence_bert_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+DENSE_FUNCTIONS = {  # text_config.DENSE_ACTIVATIONS -> the function
+    "tanh": torch.tanh, "identity": lambda x: x, "relu": torch.relu,
+    "gelu": torch.nn.functional.gelu, "sigmoid": torch.sigmoid,
+}  # fmt: skip
 
 
 class TextEncoderModel(TransformerEncoderModel):
@@ -149,12 +37,16 @@ class TextEncoderModel(TransformerEncoderModel):
     def __init__(self, config: TextEncoderConfig) -> None:
         super().__init__(config)
         self.embeddings = self.embeddings_class(config)
+        self.dense = nn.ModuleList(SentenceDense(c) for c in config.dense)  # after pooling
 
     model_type = property(lambda self: self.config.model_type)
     max_seq_len = property(lambda self: self.config.max_seq_len)
     pooling = property(lambda self: self.config.pooling)
     normalize = property(lambda self: self.config.normalize)
     vocab_size = property(lambda self: self.config.vocab_size)
+    embedding_dim = property(
+        lambda self: self.config.embedding_dim, doc="a sentence vector's width"
+    )
 
     def _check_ids(self, ids: Tensor, what: str) -> Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
@@ -234,7 +126,7 @@ class TextEncoderModel(TransformerEncoderModel):
         """Sentence vectors (B, D) in float32: encode, pool, normalise (defaults: the model's)."""
         out = self.encode_packed(input_ids, cu_seqlens)  # (N, D)
         pooled = pool_packed(out, lengths(cu_seqlens, out.shape[0]), pooling or self.pooling)
-        return _normalize_if(pooled, self.normalize if normalize is None else normalize)
+        return self._vectors(pooled, normalize)  # (B, embedding_dim)
 
     def encode_varlen(self, input_ids: list[Tensor]) -> list[Tensor]:
         """Token states (T_i, D) of unpadded id sequences (T_i,): a thin encode_packed wrapper."""
@@ -252,7 +144,30 @@ class TextEncoderModel(TransformerEncoderModel):
     def embed(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Sentence vectors (B, D) in float32 from a padded batch (padded positions excluded)."""
         hidden = self.encode(input_ids, attention_mask)  # (B, T, D)
-        return _normalize_if(pool_padded(hidden, attention_mask, self.pooling), self.normalize)
+        return self._vectors(pool_padded(hidden, attention_mask, self.pooling), None)
+
+    def _vectors(self, pooled: Tensor, normalize: bool | None) -> Tensor:
+        """Pooled (B, D) float32 through the Dense modules, then normalised if asked (None:
+        as the model's files say)."""
+        for dense in self.dense:
+            pooled = dense(pooled)  # (B, out_features)
+        return _normalize_if(pooled, self.normalize if normalize is None else normalize)
+
+
+class SentenceDense(nn.Module):
+    """sentence-transformers' Dense module on pooled vectors: activation(linear(x)), float32 out
+    (its Linear in whatever dtype it was assigned; `linear` pads tiny batches, so a vector's bits
+    never depend on how many share its call)."""
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.linear = nn.Linear(config.in_features, config.out_features, bias=config.bias)
+        self.activation = DENSE_FUNCTIONS[config.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = getattr(self.linear, "weight", None)  # an Int8Linear takes float32 as it is
+        x = x if weight is None else x.to(weight.dtype)
+        return self.activation(linear(self.linear, x)).float()
 
 
 def _cat_ids(input_ids: list[Tensor]) -> Tensor:

@@ -146,6 +146,43 @@ def sentence_transformer(
     return model, directory
 
 
+def add_dense(
+    directory: Path, layers: list[tuple[int, int, bool, str]], legacy: bool = False, seed: int = 4
+) -> list[torch.nn.Linear]:
+    """Dense modules (in, out, bias, torch.nn activation class name) written as
+    sentence-transformers writes them (`<idx>_Dense/config.json` and weights under `linear.`;
+    legacy: pytorch_model.bin, as LaBSE's), put in modules.json after Pooling and before
+    Normalize; the seeded Linears, for references."""
+    modules = json.loads((directory / "modules.json").read_text())
+    tail = [m for m in modules if m["type"].endswith("Normalize")]
+    head = [m for m in modules if m not in tail]
+    torch.manual_seed(seed)
+    linears = []
+    for in_f, out_f, bias, act in layers:
+        where = f"{len(head)}_Dense"
+        (directory / where).mkdir()
+        config = {"in_features": in_f, "out_features": out_f, "bias": bias,
+                  "activation_function": f"torch.nn.modules.{act}"}  # fmt: skip
+        (directory / where / "config.json").write_text(json.dumps(config))
+        linear = torch.nn.Linear(in_f, out_f, bias=bias)
+        state = {f"linear.{k}": v.detach().clone() for k, v in linear.state_dict().items()}
+        if legacy:
+            torch.save(state, directory / where / "pytorch_model.bin")
+        else:
+            from safetensors.torch import save_file
+
+            save_file(state, str(directory / where / "model.safetensors"))
+        head.append({"idx": 0, "name": "", "path": where,
+                     "type": "sentence_transformers.models.Dense"})  # fmt: skip
+        linears.append(linear)
+    modules = [{**m, "idx": i, "name": str(i)} for i, m in enumerate(head + tail)]
+    for m in modules:
+        if m["type"].endswith("Normalize"):
+            m["path"] = f"{m['idx']}_Normalize"
+    (directory / "modules.json").write_text(json.dumps(modules))
+    return linears
+
+
 def splade(directory: Path, model_type: str = "bert", seed: int = 2, **overrides):
     """A `...ForMaskedLM` model saved as sentence-transformers' SparseEncoder saves one:
     modules.json with MLMTransformer and SpladePooling (max of log(1 + relu))."""

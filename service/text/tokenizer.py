@@ -317,11 +317,14 @@ def tei_model_type(model: ServedTextModel) -> dict:
 
 
 def text_properties(model: ServedModel) -> dict[str, str]:
-    """The text model's kind, pooling or labels for the v2 model metadata's properties."""
+    """The text model's kind, pooling or labels (and an embedding model's vector width) for the
+    v2 model metadata's properties."""
     if text_kind(model) is None:
         return {}
     details = next(iter(tei_model_type(model).values()))
-    return {"task": model_kind(model), **{k: json.dumps(v) for k, v in details.items()}}
+    kind = model_kind(model)
+    width = {"embedding_dim": str(model.embedding_dim)} if kind == "embedding" else {}
+    return {"task": kind, **{k: json.dumps(v) for k, v in details.items()}, **width}
 
 
 def scores(logits: np.ndarray, problem_type: str | None, raw: bool) -> np.ndarray:

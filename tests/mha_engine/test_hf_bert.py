@@ -266,9 +266,9 @@ def test_bad_hf_config(tmp_path, changes, match):
 
 def test_unsupported_sentence_transformers_module(tmp_path):
     save_hf(make_hf("bert"), tmp_path)
-    modules = [{"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    modules = [{"path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}]
     (tmp_path / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(CheckpointError, match=r"module 'sentence_transformers\.models\.Dense'"):
+    with pytest.raises(CheckpointError, match=r"module 'sentence_transformers\.models\.LayerNorm'"):
         load_model(tmp_path)
 
 

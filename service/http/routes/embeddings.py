@@ -163,7 +163,7 @@ def parse_request(
     if not isinstance(model, str):
         raise BadInput("'model' is required and must be a string")
     entry = embedding_entry(state, model)
-    embed_dim, matryoshka = entry.model.embed_dim, entry.matryoshka
+    embed_dim, matryoshka = entry.model.embedding_dim, entry.matryoshka
     if "input" not in request:
         raise BadInput("'input' is required: a string or a list of strings")
     texts = _inputs(request["input"], state, entry)

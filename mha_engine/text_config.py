@@ -1,0 +1,163 @@
+"""Frozen, typed configs of the text models (config.py's conventions): the BERT-family encoder
+with its embeddings and pooling settings, sentence-transformers' Dense modules after pooling, and
+the families with their own stacks (ModernBERT, Qwen3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from .config import TransformerEncoderConfig, check_flag, check_positive, known_fields
+from .errors import CheckpointError
+
+POOLING_MODES = ("mean", "cls", "last_token")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # ModernBERT's attention per layer
+# Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
+RELATIVE_BUCKETS = (0, 32)
+DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "gelu", "sigmoid")  # after a Dense module
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """sentence-transformers' Dense module after pooling: activation(linear(vector))."""
+
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "tanh"
+
+    def __post_init__(self) -> None:
+        check_positive("in_features", self.in_features)
+        check_positive("out_features", self.out_features)
+        check_flag("bias", self.bias)
+        if self.activation not in DENSE_ACTIVATIONS:
+            raise CheckpointError(
+                f"a Dense module's activation must be one of {DENSE_ACTIVATIONS}, got "
+                f"{self.activation!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextEncoderConfig(TransformerEncoderConfig):
+    """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
+
+    model_type: str  # bert | roberta | xlm-roberta | camembert | distilbert | mpnet | modernbert
+    vocab_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
+    pad_token_id: int | None = None
+    position_offset: int = 0  # RoBERTa-like (positions from padding): pad_token_id + 1
+    relative_attention_num_buckets: int = 0  # MPNet: 32 (a relative position bias)
+    pooling: str = "mean"  # mean | cls | last_token
+    normalize: bool = False
+    max_seq_len: int = 0  # 0: as many tokens as the position table holds
+    dense: tuple[DenseConfig, ...] = ()  # sentence-transformers' Dense modules, in order
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("vocab_size", "max_position_embeddings"):
+            check_positive(name, getattr(self, name))
+        if self.pooling not in POOLING_MODES:
+            raise CheckpointError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.positions_from_padding and self.pad_token_id is None:
+            raise CheckpointError(
+                f"config.pad_token_id is needed for {self.model_type} position ids"
+            )
+        if self.relative_attention_num_buckets not in RELATIVE_BUCKETS:
+            raise CheckpointError(
+                "relative_attention_num_buckets must be 32 (MPNet's) or 0 (none), got "
+                f"{self.relative_attention_num_buckets!r}"
+            )
+        dense = tuple(d if isinstance(d, DenseConfig) else DenseConfig(**d) for d in self.dense)
+        object.__setattr__(self, "dense", dense)
+        width = self.d_model
+        for i, d in enumerate(dense):
+            if d.in_features != width:
+                raise CheckpointError(
+                    f"Dense module {i} takes {d.in_features} features, but gets {width} (the "
+                    f"{'pooled vector' if i == 0 else 'previous Dense module'}'s width)"
+                )
+            width = d.out_features
+        table = self.max_position_embeddings - self.position_offset
+        if table < 1:
+            raise CheckpointError("max_position_embeddings leaves no positions after the offset")
+        length = table if self.max_seq_len == 0 else min(table, self.max_seq_len)
+        object.__setattr__(self, "max_seq_len", check_positive("max_seq_len", length))
+
+    @property
+    def embedding_dim(self) -> int:
+        """The width of a sentence vector: d_model, or the last Dense module's out_features."""
+        return self.dense[-1].out_features if self.dense else self.d_model
+
+    @property
+    def positions_from_padding(self) -> bool:
+        """Position ids count only non-pad tokens, from pad_token_id + 1 (RoBERTa, XLM-R,
+        CamemBERT, MPNet: the families hf_bert maps with an offset; BERT's is 0)."""
+        return self.position_offset > 0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TextEncoderConfig:
+        """From to_dict's output (the Hugging Face form is read by hf_bert.engine_config)."""
+        base = TransformerEncoderConfig.from_dict(data)
+        return cls(**{**asdict(base), **known_fields(cls, data)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModernBertEncoderConfig(TextEncoderConfig):
+    """ModernBERT: pre-norm rotary layers without biases, each attending to every key
+    ("full_attention") or to those within sliding_window positions ("sliding_attention")."""
+
+    layer_types: tuple[str, ...]
+    rope_theta: float = 160000.0  # full-attention layers' RoPE base
+    local_rope_theta: float = 10000.0  # sliding layers'
+    sliding_window: int = 64  # half of HF's local_attention
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
+            LAYER_TYPES
+        ):
+            raise CheckpointError(
+                f"config.layer_types must name {self.num_layers} layers, each one of "
+                f"{LAYER_TYPES}, got {list(self.layer_types)}"
+            )
+        for name in ("rope_theta", "local_rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise CheckpointError(f"config.{name} must be a positive number, got {value!r}")
+        check_positive("sliding_window", self.sliding_window)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3EncoderConfig(TextEncoderConfig):
+    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm causal layers with RoPE, attention of
+    nhead query heads and num_kv_heads key/value heads of head_dim each (nhead * head_dim need
+    not be d_model), RMSNorm per query and key head, and a SwiGLU feed-forward."""
+
+    activations: ClassVar[tuple[str, ...]] = ("silu",)  # SwiGLU's gate
+
+    head_dim: int
+    num_kv_heads: int
+    activation: str = "silu"
+    rope_theta: float = 1000000.0
+    attention_bias: bool = False  # biases on the Q/K/V and output projections
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise CheckpointError(f"config.head_dim must be even (RoPE), got {self.head_dim}")
+        if check_positive("num_kv_heads", self.num_kv_heads) > self.nhead or (
+            self.nhead % self.num_kv_heads
+        ):
+            raise CheckpointError(
+                f"config.num_attention_heads {self.nhead} must be a multiple of "
+                f"config.num_key_value_heads {self.num_kv_heads}"
+            )
+        check_flag("attention_bias", self.attention_bias)
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, int | float):
+            raise CheckpointError(f"config.rope_theta must be a number, got {self.rope_theta!r}")
+        if self.rope_theta <= 0:
+            raise CheckpointError(f"config.rope_theta must be positive, got {self.rope_theta!r}")
