@@ -48,6 +48,14 @@ SHAPES = {
         max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         pad_token_id=1,
     ),
+    "gemma3_text": dict(
+        hidden_size=768, num_attention_heads=3, num_key_value_heads=1, head_dim=256,
+        query_pre_attn_scalar=256, num_hidden_layers=24, intermediate_size=1152,
+        vocab_size=262144, max_position_embeddings=2048, sliding_window=512,
+        use_bidirectional_attention=True, pad_token_id=0, sliding_window_pattern=6,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    ),
 }  # fmt: skip
 POOLING = {"qwen3": "last_token"}  # the others: mean
 

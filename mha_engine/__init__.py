@@ -10,7 +10,8 @@ TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out),
 SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out); ModernBERT
 directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers) or
 ModernBertClassifierModel (a TextClassifierModel) with a sequence-classification head; Qwen3
-directories (Qwen3-Embedding) as Qwen3Model (a TextEncoderModel with causal, rotary GQA layers).
+directories (Qwen3-Embedding) as Qwen3Model (a TextEncoderModel with causal, rotary GQA layers);
+bidirectional Gemma 3 directories (EmbeddingGemma) as Gemma3Model.
 """
 
 from .attention import FusedAttention
@@ -31,6 +32,7 @@ from .demo import build_demo_model, demo_module
 from .devices import check_device, moved
 from .engine_model import EngineModel
 from .errors import DeviceError
+from .gemma3 import Gemma3Model
 from .heads import ClassifierInfo, TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
@@ -40,7 +42,13 @@ from .qwen3 import Qwen3Model
 from .save import save_model
 from .sparse import SparseEncoderModel
 from .text import TextEmbeddings
-from .text_config import DenseConfig, ModernBertEncoderConfig, Qwen3EncoderConfig, TextEncoderConfig
+from .text_config import (
+    DenseConfig,
+    Gemma3EncoderConfig,
+    ModernBertEncoderConfig,
+    Qwen3EncoderConfig,
+    TextEncoderConfig,
+)
 from .text_model import TextEncoderModel
 from .transformer_model import TransformerModel
 
@@ -56,6 +64,8 @@ __all__ = [
     "EngineConfig",
     "EngineModel",
     "FusedAttention",
+    "Gemma3EncoderConfig",
+    "Gemma3Model",
     "Int8Linear",
     "Int8Unsupported",
     "ModernBertClassifierModel",

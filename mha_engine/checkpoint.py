@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import heads, hf_bert, hf_modernbert, hf_qwen3, layouts, sparse
+from . import heads, hf_bert, hf_gemma3, hf_modernbert, hf_qwen3, layouts, sparse
 from .config import (
     EngineConfig,
     LayerStackConfig,
@@ -34,6 +34,7 @@ from .devices import resolve_device, resolve_precision
 from .engine_model import EngineModel
 from .errors import CheckpointError, check_state
 from .fused import prepack
+from .gemma3 import Gemma3Model
 from .heads import TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
@@ -49,6 +50,7 @@ WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 OWN_STACKS: dict[str, tuple] = {
     hf_modernbert.MODEL_TYPE: (hf_modernbert, ModernBertModel, ModernBertClassifierModel),
     hf_qwen3.MODEL_TYPE: (hf_qwen3, Qwen3Model, None),
+    hf_gemma3.MODEL_TYPE: (hf_gemma3, Gemma3Model, None),
 }
 
 

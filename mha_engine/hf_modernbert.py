@@ -31,7 +31,9 @@ NAMES = (
 )
 
 
-def _rope_theta(config: dict, kind: str, legacy: str, default: float) -> float:
+def rope_theta(config: dict, kind: str, legacy: str, default: float) -> float:
+    """The RoPE base of one layer kind: transformers 5's rope_parameters[kind], else the
+    config's `legacy` field, else `default`; scaling and other rope types refused."""
     if config.get("rope_scaling") is not None:  # transformers merges it into both kinds
         raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
     params = config.get("rope_parameters")
@@ -94,8 +96,8 @@ def engine_config(config: dict) -> ModernBertEncoderConfig:
         max_position_embeddings=config.get("max_position_embeddings", 8192),
         pad_token_id=pad if isinstance(pad, int) else None,
         layer_types=tuple(types),
-        rope_theta=_rope_theta(config, FULL, "global_rope_theta", 160000.0),
-        local_rope_theta=_rope_theta(config, SLIDING, "local_rope_theta", 10000.0),
+        rope_theta=rope_theta(config, FULL, "global_rope_theta", 160000.0),
+        local_rope_theta=rope_theta(config, SLIDING, "local_rope_theta", 10000.0),
         sliding_window=window // 2,
     )
 

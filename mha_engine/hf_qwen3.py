@@ -14,15 +14,14 @@ from torch import Tensor
 
 from . import hf_bert
 from .errors import CheckpointError, check_state, positive_int
-from .text_config import LAYER_TYPES, Qwen3EncoderConfig
+from .text_config import LAYER_TYPES, GroupedRotaryConfig, Qwen3EncoderConfig
 
 MODEL_TYPE = "qwen3"
 TOKENS = "embed_tokens.weight"
 FULL = LAYER_TYPES[0]
-# a layer's weights one to one: HF's name -> Qwen3Layer's
+NORMS = ("input_layernorm", "post_attention_layernorm")  # a layer's RMSNorms (Gemma 3: four)
+# a layer's other weights one to one: HF's name -> the layer's
 NAMES = (
-    ("input_layernorm.weight", "input_layernorm.weight"),
-    ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
     ("self_attn.q_norm.weight", "self_attn.q_norm.weight"),
     ("self_attn.k_norm.weight", "self_attn.k_norm.weight"),
     ("self_attn.o_proj.weight", "self_attn.out_proj.weight"),
@@ -97,15 +96,22 @@ def base_prefix(state: dict) -> str:
     return hf_bert.base_prefix(state, TOKENS)
 
 
-def expected_shapes(config: Qwen3EncoderConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF key of the base model (without the prefix) with its shape."""
+def _names(norms: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    return (*((f"{n}.weight", f"{n}.weight") for n in norms), *NAMES)
+
+
+def expected_shapes(
+    config: GroupedRotaryConfig, norms: tuple[str, ...] = NORMS
+) -> dict[str, tuple[int, ...]]:
+    """Every HF key of the base model (without the prefix) with its shape; `norms`: the names
+    of a layer's RMSNorms."""
     D, F, hd = config.d_model, config.dim_feedforward, config.head_dim
     Q, KV = config.nhead * hd, config.num_kv_heads * hd
     shapes = {TOKENS: (config.vocab_size, D), "norm.weight": (D,)}
     for i in range(config.num_layers):
         p = f"layers.{i}."
+        shapes.update({f"{p}{n}.weight": (D,) for n in norms})
         shapes.update({
-            f"{p}input_layernorm.weight": (D,), f"{p}post_attention_layernorm.weight": (D,),
             f"{p}self_attn.q_proj.weight": (Q, D), f"{p}self_attn.k_proj.weight": (KV, D),
             f"{p}self_attn.v_proj.weight": (KV, D), f"{p}self_attn.o_proj.weight": (D, Q),
             f"{p}self_attn.q_norm.weight": (hd,), f"{p}self_attn.k_norm.weight": (hd,),
@@ -121,9 +127,10 @@ def expected_shapes(config: Qwen3EncoderConfig) -> dict[str, tuple[int, ...]]:
 
 
 def engine_state(
-    state: dict[str, Tensor], config: Qwen3EncoderConfig
+    state: dict[str, Tensor], config: GroupedRotaryConfig, norms: tuple[str, ...] = NORMS
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(Qwen3Stack state, Qwen3Embeddings state) from HF weights, shapes checked."""
+    """(stack state, embeddings state) from HF weights, shapes checked (Qwen3's, or Gemma 3's
+    with its `norms`)."""
     prefix = base_prefix(state)
     parts = ("embed_tokens.", "layers.", "norm.")  # not lm_head, nor a task head
     base = {
@@ -131,11 +138,11 @@ def engine_state(
         for k, v in state.items()
         if k.startswith(prefix) and k[len(prefix) :].startswith(parts)
     }
-    check_state(base, expected_shapes(config), f"{MODEL_TYPE} config")
+    check_state(base, expected_shapes(config, norms), f"{config.model_type} config")
     encoder = {"norm.weight": base["norm.weight"]}
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        for theirs, ours in NAMES:
+        for theirs, ours in _names(norms):
             if f"{p}{theirs}" in base:  # o_proj.bias only with attention_bias
                 encoder[f"{p}{ours}"] = base[f"{p}{theirs}"]
         for ours, theirs in STACKED:
@@ -169,7 +176,10 @@ def hf_config(config: Qwen3EncoderConfig) -> dict:
 
 
 def hf_state(
-    encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: Qwen3EncoderConfig
+    encoder: dict[str, Tensor],
+    embeddings: dict[str, Tensor],
+    config: GroupedRotaryConfig,
+    norms: tuple[str, ...] = NORMS,
 ) -> dict[str, Tensor]:
     """HF base-model weight names from the stack's and the embeddings' states (inverse of
     engine_state)."""
@@ -177,7 +187,7 @@ def hf_state(
     out = {TOKENS: embeddings[TOKENS], "norm.weight": encoder["norm.weight"]}
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        for theirs, ours in NAMES:
+        for theirs, ours in _names(norms):
             if f"{p}{ours}" in encoder:
                 out[f"{p}{theirs}"] = encoder[f"{p}{ours}"]
         for ours, theirs in STACKED:

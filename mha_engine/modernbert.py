@@ -40,6 +40,15 @@ def sliding_window(window: int) -> AttnBias:
     return lambda tgt_len, src_len: None if max(tgt_len, src_len) - 1 <= window else local
 
 
+def layer_window(reach: int, x: Tensor, plan: Plan | None) -> Tensor | AttnBias | None:
+    """A sliding layer's band for its input x: per sequence length on packed rows (a plan:
+    sliding_window), else one (T, T) mask for the dense batch (None: no key out of reach)."""
+    if plan is not None:
+        return sliding_window(reach)
+    T = x.shape[-2]
+    return band_bias(range(T), range(T), reach, x.dtype, x.device) if reach < T - 1 else None
+
+
 class ModernBertEmbeddings(Float32Tables):
     """tok_embeddings then a LayerNorm (Hugging Face's names); float32 tables (Float32Tables).
     Positions are taken for TextEmbeddings' interface and unused: RoPE places tokens."""
@@ -132,14 +141,7 @@ class ModernBertStack(nn.Module):
             raise ValueError("ModernBERT attends both ways: attn_mask and is_causal are not taken")
         c = self.config
         positions = token_positions(x, plan)  # (N,) or (T,)
-        if plan is not None:
-            window = sliding_window(c.sliding_window)
-        else:
-            T = x.shape[-2]
-            reach = c.sliding_window
-            window = (
-                band_bias(range(T), range(T), reach, x.dtype, x.device) if reach < T - 1 else None
-            )
+        window = layer_window(c.sliding_window, x, plan)
         head_dim = c.d_model // c.nhead
         thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
         angles = {

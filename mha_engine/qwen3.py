@@ -19,30 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import FusedAttention
-from .config import MultiheadAttentionConfig
 from .fused import linear
+from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel, RMSNorm
 from .packed_attention import attend_packed
-from .rope import rotary, rotate, token_positions
+from .rope import rotary, token_positions
 from .text import Float32Tables
 from .text_config import Qwen3EncoderConfig
-from .text_model import TextEncoderModel
 from .varlen import Plan
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32 and rounded to x's dtype
-    before the weight multiplies (transformers' Qwen3RMSNorm, bit for bit)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class Qwen3Embeddings(Float32Tables):
@@ -66,33 +49,6 @@ class Qwen3Embeddings(Float32Tables):
         return self.embed_tokens(input_ids)  # (N, D)
 
 
-class Qwen3Attention(FusedAttention):
-    """FusedAttention over num_heads * head_dim query columns (`embed_dim` here) read from and
-    written back to the model width d_model: in_proj (d_model -> H*hd + 2*Hkv*hd), out_proj
-    (H*hd -> d_model), plus q_norm and k_norm (RMSNorm over each head)."""
-
-    def __init__(self, config: Qwen3EncoderConfig) -> None:
-        width = config.nhead * config.head_dim
-        bias = config.attention_bias
-        attention = MultiheadAttentionConfig(
-            width, config.nhead, num_kv_heads=config.num_kv_heads, bias=bias
-        )
-        super().__init__(attention)
-        D = config.d_model
-        self.in_proj = nn.Linear(D, width + 2 * self.kv_dim, bias=bias)  # rows [Q; K; V]
-        self.out_proj = nn.Linear(width, D, bias=bias)
-        self.q_norm = RMSNorm(config.head_dim, config.layer_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.layer_norm_eps)
-
-    def positioned(
-        self, q: Tensor, k: Tensor, cos_sin: tuple[Tensor, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        """Queries (..., H*hd) and keys (..., Hkv*hd) normalised per head, then rotated."""
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, -1))).flatten(-2)
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, -1))).flatten(-2)
-        return rotate(q, *cos_sin, self.num_heads), rotate(k, *cos_sin, self.num_kv_heads)
-
-
 class Qwen3Layer(nn.Module):
     """input_layernorm -> causal rotary GQA -> + x; post_attention_layernorm -> SwiGLU -> + x."""
 
@@ -100,7 +56,7 @@ class Qwen3Layer(nn.Module):
         super().__init__()
         D, F_, eps = config.d_model, config.dim_feedforward, config.layer_norm_eps
         self.input_layernorm = RMSNorm(D, eps)
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = GroupedRotaryAttention(config)
         self.post_attention_layernorm = RMSNorm(D, eps)
         self.gate_up = nn.Linear(D, 2 * F_, bias=False)  # rows [gate; up]
         self.down = nn.Linear(F_, D, bias=False)
@@ -162,14 +118,12 @@ class Qwen3Stack(nn.Module):
         return self.norm(x), weights
 
 
-class Qwen3Model(TextEncoderModel):
+class Qwen3Model(GroupedRotaryModel):
     """A Qwen3 embedder: TextEncoderModel's API (ids in, token states or vectors out; usually
     last-token pooling) over Qwen3Embeddings and Qwen3Stack, every sequence causal."""
 
     stack_class = Qwen3Stack
     embeddings_class = Qwen3Embeddings
-    num_kv_heads = property(lambda self: self.config.num_kv_heads)
-    head_dim = property(lambda self: self.config.head_dim)
 
     def _run(self, src, mask, src_key_padding_mask, is_causal, keep_weights):
         return super()._run(src, mask, src_key_padding_mask, True, keep_weights)

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import hf_bert, hf_modernbert, hf_qwen3
+from . import hf_bert, hf_gemma3, hf_modernbert, hf_qwen3
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
+from .gemma3 import Gemma3Model
 from .heads import TextClassifierModel
 from .modernbert import ModernBertModel
 from .qwen3 import Qwen3Model
@@ -134,7 +135,7 @@ def module_state(module: nn.Module) -> dict[str, Tensor]:
 def engine_files(model: EngineModel) -> tuple[dict, dict[str, Tensor]]:
     """(config.json contents, state dict) of a loaded model, in the form load_model reads."""
     if isinstance(model, TextEncoderModel):
-        families = {ModernBertModel: hf_modernbert, Qwen3Model: hf_qwen3}
+        families = {ModernBertModel: hf_modernbert, Qwen3Model: hf_qwen3, Gemma3Model: hf_gemma3}
         family = next((f for c, f in families.items() if isinstance(model, c)), hf_bert)
         state = family.hf_state(
             model.encoder.state_dict(), model.embeddings.state_dict(), model.config

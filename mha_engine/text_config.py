@@ -115,32 +115,25 @@ class ModernBertEncoderConfig(TextEncoderConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
-            LAYER_TYPES
-        ):
-            raise CheckpointError(
-                f"config.layer_types must name {self.num_layers} layers, each one of "
-                f"{LAYER_TYPES}, got {list(self.layer_types)}"
-            )
+        _check_layer_types(self)
         for name in ("rope_theta", "local_rope_theta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise CheckpointError(f"config.{name} must be a positive number, got {value!r}")
+            _check_theta(name, getattr(self, name))
         check_positive("sliding_window", self.sliding_window)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Qwen3EncoderConfig(TextEncoderConfig):
-    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm causal layers with RoPE, attention of
-    nhead query heads and num_kv_heads key/value heads of head_dim each (nhead * head_dim need
-    not be d_model), RMSNorm per query and key head, and a SwiGLU feed-forward."""
+def _check_theta(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise CheckpointError(f"config.{name} must be a positive number, got {value!r}")
 
-    activations: ClassVar[tuple[str, ...]] = ("silu",)  # SwiGLU's gate
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedRotaryConfig(TextEncoderConfig):
+    """What the decoder-derived families share (Qwen3, Gemma 3): nhead query heads and
+    num_kv_heads key/value heads of head_dim each (nhead * head_dim need not be d_model), a norm
+    over each query and key head, RoPE with base rope_theta, optional projection biases."""
 
     head_dim: int
     num_kv_heads: int
-    activation: str = "silu"
     rope_theta: float = 1000000.0
     attention_bias: bool = False  # biases on the Q/K/V and output projections
 
@@ -157,7 +150,44 @@ class Qwen3EncoderConfig(TextEncoderConfig):
                 f"config.num_key_value_heads {self.num_kv_heads}"
             )
         check_flag("attention_bias", self.attention_bias)
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, int | float):
-            raise CheckpointError(f"config.rope_theta must be a number, got {self.rope_theta!r}")
-        if self.rope_theta <= 0:
-            raise CheckpointError(f"config.rope_theta must be positive, got {self.rope_theta!r}")
+        _check_theta("rope_theta", self.rope_theta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3EncoderConfig(GroupedRotaryConfig):
+    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm causal layers with RoPE, grouped-query
+    attention (GroupedRotaryConfig) and a SwiGLU feed-forward."""
+
+    activations: ClassVar[tuple[str, ...]] = ("silu",)  # SwiGLU's gate
+
+    activation: str = "silu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gemma3EncoderConfig(GroupedRotaryConfig):
+    """Gemma 3 as a bidirectional encoder (EmbeddingGemma): each layer's attention and
+    feed-forward between two RMSNorms, grouped-query attention (GroupedRotaryConfig), full
+    layers (RoPE base rope_theta) and sliding ones attending to keys at most sliding_window
+    positions away (RoPE base local_rope_theta), a GeGLU feed-forward."""
+
+    layer_types: tuple[str, ...]
+    activation: str = "gelu_tanh"
+    local_rope_theta: float = 10000.0
+    sliding_window: int = 256  # half of config.json's sliding_window (hf_gemma3.WINDOW)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_layer_types(self)
+        _check_theta("local_rope_theta", self.local_rope_theta)
+        check_positive("sliding_window", self.sliding_window)
+
+
+def _check_layer_types(config: TextEncoderConfig) -> None:
+    """layer_types as a tuple naming every layer, each one of LAYER_TYPES."""
+    types = tuple(config.layer_types)
+    object.__setattr__(config, "layer_types", types)
+    if len(types) != config.num_layers or not set(types) <= set(LAYER_TYPES):
+        raise CheckpointError(
+            f"config.layer_types must name {config.num_layers} layers, each one of "
+            f"{LAYER_TYPES}, got {list(types)}"
+        )

@@ -66,6 +66,15 @@ def hf_config(model_type: str, **overrides):
             num_hidden_layers=LAYERS, intermediate_size=FFN, eos_token_id=SEP,
             rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
         )  # fmt: skip
+    elif model_type == "gemma3_text":  # EmbeddingGemma's form: bidirectional, sliding (4 each way)
+        kwargs = dict(
+            hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16,
+            query_pre_attn_scalar=16, num_hidden_layers=3, intermediate_size=FFN,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8, use_bidirectional_attention=True, eos_token_id=SEP,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+        )  # fmt: skip
     else:
         kwargs = dict(
             hidden_size=D,

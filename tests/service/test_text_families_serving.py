@@ -1,7 +1,8 @@
-"""The newer text families served in process: an MPNet sentence-transformers directory
-(all-mpnet-base-v2's layout: mean pooling, Normalize) and a ModernBERT one answer /v1/embeddings
-and TEI's /embed (MPNet also the attention debug route) equal to transformers' MPNetModel /
-ModernBertModel at fp32 tolerance, with several sentences batched together."""
+"""The newer text families served in process: MPNet (all-mpnet-base-v2's layout: mean pooling,
+Normalize), ModernBERT, Qwen3-Embedding (last token, a query prompt) and EmbeddingGemma (mean,
+two Dense modules, prompts) directories answer /v1/embeddings and TEI's /embed equal to
+transformers' own models at fp32 tolerance, several sentences batched together; the debug routes
+take their heads."""
 
 from __future__ import annotations
 
@@ -156,5 +157,42 @@ def test_qwen3_embeddings_equal_transformers(tmp_path_factory: pytest.TempPathFa
             for route in ("/v2/models/qw", "/v2/models/qw/config", "/debug/info"):
                 response = await client.get(route, headers=auth)
                 assert response.status_code == 200, (route, response.text)
+
+    asyncio.run(main())
+
+
+def test_embeddinggemma_embeddings_equal_transformers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """An EmbeddingGemma-shaped directory (bidirectional Gemma 3 with a sliding layer, mean
+    pooling, two Dense modules, Normalize, its task prompts) through /v1/embeddings and /embed."""
+    root = tmp_path_factory.mktemp("gemma")
+    prompts = {"query": "task: search result | query: ", "document": "title: none | text: "}
+    model, directory = tm.sentence_transformer(
+        root / "eg", pooling="mean", prompts=prompts, model_type="gemma3_text"
+    )
+    identity = "linear.Identity"
+    up, down = tm.add_dense(directory, [(tm.D, 48, False, identity), (48, 24, False, identity)])
+    texts = [*TEXTS, "what is deep learning and how does a model rank a passage for a query ?"]
+
+    def reference(batch: list[str]) -> np.ndarray:
+        ids, mask, _ = tm.padded(tm.tokenize(directory, batch))
+        m = mask[..., None].float()
+        with torch.no_grad():
+            mean = (model(input_ids=ids, attention_mask=mask).last_hidden_state * m).sum(1)
+            vectors = down(up(mean / m.sum(1)))
+        return torch.nn.functional.normalize(vectors, dim=-1).numpy()
+
+    async def main() -> None:
+        async with asgi_client(model_dir=directory, model_name="eg") as client:
+            openai = await client.post("/v1/embeddings", json={"model": "eg", "input": texts})
+            assert openai.status_code == 200, openai.text
+            got = np.array([d["embedding"] for d in openai.json()["data"]])
+            assert got.shape == (len(texts), 24)
+            np.testing.assert_allclose(got, reference(texts), **FP32_TOL)
+            tei = await client.post("/embed", json={"inputs": texts, "prompt_name": "query"})
+            assert tei.status_code == 200, tei.text
+            want = reference([prompts["query"] + t for t in texts])
+            np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
 
     asyncio.run(main())

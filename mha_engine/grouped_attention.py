@@ -1,0 +1,80 @@
+"""The attention of the decoder-derived text families (Qwen3, Gemma 3): grouped-query heads not as
+wide as the model, a norm over each query and key head, rotary positions; and the RMSNorms those
+families use (Qwen3's weight * x, Gemma's (1 + weight) * x, both in float32 as transformers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .attention import FusedAttention
+from .config import MultiheadAttentionConfig
+from .rope import rotate
+from .text_config import GroupedRotaryConfig
+from .text_model import TextEncoderModel
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32 and rounded to x's dtype
+    before the weight multiplies (transformers' Qwen3RMSNorm, bit for bit)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, rounded to x's dtype at the end
+    (transformers' Gemma3RMSNorm, bit for bit; the weight is stored as the offset from 1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+class GroupedRotaryAttention(FusedAttention):
+    """FusedAttention over num_heads * head_dim query columns (`embed_dim` here) read from and
+    written back to the model width d_model: in_proj (d_model -> H*hd + 2*Hkv*hd), out_proj
+    (H*hd -> d_model), plus q_norm and k_norm (`norm` over each head: the family's RMSNorm)."""
+
+    def __init__(self, config: GroupedRotaryConfig, norm: type[nn.Module] = RMSNorm) -> None:
+        width = config.nhead * config.head_dim
+        bias = config.attention_bias
+        attention = MultiheadAttentionConfig(
+            width, config.nhead, num_kv_heads=config.num_kv_heads, bias=bias
+        )
+        super().__init__(attention)
+        D = config.d_model
+        self.in_proj = nn.Linear(D, width + 2 * self.kv_dim, bias=bias)  # rows [Q; K; V]
+        self.out_proj = nn.Linear(width, D, bias=bias)
+        self.q_norm = norm(config.head_dim, config.layer_norm_eps)
+        self.k_norm = norm(config.head_dim, config.layer_norm_eps)
+
+    def positioned(
+        self, q: Tensor, k: Tensor, cos_sin: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """Queries (..., H*hd) and keys (..., Hkv*hd) normalised per head, then rotated."""
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, -1))).flatten(-2)
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, -1))).flatten(-2)
+        return rotate(q, *cos_sin, self.num_heads), rotate(k, *cos_sin, self.num_kv_heads)
+
+
+class GroupedRotaryModel(TextEncoderModel):
+    """A TextEncoderModel whose attention is GroupedRotaryAttention: its K/V head count and head
+    width come from the config (not d_model / nhead)."""
+
+    num_kv_heads = property(lambda self: self.config.num_kv_heads)
+    head_dim = property(lambda self: self.config.head_dim)
