@@ -58,11 +58,12 @@ def _json(path: Path) -> object:
 
 
 def read_text_settings(directory: Path) -> TextSettings:
-    """Pooling, normalisation and max length from sentence-transformers files, if present.
+    """Pooling, Dense modules, normalisation and max length from sentence-transformers files,
+    if present.
 
     A plain Hugging Face directory gets sentence-transformers' defaults for a bare model:
-    mean pooling, no normalisation. Modules the engine does not run (Dense, ...) are refused,
-    since skipping them would give different vectors.
+    mean pooling, no normalisation. Modules the engine does not run (WordWeights, LayerNorm,
+    ...) are refused, since skipping them would give different vectors.
     """
     pooling, norm, max_len, sparse = "mean", False, None, False
     modules_path = directory / "modules.json"
@@ -75,20 +76,20 @@ def read_text_settings(directory: Path) -> TextSettings:
         for module in modules:
             kind = module.get("type") if isinstance(module, dict) else None
             if kind == ST_POOLING:
-                pooling_dir = directory / str(module.get("path", ""))
+                pooling_dir = _module_dir(directory, module)
             elif kind == ST_DENSE:
                 if pooling_dir is None or norm:
                     raise CheckpointError(
                         f"{modules_path} lists a Dense module before Pooling or after "
                         "Normalize; the engine runs Dense modules between the two"
                     )
-                where = directory / str(module.get("path", ""))
+                where = _module_dir(directory, module)
                 dense.append((_dense_config(where), where))
             elif kind == ST_NORMALIZE:
                 norm = True
             elif kind == ST_SPLADE_POOLING:
                 sparse = True
-                _check_splade(directory / str(module.get("path", "")))
+                _check_splade(_module_dir(directory, module))
             elif kind not in (ST_TRANSFORMER, ST_MLM_TRANSFORMER):
                 raise CheckpointError(
                     f"{modules_path} lists module {kind!r}; the engine runs only Transformer, "
@@ -118,6 +119,17 @@ def read_text_settings(directory: Path) -> TextSettings:
         raise CheckpointError(f"{modules_path}: a sparse encoder takes no Dense module")
     configs, dirs = tuple(c for c, _ in dense), tuple(d for _, d in dense)
     return TextSettings(pooling, norm, max_len, sparse, configs, dirs)
+
+
+def _module_dir(directory: Path, module: dict) -> Path:
+    """A module's folder (its `path` in modules.json), which must lie inside the model's."""
+    where = (directory / str(module.get("path", ""))).resolve()
+    if not where.is_relative_to(directory.resolve()):
+        raise CheckpointError(
+            f"{directory / 'modules.json'} points a module outside the model directory: "
+            f"{module.get('path')!r}"
+        )
+    return where
 
 
 def _dense_config(module_dir: Path) -> DenseConfig:
