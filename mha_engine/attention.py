@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .config import MultiheadAttentionConfig
 from .fused import linear, padded_gemm
 from .masks import causal_mask, merge_masks
-from .packed_attention import packed_attention
+from .packed_attention import attend_packed, packed_attention
 from .varlen import AttnBias, Plan
 
 # enable_gqa arrived in torch 2.5; older builds take the explicit repeat in `sdpa`.
@@ -189,6 +189,25 @@ class FusedAttention(nn.Module):
             y = weights @ v  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, E)  # (B, T, E)
         return y, weights
+
+    def attend_either(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        plan: Plan | None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        attn_bias: Tensor | AttnBias | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Projected packed rows along their plan (causal as the plan says; no weights), or a
+        dense batch through `attend`: the call a layer with its own projections makes.
+        attn_bias: per sequence length on packed rows (varlen.AttnBias), a tensor on dense."""
+        if plan is not None:  # kernels and SDPA groups (packed_attention.py)
+            return attend_packed(self, plan, q, k, v, attn_bias=attn_bias), None  # (N, E)
+        attend = (key_padding_mask, None, is_causal, need_weights, attn_bias)
+        return self.attend(q, k, v, *attend)  # (B, T, E), weights
 
     def forward(
         self,

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from .fused import ACTIVATIONS, linear
 from .grouped_attention import GemmaRMSNorm, GroupedRotaryAttention, GroupedRotaryModel
 from .modernbert import layer_window
-from .packed_attention import attend_packed
 from .rope import rotary, token_positions
 from .text import Float32Tables
 from .text_config import LAYER_TYPES, Gemma3EncoderConfig
@@ -82,12 +81,9 @@ class Gemma3Layer(nn.Module):
         attn = self.self_attn
         q, k, v = attn.split_qkv(linear(attn.in_proj, self.input_layernorm(x)))
         q, k = attn.positioned(q, k, cos_sin)  # (..., H*hd), (..., Hkv*hd)
-        weights = None
-        if plan is not None:  # packed: kernels and SDPA groups, the band per sequence length
-            merged = attend_packed(attn, plan, q, k, v, attn_bias=window)  # (N, H*hd)
-        else:
-            attend = (key_padding_mask, None, False, need_weights, window)
-            merged, weights = attn.attend(q, k, v, *attend)  # (B, T, H*hd)
+        merged, weights = attn.attend_either(
+            q, k, v, plan, key_padding_mask, need_weights=need_weights, attn_bias=window
+        )  # packed (N, E) or dense (B, T, E); on packed rows the band per sequence length
         x = x + self.post_attention_layernorm(linear(attn.out_proj, merged))  # (..., D)
         gate, up = linear(self.gate_up, self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
         return x + self.post_feedforward_layernorm(linear(self.down, self.act(gate) * up)), weights

@@ -22,7 +22,7 @@ from .attention import FusedAttention
 from .config import MultiheadAttentionConfig
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
-from .packed_attention import attend_packed, band_bias
+from .packed_attention import band_bias
 from .rope import rotary, rotate, token_positions
 from .text import Float32Tables
 from .text_config import LAYER_TYPES, TextEncoderConfig
@@ -101,12 +101,9 @@ class ModernBertLayer(nn.Module):
         qkv = linear(attn.in_proj, h)  # (..., 3E)
         q, k, v = attn.split_qkv(qkv)
         q, k = rotate(q, *cos_sin, attn.num_heads), rotate(k, *cos_sin, attn.num_heads)
-        weights = None
-        if plan is not None:  # packed: kernels and SDPA groups, the band per sequence length
-            merged = attend_packed(attn, plan, q, k, v, attn_bias=window)  # (N, E)
-        else:
-            attend = (key_padding_mask, None, False, need_weights, window)
-            merged, weights = attn.attend(q, k, v, *attend)  # (B, T, E)
+        merged, weights = attn.attend_either(
+            q, k, v, plan, key_padding_mask, need_weights=need_weights, attn_bias=window
+        )  # packed (N, E) or dense (B, T, E); on packed rows the band per sequence length
         x = linear(attn.out_proj, merged, residual=x)
         hidden, gate = linear(self.Wi, self.mlp_norm(x)).chunk(2, dim=-1)  # (..., F) each
         return linear(self.Wo, self.act(hidden) * gate, residual=x), weights

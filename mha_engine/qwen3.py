@@ -21,7 +21,6 @@ from torch import Tensor, nn
 
 from .fused import linear
 from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel, RMSNorm
-from .packed_attention import attend_packed
 from .rope import rotary, token_positions
 from .text import Float32Tables
 from .text_config import Qwen3EncoderConfig
@@ -73,11 +72,7 @@ class Qwen3Layer(nn.Module):
         attn = self.self_attn
         q, k, v = attn.split_qkv(linear(attn.in_proj, self.input_layernorm(x)))
         q, k = attn.positioned(q, k, cos_sin)  # (..., H*hd), (..., Hkv*hd)
-        weights = None
-        if plan is not None:  # packed: kernels and SDPA groups, every sequence causal
-            merged = attend_packed(attn, plan, q, k, v)  # (N, H*hd)
-        else:
-            merged, weights = attn.attend(q, k, v, key_padding_mask, None, True, need_weights)
+        merged, weights = attn.attend_either(q, k, v, plan, key_padding_mask, True, need_weights)
         x = linear(attn.out_proj, merged, residual=x)  # (..., D)
         gate, up = linear(self.gate_up, self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return linear(self.down, F.silu(gate) * up, residual=x), weights
