@@ -8,6 +8,7 @@ other vectors.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,14 +123,15 @@ def read_text_settings(directory: Path) -> TextSettings:
 
 
 def _module_dir(directory: Path, module: dict) -> Path:
-    """A module's folder (its `path` in modules.json), which must lie inside the model's."""
-    where = (directory / str(module.get("path", ""))).resolve()
-    if not where.is_relative_to(directory.resolve()):
+    """A module's folder (its `path` in modules.json), named inside the model's folder: a
+    relative path that does not climb out (a folder there may be a symlink, as in a Hugging Face
+    cache; where it points is the directory owner's choice, not the file's)."""
+    path = str(module.get("path", ""))
+    if os.path.isabs(path) or os.path.normpath(path).split(os.sep)[0] == os.pardir:
         raise CheckpointError(
-            f"{directory / 'modules.json'} points a module outside the model directory: "
-            f"{module.get('path')!r}"
+            f"{directory / 'modules.json'} points a module outside the model directory: {path!r}"
         )
-    return where
+    return directory / path
 
 
 def _dense_config(module_dir: Path) -> DenseConfig:

@@ -136,6 +136,7 @@ def _edit_dense(path: Path, tmp_path: Path, edit) -> Path:
         (lambda m, c: m.insert(1, m.pop(2)), "Dense module before Pooling"),
         (lambda m, c: m.append(m.pop(2)), "after Normalize"),
         (lambda m, c: m[2].update(path="../labse0"), "outside the model directory: '../labse0'"),
+        (lambda m, c: m[2].update(path="/etc"), "outside the model directory: '/etc'"),
     ],
 )
 def test_what_the_engine_does_not_run_is_refused(labse, tmp_path, edit, match) -> None:
