@@ -1,19 +1,20 @@
-"""MPNet, ModernBERT and Qwen3 sentence embeddings: the engine's packed forward against
+"""MPNet, ModernBERT, Qwen3 and Gemma 3 sentence embeddings: the engine's packed forward against
 transformers' model plus pooling (mean; Qwen3: last token), sentences/s on the same batches,
 interleaved.
 
-Run `python -m benchmarks.text_families [--family mpnet|modernbert|qwen3] [--rounds 5] [--seconds 3]
-[--batch 32 --batch 1]` from the repository root under `flock /work/bench.lock` (needs
-transformers). The models have the published shapes, randomly initialised and saved as
-safetensors in a temporary directory (weights do not change the cost): all-mpnet-base-v2's (12
-layers, 768 wide, 12 heads) and ModernBERT-base's (22 layers, 768 wide, 12 heads, a 1,152-wide
-GeGLU, every third layer global, the others a 128-token window), Qwen3-Embedding-0.6B's (28
-causal layers, 1,024 wide, 16 query and 8 K/V heads of 128, a 3,072-wide SwiGLU). Sentences are
-seeded random ids
-of 7-37 tokens (the lengths of benchmarks.embeddings' sentences under a BERT tokenizer), or of
-`--min-len`-`--max-len`. transformers runs each batch padded to its longest sentence with an
-attention mask (MPNet: eager attention, the only one it has; the others: SDPA); the engine runs
-it packed. Both in float32, then the engine in bfloat16 beside them.
+Run `python -m benchmarks.text_families [--family mpnet|modernbert|qwen3|gemma3_text] [--rounds 5]
+[--seconds 3] [--batch 32 --batch 1]` from the repository root under `flock /work/bench.lock` (needs
+transformers). The models have the published shapes, randomly initialised and saved as safetensors
+in a temporary directory (weights do not change the cost): all-mpnet-base-v2's (12 layers, 768 wide,
+12 heads) and ModernBERT-base's (22 layers, 768 wide, 12 heads, a 1,152-wide GeGLU, every third
+layer global, the others a 128-token window), Qwen3-Embedding-0.6B's (28 causal layers, 1,024 wide,
+16 query and 8 K/V heads of 128, a 3,072-wide SwiGLU) and EmbeddingGemma-300m's (24 bidirectional
+layers, 768 wide, 3 query and 1 K/V head of 256, every sixth layer full, the others a window of 256
+each way). Sentences are seeded random ids of 7-37 tokens (the lengths of benchmarks.embeddings'
+sentences under a BERT tokenizer), or of `--min-len`-`--max-len`. transformers runs each batch
+padded to its longest sentence with an attention mask (MPNet: eager attention, the only one it has;
+the others: SDPA); the engine runs it packed. Both in float32, then the engine in bfloat16 beside
+them.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .fused import ACTIVATIONS, linear
 from .grouped_attention import GemmaRMSNorm, GroupedRotaryAttention, GroupedRotaryModel
-from .modernbert import layer_window
+from .packed_attention import layer_window
 from .rope import rotary, token_positions
 from .text import Float32Tables
 from .text_config import LAYER_TYPES, Gemma3EncoderConfig
@@ -34,7 +34,9 @@ class Gemma3Embeddings(Float32Tables):
     def __init__(self, config: Gemma3EncoderConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.scale = math.sqrt(config.d_model)  # transformers multiplies by it as a float32
+        # transformers multiplies by sqrt(d_model) in the table's dtype (bf16 rounds it to
+        # 27.75 for 768); the engine's table is float32, so the product is the fp32 one
+        self.scale = math.sqrt(config.d_model)
 
     def _table(self) -> Tensor:
         return self.embed_tokens.weight
@@ -43,11 +45,17 @@ class Gemma3Embeddings(Float32Tables):
         T = input_ids.shape[-1]
         return torch.arange(T, device=input_ids.device).expand_as(input_ids)
 
-    def forward(self, input_ids: Tensor, position_ids=None, token_type_ids=None) -> Tensor:
-        scale = torch.tensor(self.scale, dtype=torch.float32)
-        return self.embed_tokens(input_ids) * scale.to(input_ids.device)  # (..., D) float32
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        return self.embed_tokens(input_ids) * self.scale  # (..., D) float32, no host copy
 
-    def forward_packed(self, input_ids: Tensor, lengths: list[int], token_type_ids=None) -> Tensor:
+    def forward_packed(
+        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
+    ) -> Tensor:
         return self.forward(input_ids)  # (N, D)
 
 

@@ -56,9 +56,10 @@ def engine_config(config: dict) -> Gemma3EncoderConfig:
     layers = positive_int(config, "num_hidden_layers")
     heads = positive_int(config, "num_attention_heads")
     head_dim = _positive_int(config, "head_dim", 256)
-    if config.get("query_pre_attn_scalar", head_dim) != head_dim:
+    scalar = config.get("query_pre_attn_scalar", 256)  # Gemma3TextConfig's default
+    if scalar != head_dim:
         raise CheckpointError(
-            f"config.query_pre_attn_scalar {config['query_pre_attn_scalar']!r} is not head_dim "
+            f"config.query_pre_attn_scalar {scalar!r} is not head_dim "
             f"{head_dim}; the engine scales queries by head_dim ** -0.5 only"
         )
     types = config.get("layer_types")
@@ -80,13 +81,13 @@ def engine_config(config: dict) -> Gemma3EncoderConfig:
         num_layers=layers,
         dim_feedforward=positive_int(config, "intermediate_size"),
         activation=ACTIVATIONS[act],
-        layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        layer_norm_eps=hf_qwen3.rms_eps(config),
         norm_first=True,
         bias=False,
         final_norm=True,
         attention_bias=bool(config.get("attention_bias", False)),
         vocab_size=positive_int(config, "vocab_size"),
-        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        max_position_embeddings=config.get("max_position_embeddings", 131072),
         pad_token_id=pad if isinstance(pad, int) else None,
         layer_types=tuple(types),
         rope_theta=rope_theta(config, FULL, "rope_theta", 1000000.0),

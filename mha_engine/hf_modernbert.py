@@ -40,6 +40,8 @@ def rope_theta(config: dict, kind: str, legacy: str, default: float) -> float:
     if not isinstance(params, dict) or params.get(kind) is None:
         return config.get(legacy, default)
     rope = params[kind]
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"config.rope_parameters.{kind} must be an object, got {rope!r}")
     if rope.get("rope_type", "default") != "default":
         raise CheckpointError(
             f"config.rope_parameters.{kind}.rope_type {rope.get('rope_type')!r} is not "

@@ -43,13 +43,21 @@ def _rope_theta(config: dict) -> float:
         raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
     rope = config.get("rope_parameters")
     if not isinstance(rope, dict):
-        return config.get("rope_theta", 1000000.0)
+        return config.get("rope_theta", 10000.0)  # Qwen3Config's default
     if rope.get("rope_type", "default") != "default":
         raise CheckpointError(
             f"config.rope_parameters.rope_type {rope.get('rope_type')!r} is not supported "
             "(only 'default')"
         )
-    return rope.get("rope_theta", config.get("rope_theta", 1000000.0))
+    return rope.get("rope_theta", config.get("rope_theta", 10000.0))
+
+
+def rms_eps(config: dict) -> float:
+    """config.rms_norm_eps (default 1e-6) as a positive float, else CheckpointError."""
+    eps = config.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
+        raise CheckpointError(f"config.rms_norm_eps must be a positive number, got {eps!r}")
+    return float(eps)
 
 
 def engine_config(config: dict) -> Qwen3EncoderConfig:
@@ -79,7 +87,7 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
         head_dim=config.get("head_dim") or 128,  # Qwen3Config's default
         num_layers=layers,
         dim_feedforward=positive_int(config, "intermediate_size"),
-        layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        layer_norm_eps=rms_eps(config),
         norm_first=True,
         bias=False,
         final_norm=True,

@@ -22,31 +22,14 @@ from .attention import FusedAttention
 from .config import MultiheadAttentionConfig
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
-from .packed_attention import band_bias
+from .packed_attention import layer_window
 from .rope import rotary, rotate, token_positions
 from .text import Float32Tables
 from .text_config import LAYER_TYPES, TextEncoderConfig
 from .text_model import TextEncoderModel
-from .varlen import AttnBias, LocalWindow, Plan
+from .varlen import AttnBias, Plan
 
 FULL, SLIDING = LAYER_TYPES
-BLOCK = LocalWindow.block  # queries per block of a long sequence's sliding-window attention
-
-
-def sliding_window(window: int) -> AttnBias:
-    """AttnBias of a sliding layer on packed sequences: None where no key is farther than the
-    window (the layer runs as a full one), else a LocalWindow (attention by query blocks)."""
-    local = LocalWindow(window, BLOCK)
-    return lambda tgt_len, src_len: None if max(tgt_len, src_len) - 1 <= window else local
-
-
-def layer_window(reach: int, x: Tensor, plan: Plan | None) -> Tensor | AttnBias | None:
-    """A sliding layer's band for its input x: per sequence length on packed rows (a plan:
-    sliding_window), else one (T, T) mask for the dense batch (None: no key out of reach)."""
-    if plan is not None:
-        return sliding_window(reach)
-    T = x.shape[-2]
-    return band_bias(range(T), range(T), reach, x.dtype, x.device) if reach < T - 1 else None
 
 
 class ModernBertEmbeddings(Float32Tables):

@@ -240,6 +240,26 @@ def attend_each(
     ])  # fmt: skip
 
 
+# queries per block of a long sequence's sliding-window attention (ModernBERT, Gemma 3)
+BLOCK = LocalWindow.block
+
+
+def sliding_window(window: int) -> AttnBias:
+    """AttnBias of a sliding layer on packed sequences: None where no key is farther than the
+    window (the layer runs as a full one), else a LocalWindow (attention by query blocks)."""
+    local = LocalWindow(window, BLOCK)
+    return lambda tgt_len, src_len: None if max(tgt_len, src_len) - 1 <= window else local
+
+
+def layer_window(reach: int, x: Tensor, plan: Plan | None) -> Tensor | AttnBias | None:
+    """A sliding layer's band for its input x: per sequence length on packed rows (a plan:
+    sliding_window), else one (T, T) mask for the dense batch (None: no key out of reach)."""
+    if plan is not None:
+        return sliding_window(reach)
+    T = x.shape[-2]
+    return band_bias(range(T), range(T), reach, x.dtype, x.device) if reach < T - 1 else None
+
+
 def band_bias(
     queries: range, keys: range, window: int, dtype: torch.dtype, device: torch.device
 ) -> Tensor:

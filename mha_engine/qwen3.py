@@ -41,10 +41,17 @@ class Qwen3Embeddings(Float32Tables):
         T = input_ids.shape[-1]
         return torch.arange(T, device=input_ids.device).expand_as(input_ids)
 
-    def forward(self, input_ids: Tensor, position_ids=None, token_type_ids=None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
         return self.embed_tokens(input_ids)  # (..., D) float32
 
-    def forward_packed(self, input_ids: Tensor, lengths: list[int], token_type_ids=None) -> Tensor:
+    def forward_packed(
+        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
+    ) -> Tensor:
         return self.embed_tokens(input_ids)  # (N, D)
 
 

@@ -1,5 +1,5 @@
 """Rotary position embeddings (RoPE) as transformers computes them, shared by the rotary text
-families (ModernBERT, Qwen3): cos/sin of position * 1 / theta^(2i / head_dim), applied to
+families (ModernBERT, Qwen3, Gemma 3): cos/sin of position * 1 / theta^(2i / head_dim), applied to
 queries and keys with rotate_half (the first half of each head's dims paired with the second).
 """
 

@@ -16,13 +16,11 @@ from pathlib import Path
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import hf_bert, hf_gemma3, hf_modernbert, hf_qwen3
+from . import hf_bert
+from .checkpoint import OWN_STACKS
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
-from .gemma3 import Gemma3Model
 from .heads import TextClassifierModel
-from .modernbert import ModernBertModel
-from .qwen3 import Qwen3Model
 from .sparse import SparseEncoderModel
 from .st_files import write_text_settings
 from .text_model import TextEncoderModel
@@ -135,8 +133,8 @@ def module_state(module: nn.Module) -> dict[str, Tensor]:
 def engine_files(model: EngineModel) -> tuple[dict, dict[str, Tensor]]:
     """(config.json contents, state dict) of a loaded model, in the form load_model reads."""
     if isinstance(model, TextEncoderModel):
-        families = {ModernBertModel: hf_modernbert, Qwen3Model: hf_qwen3, Gemma3Model: hf_gemma3}
-        family = next((f for c, f in families.items() if isinstance(model, c)), hf_bert)
+        own = (f for f, encoder, _ in OWN_STACKS.values() if isinstance(model, encoder))
+        family = next(own, hf_bert)
         state = family.hf_state(
             model.encoder.state_dict(), model.embeddings.state_dict(), model.config
         )

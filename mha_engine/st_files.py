@@ -154,12 +154,15 @@ def _dense_config(module_dir: Path) -> DenseConfig:
         raise CheckpointError(
             f"{path} asks for activation_function {name!r}; supported: {list(ST_DENSE_ACTIVATIONS)}"
         )
-    return DenseConfig(
-        in_features=config.get("in_features"),
-        out_features=config.get("out_features"),
-        bias=config.get("bias", True),
-        activation=ST_DENSE_ACTIVATIONS[name],
-    )
+    try:
+        return DenseConfig(
+            in_features=config.get("in_features"),
+            out_features=config.get("out_features"),
+            bias=config.get("bias", True),
+            activation=ST_DENSE_ACTIVATIONS[name],
+        )
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
 
 
 def _check_splade(pooling_dir: Path) -> None:

@@ -1,6 +1,6 @@
 """Frozen, typed configs of the text models (config.py's conventions): the BERT-family encoder
 with its embeddings and pooling settings, sentence-transformers' Dense modules after pooling, and
-the families with their own stacks (ModernBERT, Qwen3).
+the families with their own stacks (ModernBERT, Qwen3, Gemma 3).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .config import TransformerEncoderConfig, check_flag, check_positive, known_
 from .errors import CheckpointError
 
 POOLING_MODES = ("mean", "cls", "last_token")
-LAYER_TYPES = ("full_attention", "sliding_attention")  # ModernBERT's attention per layer
+LAYER_TYPES = ("full_attention", "sliding_attention")  # attention per layer (ModernBERT, Gemma 3)
 # Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
 RELATIVE_BUCKETS = (0, 32)
 DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "gelu", "sigmoid")  # after a Dense module
@@ -43,6 +43,7 @@ class TextEncoderConfig(TransformerEncoderConfig):
     """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
 
     model_type: str  # bert | roberta | xlm-roberta | camembert | distilbert | mpnet | modernbert
+    # | qwen3 | gemma3_text
     vocab_size: int
     max_position_embeddings: int
     type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
@@ -134,7 +135,7 @@ class GroupedRotaryConfig(TextEncoderConfig):
 
     head_dim: int
     num_kv_heads: int
-    rope_theta: float = 1000000.0
+    rope_theta: float = 10000.0  # transformers' default (the checkpoints set their own)
     attention_bias: bool = False  # biases on the Q/K/V and output projections
 
     def __post_init__(self) -> None:
@@ -173,7 +174,7 @@ class Gemma3EncoderConfig(GroupedRotaryConfig):
     layer_types: tuple[str, ...]
     activation: str = "gelu_tanh"
     local_rope_theta: float = 10000.0
-    sliding_window: int = 256  # half of config.json's sliding_window (hf_gemma3.WINDOW)
+    sliding_window: int = 256  # half of config.json's sliding_window (see hf_gemma3)
 
     def __post_init__(self) -> None:
         super().__post_init__()

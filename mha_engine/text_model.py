@@ -123,7 +123,8 @@ class TextEncoderModel(TransformerEncoderModel):
         pooling: str | None = None,
         normalize: bool | None = None,
     ) -> Tensor:
-        """Sentence vectors (B, D) in float32: encode, pool, normalise (defaults: the model's)."""
+        """Sentence vectors (B, embedding_dim) in float32: encode, pool, Dense modules, normalise
+        (pooling and normalisation default to the model's)."""
         out = self.encode_packed(input_ids, cu_seqlens)  # (N, D)
         pooled = pool_packed(out, lengths(cu_seqlens, out.shape[0]), pooling or self.pooling)
         return self._vectors(pooled, normalize)  # (B, embedding_dim)
@@ -136,13 +137,13 @@ class TextEncoderModel(TransformerEncoderModel):
     def embed_varlen(
         self, input_ids: list[Tensor], pooling: str | None = None, normalize: bool | None = None
     ) -> Tensor:
-        """Sentence vectors (B, D) of unpadded id sequences: a thin embed_packed wrapper."""
+        """Sentence vectors (B, embedding_dim) of unpadded id sequences: an embed_packed wrapper."""
         lens = [int(t.shape[0]) for t in input_ids]
         return self.embed_packed(_cat_ids(input_ids), cumulative(lens), pooling, normalize)
 
     @torch.inference_mode()
     def embed(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Sentence vectors (B, D) in float32 from a padded batch (padded positions excluded)."""
+        """Sentence vectors (B, embedding_dim) in float32 from a padded batch (padding excluded)."""
         hidden = self.encode(input_ids, attention_mask)  # (B, T, D)
         return self._vectors(pool_padded(hidden, attention_mask, self.pooling), None)
 

@@ -107,8 +107,10 @@ def test_save_model_writes_the_dense_modules_back(labse, tmp_path: Path) -> None
     assert torch.equal(again.embed_varlen(_seqs(path)), model.embed_varlen(_seqs(path)))
 
 
-def test_every_dense_activation_has_a_function() -> None:
-    assert set(DENSE_FUNCTIONS) == set(DENSE_ACTIVATIONS)
+def test_every_dense_activation_has_a_function_and_a_file_name() -> None:
+    from mha_engine.st_files import ST_DENSE_ACTIVATIONS
+
+    assert set(DENSE_FUNCTIONS) == set(DENSE_ACTIVATIONS) == set(ST_DENSE_ACTIVATIONS.values())
 
 
 def _edit_dense(path: Path, tmp_path: Path, edit) -> Path:

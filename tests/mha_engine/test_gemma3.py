@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import mha_engine
-from mha_engine import CheckpointError, Gemma3Model, cuda_graphs
-from mha_engine import modernbert as modernbert_module
+from mha_engine import CheckpointError, Gemma3Model, cuda_graphs, packed_attention
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -90,7 +89,7 @@ def test_hidden_state_api_and_attention_weights(gemma) -> None:
 @pytest.mark.parametrize("block", [128, 3])
 def test_long_sequences_attend_by_blocks_of_queries(gemma, monkeypatch, block: int) -> None:
     reference, path = gemma
-    monkeypatch.setattr(modernbert_module, "BLOCK", block)
+    monkeypatch.setattr(packed_attention, "BLOCK", block)
     model = mha_engine.load_model(path)
     ids, mask = tm.random_padded([30, 17, 5, 1, 30, 5])
     want = _states(reference, ids, mask)

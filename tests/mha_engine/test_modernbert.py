@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import mha_engine
-from mha_engine import CheckpointError, ModernBertModel, cuda_graphs
-from mha_engine import modernbert as modernbert_module
+from mha_engine import CheckpointError, ModernBertModel, cuda_graphs, packed_attention
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -96,7 +95,7 @@ def test_long_sequences_attend_by_blocks_of_queries(modernbert, monkeypatch, blo
     """A sliding layer's long packed sequences attend block by block to the keys in reach:
     one block (128) or many (3 queries each, so blocks meet the sequence's ends mid-window)."""
     reference, path = modernbert
-    monkeypatch.setattr(modernbert_module, "BLOCK", block)
+    monkeypatch.setattr(packed_attention, "BLOCK", block)
     model = mha_engine.load_model(path)
     ids, mask = tm.random_padded([30, 17, 5, 1, 30, 5])
     with torch.no_grad():

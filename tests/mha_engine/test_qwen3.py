@@ -66,6 +66,7 @@ def test_last_token_vectors_equal_sentence_transformers_left_padded(tmp_path: Pa
     last = _states(reference, ids, mask)[:, -1]  # left padding: the last column is real
     want = torch.nn.functional.normalize(last, dim=-1)
     torch.testing.assert_close(model.embed_varlen(seqs), want, **FP32_TOL)
+    torch.testing.assert_close(model.embed(ids, mask), want, **FP32_TOL)  # left-padded too
     right_ids, right_mask, _ = tm.padded(tm.tokenize(path, TEXTS))
     torch.testing.assert_close(model.embed(right_ids, right_mask), want, **FP32_TOL)
 
@@ -185,6 +186,9 @@ def test_transformers_4_config_form_loads(qwen3, tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert mha_engine.load_model(tmp_path).config == mha_engine.load_model(path).config
+    del config["rope_theta"]  # neither form: transformers' default base, 10,000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert mha_engine.load_model(tmp_path).config.rope_theta == 10000.0
 
 
 @pytest.mark.parametrize("bias", [False, True])
