@@ -14,49 +14,28 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
 from .fused import ACTIVATIONS, linear
 from .grouped_attention import GemmaRMSNorm, GroupedRotaryAttention, GroupedRotaryModel
 from .packed_attention import layer_window
 from .rope import rotary, token_positions
-from .text import Float32Tables
+from .text import TokenEmbeddings
 from .text_config import LAYER_TYPES, Gemma3EncoderConfig
 from .varlen import AttnBias, Plan
 
 FULL, SLIDING = LAYER_TYPES
 
 
-class Gemma3Embeddings(Float32Tables):
-    """embed_tokens times sqrt(d_model) (positions come from RoPE); a float32 table."""
+class Gemma3Embeddings(TokenEmbeddings):
+    """embed_tokens times sqrt(d_model) (positions come from RoPE); a float32 table.
+
+    transformers multiplies by sqrt(d_model) in the table's dtype (bf16 rounds it to 27.75 for
+    768); the engine's table is float32, so the product is the fp32 one."""
 
     def __init__(self, config: Gemma3EncoderConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        # transformers multiplies by sqrt(d_model) in the table's dtype (bf16 rounds it to
-        # 27.75 for 768); the engine's table is float32, so the product is the fp32 one
+        super().__init__(config)
         self.scale = math.sqrt(config.d_model)
-
-    def _table(self) -> Tensor:
-        return self.embed_tokens.weight
-
-    def padded_positions(self, input_ids: Tensor) -> Tensor:
-        T = input_ids.shape[-1]
-        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor | None = None,
-        token_type_ids: Tensor | None = None,
-    ) -> Tensor:
-        return self.embed_tokens(input_ids) * self.scale  # (..., D) float32, no host copy
-
-    def forward_packed(
-        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        return self.forward(input_ids)  # (N, D)
 
 
 class Gemma3Layer(nn.Module):

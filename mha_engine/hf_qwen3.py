@@ -1,6 +1,6 @@
 """Hugging Face Qwen3 directories (Qwen3-Embedding) in engine terms: config.json to
 Qwen3EncoderConfig, the weights (checked under their HF names) onto Qwen3Stack and
-Qwen3Embeddings; `hf_config` / `hf_state` write a loaded model back (save_model).
+TokenEmbeddings; `hf_config` / `hf_state` write a loaded model back (save_model).
 
 Both config forms are read (transformers 5's `rope_parameters`, transformers 4's `rope_theta`).
 Refused naming the field: an activation other than SiLU, RoPE scaling, sliding-window layers.

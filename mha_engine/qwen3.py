@@ -15,44 +15,15 @@ depends on relative positions only, so left padding differs only by rounding).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .fused import linear
 from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel, RMSNorm
 from .rope import rotary, token_positions
-from .text import Float32Tables
+from .text import TokenEmbeddings
 from .text_config import Qwen3EncoderConfig
 from .varlen import Plan
-
-
-class Qwen3Embeddings(Float32Tables):
-    """embed_tokens only (positions come from RoPE); a float32 table (Float32Tables)."""
-
-    def __init__(self, config: Qwen3EncoderConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-
-    def _table(self) -> Tensor:
-        return self.embed_tokens.weight
-
-    def padded_positions(self, input_ids: Tensor) -> Tensor:
-        T = input_ids.shape[-1]
-        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor | None = None,
-        token_type_ids: Tensor | None = None,
-    ) -> Tensor:
-        return self.embed_tokens(input_ids)  # (..., D) float32
-
-    def forward_packed(
-        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        return self.embed_tokens(input_ids)  # (N, D)
 
 
 class Qwen3Layer(nn.Module):
@@ -122,10 +93,10 @@ class Qwen3Stack(nn.Module):
 
 class Qwen3Model(GroupedRotaryModel):
     """A Qwen3 embedder: TextEncoderModel's API (ids in, token states or vectors out; usually
-    last-token pooling) over Qwen3Embeddings and Qwen3Stack, every sequence causal."""
+    last-token pooling) over TokenEmbeddings and Qwen3Stack, every sequence causal."""
 
     stack_class = Qwen3Stack
-    embeddings_class = Qwen3Embeddings
+    embeddings_class = TokenEmbeddings
 
     def _run(self, src, mask, src_key_padding_mask, is_causal, keep_weights):
         return super()._run(src, mask, src_key_padding_mask, True, keep_weights)

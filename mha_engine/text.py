@@ -154,3 +154,35 @@ def pool_padded(hidden: Tensor, attention_mask: Tensor, mode: str) -> Tensor:
 def normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
     """Unit L2 norm along the last axis (what sentence-transformers' Normalize does)."""
     return F.normalize(x, p=2.0, dim=-1, eps=eps)
+
+
+class TokenEmbeddings(Float32Tables):
+    """embed_tokens alone (positions come from RoPE: Qwen3), times `scale` where a family sets
+    one (Gemma 3); a float32 table (Float32Tables). Hugging Face's name for the table."""
+
+    scale: float | None = None
+
+    def __init__(self, config: TextEncoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+
+    def _table(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    def padded_positions(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[-1]
+        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        table = self.embed_tokens(input_ids)  # (..., D) float32
+        return table if self.scale is None else table * self.scale
+
+    def forward_packed(
+        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        return self.forward(input_ids)  # (N, D)
