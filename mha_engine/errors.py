@@ -10,9 +10,11 @@ class CheckpointError(ValueError):
     """A model directory whose config or weights cannot give a correct model."""
 
 
-def positive_int(config: dict, name: str) -> int:
-    """config[name] as a positive int, else CheckpointError naming the field."""
+def positive_int(config: dict, name: str, default: int | None = None) -> int:
+    """config[name] (`default` where it is absent or null) as a positive int, else
+    CheckpointError naming the field."""
     value = config.get(name)
+    value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"config.{name} must be a positive integer, got {value!r}")
     return value

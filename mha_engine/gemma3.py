@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from .fused import ACTIVATIONS, linear
 from .grouped_attention import GemmaRMSNorm, GroupedRotaryAttention, GroupedRotaryModel
-from .packed_attention import layer_window
-from .rope import rotary, token_positions
+from .rope import run_windowed_layers
 from .text import TokenEmbeddings
 from .text_config import LAYER_TYPES, Gemma3EncoderConfig
 from .varlen import AttnBias, Plan
@@ -104,19 +103,11 @@ class Gemma3Stack(nn.Module):
         if attn_mask is not None or is_causal or (plan is not None and any(plan.seq_causal)):
             raise ValueError("Gemma 3 here attends both ways: attn_mask and is_causal are refused")
         c = self.config
-        positions = token_positions(x, plan)  # (N,) or (T,)
-        window = layer_window(c.sliding_window, x, plan)
         thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
-        angles = {
-            kind: rotary(positions, c.head_dim, theta, x.dtype) for kind, theta in thetas.items()
-        }
-        weights: list[Tensor] = []
-        for layer in self.layers:
-            sliding = layer.kind == SLIDING
-            x, w = layer(x, angles[layer.kind], key_padding_mask, plan, need_weights,
-                         window if sliding else None)  # fmt: skip
-            if w is not None:
-                weights.append(w)
+        x, weights = run_windowed_layers(
+            self.layers, x, plan, key_padding_mask, need_weights, c.head_dim, thetas,
+            c.sliding_window,
+        )  # fmt: skip
         return self.norm(x), weights
 
 

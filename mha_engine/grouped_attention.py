@@ -19,30 +19,30 @@ class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float32 and rounded to x's dtype
     before the weight multiplies (transformers' Qwen3RMSNorm, bit for bit)."""
 
+    initial = 1.0  # the weight's starting value (Gemma's stores its offset from 1)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), self.initial))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def normalized(self, x: Tensor) -> Tensor:
+        """x / sqrt(mean(x^2) + eps) in float32."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * self.normalized(x).to(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, rounded to x's dtype at the end
     (transformers' Gemma3RMSNorm, bit for bit; the weight is stored as the offset from 1)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+    initial = 0.0
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+        return (self.normalized(x) * (1.0 + self.weight.float())).type_as(x)
 
 
 class GroupedRotaryAttention(FusedAttention):

@@ -34,10 +34,6 @@ TANH_GELU = "gelu_pytorch_tanh"  # Gemma's name: F.gelu(approximate="tanh"), the
 # w // 2 away, as ModernBERT's local_attention. EmbeddingGemma's 512: 256 each way.
 
 
-def _positive_int(config: dict, name: str, default: int) -> int:
-    return positive_int({name: config.get(name, default)}, name)
-
-
 def engine_config(config: dict) -> Gemma3EncoderConfig:
     """HF Gemma 3 text config -> Gemma3EncoderConfig (pooling settings at their defaults)."""
     if not config.get("use_bidirectional_attention"):
@@ -55,7 +51,7 @@ def engine_config(config: dict) -> Gemma3EncoderConfig:
         )
     layers = positive_int(config, "num_hidden_layers")
     heads = positive_int(config, "num_attention_heads")
-    head_dim = _positive_int(config, "head_dim", 256)
+    head_dim = positive_int(config, "head_dim", 256)
     scalar = config.get("query_pre_attn_scalar", 256)  # Gemma3TextConfig's default
     if scalar != head_dim:
         raise CheckpointError(
@@ -64,7 +60,7 @@ def engine_config(config: dict) -> Gemma3EncoderConfig:
         )
     types = config.get("layer_types")
     if types is None:
-        every = _positive_int(config, "sliding_window_pattern", 6)
+        every = positive_int(config, "sliding_window_pattern", 6)
         types = [FULL if (i + 1) % every == 0 else SLIDING for i in range(layers)]
     if not isinstance(types, list | tuple):
         raise CheckpointError(f"config.layer_types must be a list, got {types!r}")
@@ -76,7 +72,7 @@ def engine_config(config: dict) -> Gemma3EncoderConfig:
         model_type=MODEL_TYPE,
         d_model=positive_int(config, "hidden_size"),
         nhead=heads,
-        num_kv_heads=_positive_int(config, "num_key_value_heads", heads),
+        num_kv_heads=positive_int(config, "num_key_value_heads", heads),
         head_dim=head_dim,
         num_layers=layers,
         dim_feedforward=positive_int(config, "intermediate_size"),

@@ -73,18 +73,14 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
             "runs Qwen3 with full causal attention only"
         )
     heads = positive_int(config, "num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0:
-        raise CheckpointError(
-            f"config.num_key_value_heads must be a positive integer, got {kv_heads!r}"
-        )
+    kv_heads = positive_int(config, "num_key_value_heads", heads)
     pad = config.get("pad_token_id")
     return Qwen3EncoderConfig(
         model_type=MODEL_TYPE,
         d_model=positive_int(config, "hidden_size"),
         nhead=heads,
         num_kv_heads=kv_heads,
-        head_dim=config.get("head_dim") or 128,  # Qwen3Config's default
+        head_dim=positive_int(config, "head_dim", 128),  # Qwen3Config's default
         num_layers=layers,
         dim_feedforward=positive_int(config, "intermediate_size"),
         layer_norm_eps=rms_eps(config),

@@ -22,8 +22,7 @@ from .attention import FusedAttention
 from .config import MultiheadAttentionConfig
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
-from .packed_attention import layer_window
-from .rope import rotary, rotate, token_positions
+from .rope import rotate, run_windowed_layers
 from .text import Float32Tables
 from .text_config import LAYER_TYPES, TextEncoderConfig
 from .text_model import TextEncoderModel
@@ -120,26 +119,11 @@ class ModernBertStack(nn.Module):
         if attn_mask is not None or is_causal or (plan is not None and any(plan.seq_causal)):
             raise ValueError("ModernBERT attends both ways: attn_mask and is_causal are not taken")
         c = self.config
-        positions = token_positions(x, plan)  # (N,) or (T,)
-        window = layer_window(c.sliding_window, x, plan)
-        head_dim = c.d_model // c.nhead
         thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
-        angles = {
-            kind: rotary(positions, head_dim, theta, x.dtype) for kind, theta in thetas.items()
-        }
-        weights: list[Tensor] = []
-        for layer in self.layers:
-            sliding = layer.kind == SLIDING
-            x, w = layer(
-                x,
-                angles[layer.kind],
-                key_padding_mask,
-                plan,
-                need_weights,
-                window if sliding else None,
-            )
-            if w is not None:
-                weights.append(w)
+        x, weights = run_windowed_layers(
+            self.layers, x, plan, key_padding_mask, need_weights, c.d_model // c.nhead, thetas,
+            c.sliding_window,
+        )  # fmt: skip
         return self.final_norm(x), weights
 
 

@@ -5,12 +5,18 @@ queries and keys with rotate_half (the first half of each head's dims paired wit
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .devices import upload
+from .packed_attention import layer_window
 from .text import packed_positions
+from .text_config import LAYER_TYPES
 from .varlen import Plan
+
+FULL, SLIDING = LAYER_TYPES
 
 
 def token_positions(x: Tensor, plan: Plan | None) -> Tensor:
@@ -43,3 +49,29 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> Tensor:
     turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)  # rotate_half
     out = heads * cos[:, None, :] + turned * sin[:, None, :]
     return out.to(x.dtype).reshape(shape)
+
+
+def run_windowed_layers(
+    layers: Iterable[nn.Module],
+    x: Tensor,
+    plan: Plan | None,
+    key_padding_mask: Tensor | None,
+    need_weights: bool,
+    head_dim: int,
+    thetas: dict[str, float],
+    reach: int,
+) -> tuple[Tensor, list[Tensor]]:
+    """Full and sliding rotary layers (each with a `kind`) in order on x, dense or packed:
+    cos/sin once per kind (`thetas`: kind -> RoPE base) and the sliding layers' band (keys at
+    most `reach` away) once per forward; x after the last layer and the weights collected
+    (ModernBERT, Gemma 3)."""
+    positions = token_positions(x, plan)  # (N,) or (T,)
+    angles = {kind: rotary(positions, head_dim, theta, x.dtype) for kind, theta in thetas.items()}
+    window = layer_window(reach, x, plan)
+    weights: list[Tensor] = []
+    for layer in layers:
+        band = window if layer.kind == SLIDING else None
+        x, w = layer(x, angles[layer.kind], key_padding_mask, plan, need_weights, band)
+        if w is not None:
+            weights.append(w)
+    return x, weights
