@@ -1,8 +1,13 @@
 """sentence-transformers' files around a text model's weights: modules.json and what its modules
-configure (pooling, Dense layers after it, normalisation, SPLADE), sentence_bert_config.json's
-max length; read at load (`read_text_settings`) and written by save_model
-(`write_text_settings`). Modules the engine does not run are refused: skipping one would give
-other vectors.
+configure (pooling, Dense layers after it, normalisation, SPLADE), the max length; read at load
+(`read_text_settings`) and written by save_model (`write_text_settings`). Modules the engine
+does not run are refused: skipping one would give other vectors.
+
+Both spellings of the files are read: releases up to 5.3 (`sentence_transformers.models.Pooling`,
+`pooling_mode_mean_tokens: true`, `max_seq_length` in sentence_bert_config.json) and 5.4 on
+(`sentence_transformers.sentence_transformer.modules.pooling.Pooling`, `pooling_mode: "mean"`,
+the max length as the tokenizer's `model_max_length`). save_model writes the first, which every
+release and TEI read.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ ST_DENSE_ACTIVATIONS = {
     "torch.nn.modules.activation.GELU": "gelu",
     "torch.nn.modules.activation.Sigmoid": "sigmoid",
 }
-DENSE_KEYS = {"in_features", "out_features", "bias", "activation_function"}
+DENSE_KEYS = {"in_features", "out_features", "bias", "activation_function", "use_residual"}
 DENSE_IO_KEYS = ("module_input_name", "module_output_name")  # must be the sentence vector
-# sentence-transformers' SparseEncoder (SPLADE): the MLM transformer and its pooling
-ST_MLM_TRANSFORMER = "sentence_transformers.sparse_encoder.models.MLMTransformer"
-ST_SPLADE_POOLING = "sentence_transformers.sparse_encoder.models.SpladePooling"
 # 1_Pooling/config.json's pooling_mode_<name> -> the engine's pooling mode
 ST_POOLING_MODES = {"mean_tokens": "mean", "cls_token": "cls", "lasttoken": "last_token"}
+# sentence-transformers 5.4+: "pooling_mode": <name>
+ST_POOLING_NAMES = {"mean": "mean", "cls": "cls", "lasttoken": "last_token"}
+# the class names modules.json may give (any release's module path before them)
+TRANSFORMERS = ("Transformer", "MLMTransformer")
+UNSET_MAX_LENGTH = 10**12  # tokenizer_config.json's model_max_length when no limit was saved
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ def read_text_settings(directory: Path) -> TextSettings:
     mean pooling, no normalisation. Modules the engine does not run (WordWeights, LayerNorm,
     ...) are refused, since skipping them would give different vectors.
     """
-    pooling, norm, max_len, sparse = "mean", False, None, False
+    pooling, norm, sparse = "mean", False, False
     modules_path = directory / "modules.json"
     pooling_dir = None
     dense: list[tuple[DenseConfig, Path]] = []
@@ -75,10 +82,10 @@ def read_text_settings(directory: Path) -> TextSettings:
         if not isinstance(modules, list):
             raise CheckpointError(f"{modules_path} must hold a list of modules")
         for module in modules:
-            kind = module.get("type") if isinstance(module, dict) else None
-            if kind == ST_POOLING:
+            kind = module_class(module.get("type") if isinstance(module, dict) else None)
+            if kind == "Pooling":
                 pooling_dir = _module_dir(directory, module)
-            elif kind == ST_DENSE:
+            elif kind == "Dense":
                 if pooling_dir is None or norm:
                     raise CheckpointError(
                         f"{modules_path} lists a Dense module before Pooling or after "
@@ -86,40 +93,85 @@ def read_text_settings(directory: Path) -> TextSettings:
                     )
                 where = _module_dir(directory, module)
                 dense.append((_dense_config(where), where))
-            elif kind == ST_NORMALIZE:
+            elif kind == "Normalize":
                 norm = True
-            elif kind == ST_SPLADE_POOLING:
+            elif kind == "SpladePooling":
                 sparse = True
                 _check_splade(_module_dir(directory, module))
-            elif kind not in (ST_TRANSFORMER, ST_MLM_TRANSFORMER):
+            elif kind not in TRANSFORMERS:
                 raise CheckpointError(
-                    f"{modules_path} lists module {kind!r}; the engine runs only Transformer, "
-                    "Pooling, Dense and Normalize, or a sparse encoder's MLMTransformer and "
-                    "SpladePooling"
+                    f"{modules_path} lists module {module.get('type')!r}; the engine runs only "
+                    "Transformer, Pooling, Dense and Normalize, or a sparse encoder's "
+                    "MLMTransformer and SpladePooling"
                 )
     if pooling_dir is not None and (pooling_dir / "config.json").is_file():
-        config = _json(pooling_dir / "config.json")
-        modes = [
-            k.removeprefix("pooling_mode_")
-            for k, v in (config.items() if isinstance(config, dict) else [])
-            if k.startswith("pooling_mode_") and v is True
-        ]
-        if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
-            raise CheckpointError(
-                f"{pooling_dir / 'config.json'} asks for pooling {modes}; supported: "
-                f"exactly one of {list(ST_POOLING_MODES)}"
-            )
-        pooling = ST_POOLING_MODES[modes[0]]
-    st_config = directory / "sentence_bert_config.json"
-    if st_config.is_file():
-        value = _json(st_config)
-        length = value.get("max_seq_length") if isinstance(value, dict) else None
-        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
-            max_len = length
+        pooling = _pooling(pooling_dir / "config.json")
+    max_len = _max_length(directory)
     if dense and sparse:
         raise CheckpointError(f"{modules_path}: a sparse encoder takes no Dense module")
     configs, dirs = tuple(c for c, _ in dense), tuple(d for _, d in dense)
     return TextSettings(pooling, norm, max_len, sparse, configs, dirs)
+
+
+def module_class(kind: object) -> str | None:
+    """The class name of a modules.json `type` of sentence-transformers' own modules, in any
+    release's spelling (`sentence_transformers.models.Pooling`, v5.4's
+    `sentence_transformers.sentence_transformer.modules.pooling.Pooling`, ...); None for others."""
+    if not isinstance(kind, str) or not kind.startswith("sentence_transformers."):
+        return None
+    return kind.rsplit(".", 1)[1]
+
+
+def _pooling(path: Path) -> str:
+    """The engine's pooling mode of a Pooling module's config.json, either spelling: legacy
+    `pooling_mode_<name>: true` flags or 5.4's `pooling_mode: <name>`. Prompt tokens excluded
+    from pooling (`include_prompt: false`, INSTRUCTOR-style) change mean and CLS vectors, which
+    the engine does not do: refused unless the pooling is the last token (never a prompt's)."""
+    config = _json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold an object")
+    if "pooling_mode" in config:
+        mode = config["pooling_mode"]
+        mode = mode[0] if isinstance(mode, list) and len(mode) == 1 else mode
+        pooling = ST_POOLING_NAMES.get(mode) if isinstance(mode, str) else None
+        if pooling is None:
+            raise CheckpointError(
+                f"{path} asks for pooling_mode {mode!r}; supported: one of {list(ST_POOLING_NAMES)}"
+            )
+    else:
+        modes = [
+            k.removeprefix("pooling_mode_")
+            for k, v in config.items()
+            if k.startswith("pooling_mode_") and v is True
+        ]
+        if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
+            raise CheckpointError(
+                f"{path} asks for pooling {modes}; supported: exactly one of "
+                f"{list(ST_POOLING_MODES)}"
+            )
+        pooling = ST_POOLING_MODES[modes[0]]
+    if config.get("include_prompt", True) is not True and pooling != "last_token":
+        raise CheckpointError(
+            f"{path} excludes prompt tokens from {pooling} pooling (include_prompt false); the "
+            "engine pools every token"
+        )
+    return pooling
+
+
+def _max_length(directory: Path) -> int | None:
+    """The longest input sentence-transformers gives the model: sentence_bert_config.json's
+    max_seq_length (up to 5.3), else the tokenizer's model_max_length (where 5.4 on keep it,
+    and older releases read it when the first is absent); None: the position table's length."""
+    for name, key in (
+        ("sentence_bert_config.json", "max_seq_length"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        path = directory / name
+        value = _json(path) if path.is_file() else None
+        length = value.get(key) if isinstance(value, dict) else None
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            return length if length < UNSET_MAX_LENGTH else None
+    return None
 
 
 def _module_dir(directory: Path, module: dict) -> Path:
@@ -149,6 +201,8 @@ def _dense_config(module_dir: Path) -> DenseConfig:
     unknown = sorted(set(config) - DENSE_KEYS - set(DENSE_IO_KEYS))
     if unknown:
         raise CheckpointError(f"{path} has fields the engine does not run: {unknown}")
+    if config.get("use_residual", False) is not False:
+        raise CheckpointError(f"{path} adds a residual (use_residual); the engine does not")
     name = config.get("activation_function", "torch.nn.modules.activation.Tanh")
     if name not in ST_DENSE_ACTIVATIONS:
         raise CheckpointError(
