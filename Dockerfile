@@ -72,7 +72,7 @@ RUN python3 -m venv /opt/venv \
     --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" \
     ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "torch==${TORCH_VERSION}"
 WORKDIR /src
-# Optional extras of pyproject.toml, comma-separated: `embeddings` (tokenizers, for
+# Optional extras of pyproject.toml, comma-separated: `embeddings` (tokenizers and jinja2, for
 # /v1/embeddings on text models) and `tracing` (OpenTelemetry, for --otlp-endpoint) by
 # default; add `debug` for PNG attention heatmaps (matplotlib), or pass EXTRAS="" for the
 # tensor API alone.

@@ -10,8 +10,10 @@ TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out),
 SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out); ModernBERT
 directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers) or
 ModernBertClassifierModel (a TextClassifierModel) with a sequence-classification head; Qwen3
-directories (Qwen3-Embedding) as Qwen3Model (a TextEncoderModel with causal, rotary GQA layers);
-bidirectional Gemma 3 directories (EmbeddingGemma) as Gemma3Model.
+directories (Qwen3-Embedding) as Qwen3Model (a TextEncoderModel with causal, rotary GQA layers),
+Qwen3 rerankers (a causal LM scored by LogitScore, or a sequence classifier) as
+Qwen3ClassifierModel (a ScoreClassifierModel: one Linear at one token); bidirectional Gemma 3
+directories (EmbeddingGemma) as Gemma3Model.
 """
 
 from .attention import FusedAttention
@@ -38,8 +40,9 @@ from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .protocol import ServedClassifierModel, ServedModel, ServedSparseModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
-from .qwen3 import Qwen3Model
+from .qwen3 import Qwen3ClassifierModel, Qwen3Model
 from .save import save_model
+from .score_head import ScoreClassifierModel
 from .sparse import SparseEncoderModel
 from .text import TextEmbeddings
 from .text_config import (
@@ -73,8 +76,10 @@ __all__ = [
     "ModernBertModel",
     "MultiheadAttentionConfig",
     "MultiheadAttentionModel",
+    "Qwen3ClassifierModel",
     "Qwen3EncoderConfig",
     "Qwen3Model",
+    "ScoreClassifierModel",
     "ServedClassifierModel",
     "ServedModel",
     "ServedSparseModel",

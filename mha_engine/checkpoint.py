@@ -39,7 +39,8 @@ from .heads import TextClassifierModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .quantize import quantize_int8
-from .qwen3 import Qwen3Model
+from .qwen3 import Qwen3ClassifierModel, Qwen3Model
+from .score_head import RERANKER_INFO
 from .st_files import TextSettings, read_text_settings
 from .text_model import TextEncoderModel
 from .transformer_model import TransformerModel
@@ -49,7 +50,7 @@ WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 # their own stack; every other model_type maps through hf_bert onto EncoderStack
 OWN_STACKS: dict[str, tuple] = {
     hf_modernbert.MODEL_TYPE: (hf_modernbert, ModernBertModel, ModernBertClassifierModel),
-    hf_qwen3.MODEL_TYPE: (hf_qwen3, Qwen3Model, None),
+    hf_qwen3.MODEL_TYPE: (hf_qwen3, Qwen3Model, Qwen3ClassifierModel),
     hf_gemma3.MODEL_TYPE: (hf_gemma3, Gemma3Model, None),
 }
 
@@ -271,6 +272,14 @@ def text_model_from_directory(
         dense=settings.dense,
     )
     info = heads.classifier_info(hf_config) if heads.is_sequence_classifier(hf_config) else None
+    if settings.logit_score is not None:
+        if info is not None or not hasattr(family, "classifier_head"):
+            raise CheckpointError(
+                f"{directory}: modules.json's LogitScore scores a causal LM's logits; "
+                f"{hf_config.get('architectures')} of model_type {model_type!r} is not one the "
+                "engine scores that way (Qwen3's is)"
+            )
+        info = RERANKER_INFO
     if own is not None and settings.sparse:
         raise CheckpointError(
             f"{directory}: a {model_type} SPLADE model (its masked-LM head) is not supported"
@@ -280,7 +289,9 @@ def text_model_from_directory(
             f"{directory}: a {model_type} sequence classifier ({hf_config.get('architectures')}) "
             "is not supported; its base model serves embeddings"
         )
-    spec = heads.head_spec(hf_config, config) if info is not None else None
+    # a decoder family reads its own head (classifier_head); BERT-like ones the heads.py forms
+    own_head = getattr(family, "classifier_head", None)
+    spec = heads.head_spec(hf_config, config) if info is not None and not own_head else None
     if settings.sparse and not sparse.is_masked_lm(hf_config):
         raise CheckpointError(
             f"{directory}: modules.json asks for SPLADE pooling, but config.json's architectures "
@@ -292,7 +303,9 @@ def text_model_from_directory(
     if own is None:
         validate_state_dict(encoder_state, config)
     head = None  # the head's weights, checked before anything is built
-    if info is not None:
+    if info is not None and own_head is not None:
+        spec, head = own_head(weights, config, info.num_labels, settings.logit_score)
+    elif info is not None:
         base = family.base_prefix(weights)
         head = heads.head_state(
             weights, config.model_type, base, config.d_model, info.num_labels, spec

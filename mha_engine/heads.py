@@ -188,7 +188,30 @@ class ClassificationHead(nn.Module):
         return linear(self.out, h)  # (B, num_labels)
 
 
-class TextClassifierModel(TextEncoderModel):
+class SequenceClassifier:
+    """What every text classifier adds to its encoder (mixed in before it): `info` and logits
+    from `classify_packed`; classify_varlen wraps the packed call for unpadded sequences."""
+
+    info: ClassifierInfo
+
+    def classify_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        raise NotImplementedError
+
+    def classify_varlen(
+        self, input_ids: list[Tensor], token_type_ids: list[Tensor] | None = None
+    ) -> Tensor:
+        """Logits (B, num_labels) of unpadded id sequences: a thin classify_packed wrapper."""
+        lens = [int(t.shape[0]) for t in input_ids]
+        types = None if token_type_ids is None else torch.cat(token_type_ids)
+        return self.classify_packed(torch.cat(input_ids), cumulative(lens), types)
+
+
+class TextClassifierModel(SequenceClassifier, TextEncoderModel):
     """A BERT-family encoder with its sequence-classification head: ids in, logits out."""
 
     def __init__(
@@ -212,11 +235,3 @@ class TextClassifierModel(TextEncoderModel):
         lens = lengths(cu_seqlens, hidden.shape[0])
         pooled = pool_packed(hidden, lens, self.spec.pooling).to(hidden.dtype)  # (B, D)
         return self.head(pad_rows(pooled))[: pooled.shape[0]].float()  # (B, num_labels)
-
-    def classify_varlen(
-        self, input_ids: list[Tensor], token_type_ids: list[Tensor] | None = None
-    ) -> Tensor:
-        """Logits (B, num_labels) of unpadded id sequences: a thin classify_packed wrapper."""
-        lens = [int(t.shape[0]) for t in input_ids]
-        types = None if token_type_ids is None else torch.cat(token_type_ids)
-        return self.classify_packed(torch.cat(input_ids), cumulative(lens), types)

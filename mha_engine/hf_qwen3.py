@@ -4,7 +4,9 @@ TokenEmbeddings; `hf_config` / `hf_state` write a loaded model back (save_model)
 
 Both config forms are read (transformers 5's `rope_parameters`, transformers 4's `rope_theta`).
 Refused naming the field: an activation other than SiLU, RoPE scaling, sliding-window layers.
-A causal-LM checkpoint (`model.` prefix, an `lm_head`) loads its base model; the head is unused.
+A causal-LM checkpoint (`model.` prefix, an `lm_head`) loads its base model; the head is unused,
+but for a LogitScore reranker (two of its rows). `classifier_head` reads a reranker's or
+classifier's head (score_head.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from torch import Tensor
 
 from . import hf_bert
 from .errors import CheckpointError, check_state, positive_int
+from .score_head import ScoreSpec, score_state
+from .st_files import LogitScore
 from .text_config import LAYER_TYPES, GroupedRotaryConfig, Qwen3EncoderConfig
 
 MODEL_TYPE = "qwen3"
@@ -98,6 +102,21 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
 def base_prefix(state: dict) -> str:
     """'' for a base model's keys, 'model.' for a causal LM or a model with a task head."""
     return hf_bert.base_prefix(state, TOKENS)
+
+
+def classifier_head(
+    weights: dict[str, Tensor],
+    config: GroupedRotaryConfig,
+    num_labels: int,
+    logit_score: LogitScore | None,
+) -> tuple[ScoreSpec, dict[str, Tensor]]:
+    """The head of a Qwen3ForSequenceClassification (`score`, read at the last token that is not
+    padding) or of a LogitScore reranker (one LM-head row, read at the last token)."""
+    spec = ScoreSpec(None if logit_score else config.pad_token_id)
+    state = score_state(
+        weights, base_prefix(weights), config.d_model, config.vocab_size, num_labels, logit_score
+    )
+    return spec, state
 
 
 def _names(norms: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .fused import linear
 from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel, RMSNorm
 from .rope import rotary, token_positions
+from .score_head import ScoreClassifierModel
 from .text import TokenEmbeddings
 from .text_config import Qwen3EncoderConfig
 from .varlen import Plan
@@ -103,3 +104,9 @@ class Qwen3Model(GroupedRotaryModel):
 
     def _encode(self, x, lens, key_padding_mask, is_causal, bucket_padding) -> Tensor:
         return super()._encode(x, lens, key_padding_mask, True, bucket_padding)
+
+
+class Qwen3ClassifierModel(ScoreClassifierModel, Qwen3Model):
+    """Qwen3 rerankers and classifiers: Qwen3ForSequenceClassification (the seq-cls form of
+    Qwen3-Reranker, its fine-tunes), or a causal LM that sentence-transformers scores with
+    LogitScore (Qwen/Qwen3-Reranker-0.6B/4B/8B): the encoder, then one Linear at one token."""

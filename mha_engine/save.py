@@ -20,7 +20,7 @@ from . import hf_bert
 from .checkpoint import OWN_STACKS
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
-from .heads import TextClassifierModel
+from .heads import SequenceClassifier
 from .sparse import SparseEncoderModel
 from .st_files import write_text_settings
 from .text_model import TextEncoderModel
@@ -157,7 +157,7 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     if isinstance(model, EngineModel):
-        if isinstance(model, TextClassifierModel | SparseEncoderModel):
+        if isinstance(model, SequenceClassifier | SparseEncoderModel):
             raise ValueError(
                 f"a {type(model).__name__} is not saved: its task head would be lost and the "
                 "directory would load as a plain encoder; keep the model's original directory "

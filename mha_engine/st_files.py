@@ -47,6 +47,15 @@ UNSET_MAX_LENGTH = 10**12  # tokenizer_config.json's model_max_length when no li
 
 
 @dataclass(frozen=True)
+class LogitScore:
+    """sentence-transformers' LogitScore module (a CrossEncoder over a causal LM): the score is
+    the logit of `true_token_id` minus that of `false_token_id` (or the first alone)."""
+
+    true_token_id: int
+    false_token_id: int | None = None
+
+
+@dataclass(frozen=True)
 class TextSettings:
     """How token states become a sentence vector, and the longest input (in tokens)."""
 
@@ -56,6 +65,7 @@ class TextSettings:
     sparse: bool = False  # SPLADE (MLM head, max of log(1 + relu)): mha_engine.sparse
     dense: tuple[DenseConfig, ...] = ()  # Dense modules after pooling, in order
     dense_dirs: tuple[Path, ...] = ()  # where each Dense module's weights are
+    logit_score: LogitScore | None = None  # a reranker scored by two LM-head logits
 
 
 def _json(path: Path) -> object:
@@ -73,7 +83,7 @@ def read_text_settings(directory: Path) -> TextSettings:
     mean pooling, no normalisation. Modules the engine does not run (WordWeights, LayerNorm,
     ...) are refused, since skipping them would give different vectors.
     """
-    pooling, norm, sparse = "mean", False, False
+    pooling, norm, sparse, logit_score = "mean", False, False, None
     modules_path = directory / "modules.json"
     pooling_dir = None
     dense: list[tuple[DenseConfig, Path]] = []
@@ -98,6 +108,8 @@ def read_text_settings(directory: Path) -> TextSettings:
             elif kind == "SpladePooling":
                 sparse = True
                 _check_splade(_module_dir(directory, module))
+            elif kind == "LogitScore":
+                logit_score = _logit_score(_module_dir(directory, module) / "config.json")
             elif kind not in TRANSFORMERS:
                 raise CheckpointError(
                     f"{modules_path} lists module {module.get('type')!r}; the engine runs only "
@@ -109,8 +121,13 @@ def read_text_settings(directory: Path) -> TextSettings:
     max_len = _max_length(directory)
     if dense and sparse:
         raise CheckpointError(f"{modules_path}: a sparse encoder takes no Dense module")
+    if logit_score is not None and (dense or sparse or norm or pooling_dir is not None):
+        raise CheckpointError(
+            f"{modules_path}: LogitScore scores a causal LM's logits; it takes no Pooling, "
+            "Dense, Normalize or SPLADE module"
+        )
     configs, dirs = tuple(c for c, _ in dense), tuple(d for _, d in dense)
-    return TextSettings(pooling, norm, max_len, sparse, configs, dirs)
+    return TextSettings(pooling, norm, max_len, sparse, configs, dirs, logit_score)
 
 
 def module_class(kind: object) -> str | None:
@@ -217,6 +234,25 @@ def _dense_config(module_dir: Path) -> DenseConfig:
         )
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def _logit_score(path: Path) -> LogitScore:
+    """A LogitScore module's config.json: its token ids, read from the LM head's logits."""
+    config = _json(path) if path.is_file() else None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a LogitScore module's config (an object)")
+    unknown = sorted(set(config) - {"true_token_id", "false_token_id", "module_input_name"})
+    if unknown:
+        raise CheckpointError(f"{path} has fields the engine does not run: {unknown}")
+    if config.get("module_input_name", "causal_logits") != "causal_logits":
+        raise CheckpointError(f"{path}: LogitScore must read the causal LM's logits")
+    true, false = config.get("true_token_id"), config.get("false_token_id")
+    for name, value in (("true_token_id", true), ("false_token_id", false)):
+        if value is None and name == "false_token_id":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{path}: {name} must be a token id, got {value!r}")
+    return LogitScore(true, false)
 
 
 def _check_splade(pooling_dir: Path) -> None:

@@ -255,3 +255,63 @@ def random_padded(lengths: list[int], seed: int = 3):
         ids[i, :n] = torch.randint(2, len(VOCAB), (n,), generator=g)
         mask[i, :n] = 1
     return ids, mask
+
+
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# Qwen3-Reranker's prompt as a chat template over sentence-transformers' pair roles (system: the
+# instruction, query, document), ending in the empty thinking block its answer follows
+RERANK_TEMPLATE = """<|im_start|>system
+Judge whether the Document meets the requirements based on the Query and the Instruct provided. \
+Note that the answer can only be "yes" or "no".<|im_end|>
+<|im_start|>user
+<Instruct>: {{ messages | selectattr("role", "eq", "system") | map(attribute="content") | first \
+| default("Given a web search query, retrieve relevant passages that answer the query") }}
+<Query>: {{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}
+<Document>: {{ messages | selectattr("role", "eq", "document") | map(attribute="content") \
+| first }}<|im_end|>
+<|im_start|>assistant
+<think>
+
+</think>
+
+"""
+
+
+def write_chat_tokenizer(directory: Path, max_length: int) -> int:
+    """A Qwen-style tokenizer.json (no special tokens added around a text; the chat markers are
+    special tokens) over VOCAB plus "yes" and "no", and tokenizer_config.json with its max
+    length; the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens = [*dict.fromkeys(VOCAB), "yes", "no", *CHAT_TOKENS]
+    tokenizer = Tokenizer(models.WordPiece({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    specials = [*CHAT_TOKENS, "[PAD]"]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[PAD]",
+              "model_max_length": max_length}  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return len(tokens)
+
+
+def qwen3_reranker(
+    directory: Path, head: str = "ForCausalLM", max_length: int = 240, seed: int = 7
+):
+    """A Qwen3 reranker as sentence-transformers saves one: a causal LM scored by LogitScore
+    ("yes" minus "no", as Qwen/Qwen3-Reranker-*), or a one-label ForSequenceClassification (its
+    seq-cls form); the chat template in chat_template.jinja. The CrossEncoder that saved it
+    (the reference) and the directory."""
+    from sentence_transformers import CrossEncoder
+
+    raw = directory.parent / f"{directory.name}-raw"
+    raw.mkdir(parents=True)
+    vocab = write_chat_tokenizer(raw, max_length)
+    labels = {"id2label": {0: "LABEL_0"}, "label2id": {"LABEL_0": 0}} if "Sequence" in head else {}
+    model = build("qwen3", head, seed=seed, vocab_size=vocab, max_position_embeddings=256, **labels)
+    model.save_pretrained(raw, safe_serialization=True)
+    (raw / "chat_template.jinja").write_text(RERANK_TEMPLATE)
+    CrossEncoder(str(raw)).save(str(directory))
+    return CrossEncoder(str(directory)), directory

@@ -30,6 +30,7 @@ from mha_engine import (
     ServedTextModel,
 )
 from service.oip.inputs import Payload
+from service.text.chat_pairs import load_chat_pairs
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,22 @@ class TextTokenizer:
             tokenizer.enable_truncation(max_length=max_length, direction=side.lower())
             self._by_side[side] = tokenizer
         self._tokenizer = self._by_side["Right"]
+        whole = Tokenizer.from_file(str(path))  # a rendered pair is cut by ChatPairs
+        whole.no_padding()
+        whole.no_truncation()
+        self.chat = load_chat_pairs(path.parent, whole, max_length)  # None: plain pairs
 
-    def encode(self, texts: list[Text], direction: str = "Right") -> list[Encoded]:
-        """Token ids (and types) of every text or pair, special tokens added."""
+    def encode(
+        self, texts: list[Text], direction: str = "Right", prompt: str | None = None
+    ) -> list[Encoded]:
+        """Token ids (and types) of every text or pair, special tokens added; `prompt`
+        (sentence-transformers' prompt: a reranker's instruction) is prepended to each text or
+        pair's first text, or for a chat reranker's pairs is the system message."""
+        if self.chat is not None and texts and all(isinstance(t, tuple) for t in texts):
+            chat = self.chat.encode(texts, prompt, direction)  # type: ignore[arg-type]
+            return [Encoded(ids, cut, np.zeros_like(ids)) for ids, cut in chat]
+        if prompt:
+            texts = [prompt + t if isinstance(t, str) else (prompt + t[0], t[1]) for t in texts]
         return [_encoded(enc) for enc in self._by_side[direction].encode_batch(texts)]
 
     def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:

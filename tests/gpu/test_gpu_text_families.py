@@ -49,3 +49,27 @@ def test_token_states_equal_transformers_and_never_depend_on_the_batch(tmp_path,
             torch.testing.assert_close(alone, got, atol=FP32_DRIFT, rtol=0)
         else:
             assert torch.equal(alone, got)
+
+
+@pytest.mark.parametrize("head", ["ForCausalLM", "ForSequenceClassification"])
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_qwen3_reranker_scores_equal_the_cpu_and_never_depend_on_the_batch(tmp_path, head, dtype):
+    """A Qwen3 reranker (LogitScore or seq-cls) on CUDA against the engine's fp32 CPU scores,
+    which equal sentence-transformers' (tests/mha_engine/test_qwen3_reranker.py)."""
+    pytest.importorskip("sentence_transformers")
+    cross_encoder, path = tm.qwen3_reranker(tmp_path / "rr", head)
+    pairs = [("the cat sat", "a cat sat on the mat"), ("what is deep learning ?", "hello " * 80)]
+    features = cross_encoder.preprocess(pairs)
+    rows = zip(features["input_ids"], features["attention_mask"], strict=True)
+    seqs = [ids[mask.bool()] for ids, mask in rows]
+    want = mha_engine.load_model(path).classify_varlen(seqs)
+    model = mha_engine.load_model(path, device="cuda", dtype=dtype)
+    together = model.classify_varlen(seqs)
+    atol = 1e-2 if dtype == torch.bfloat16 else 2e-5  # CPU bf16: 4.7e-3 (test_qwen3_reranker)
+    torch.testing.assert_close(together.cpu(), want, atol=atol, rtol=1.3e-6)
+    for one, got in zip(seqs, together, strict=True):
+        alone = model.classify_varlen([one])[0]
+        if dtype == torch.float32:
+            torch.testing.assert_close(alone, got, atol=FP32_DRIFT, rtol=0)
+        else:
+            assert torch.equal(alone, got)

@@ -24,7 +24,7 @@ from service.http.deps import get_state, traced
 from service.http.openapi import ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, json_body
 from service.http.routes.common import client_gone, observed
 from service.http.routes.embeddings import max_inputs
-from service.http.routes.tei_common import encode_texts, parse_body, text_entry
+from service.http.routes.tei_common import encode_texts, instruction, parse_body, text_entry
 from service.http.routes.tei_rank import check_query, json_response, ranked
 from service.pipeline.errors import BadInput, PayloadTooLarge, WrongModelKind
 from service.pipeline.models import ensure_serving
@@ -62,6 +62,11 @@ class RerankApiRequest(BaseModel):
     )
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="vLLM: -1 or at least the model's maximum length"
+    )
+    instruction: str | None = Field(
+        None,
+        description="The task, for rerankers that read one (Qwen3-Reranker; TEI's /rerank "
+        "field); absent: the model's default prompt",
     )
 
 
@@ -164,8 +169,9 @@ async def _answer(
     pairs: list[Text] = [(body.query, text) for text in texts]
     deadline = time.monotonic() + state.settings.request_timeout_s
     with client_gone(request) as gone:
+        prompt = instruction(entry, body.instruction)
         encoded = await encode_texts(
-            gone, state, entry, pairs, True, "Right", deadline, "documents"
+            gone, state, entry, pairs, True, "Right", deadline, "documents", prompt
         )
         logits = await run_parts(
             state, entry, gone, encoded, deadline, classify_runner, typed_payload

@@ -127,10 +127,12 @@ async def encode_texts(
     direction: Direction,
     deadline: float,
     field: str = "inputs",
+    prompt: str | None = None,
 ) -> list[Encoded]:
     """Characters bounded (413), then tokenized off the loop holding queue slots (429);
     an input over the model's max length is 413 unless `truncate` (then cut at `direction`;
-    None, a request that does not say: --auto-truncate decides, as in TEI)."""
+    None, a request that does not say: --auto-truncate decides, as in TEI). `prompt`: a
+    reranker's instruction (TextTokenizer.encode), counted in every input's characters."""
     if truncate is None:
         truncate = state.settings.auto_truncate
     tokenizer = entry.tokenizer
@@ -140,9 +142,17 @@ async def encode_texts(
             raise BadInput(f"{field}[{i}] is an empty string; empty inputs have no result")
         if not isinstance(text, str) and not all(text):
             raise BadInput(f"{field}[{i}] holds an empty string; empty inputs have no result")
-    check_chars(texts, entry.char_limits, field)
+    if tokenizer.chat is not None and any(isinstance(text, str) for text in texts):
+        raise BadInput(
+            f"'{field}' holds a single text; this reranker formats (query, document) pairs "
+            "with its chat template, so send pairs"
+        )
+    counted = [(prompt, *t) if isinstance(t, tuple) else (prompt, t) for t in texts]
+    check_chars(counted if prompt else texts, entry.char_limits, field)
     async with entry.batcher.reserve(len(texts)):
-        encode = (lambda part: tokenizer.encode(part, direction)) if direction != "Right" else None
+        encode = None  # tokenizer.encode's defaults
+        if direction != "Right" or prompt:
+            encode = lambda part: tokenizer.encode(part, direction, prompt)  # noqa: E731
         encoded = await tokenize(state, entry, gone, texts, deadline, encode)
     cut = [i for i, e in enumerate(encoded) if e.truncated]
     if cut and not truncate:
@@ -170,3 +180,12 @@ async def parse_body(request: Request, state: ServiceState, model: type[M]) -> M
     """A TEI route's body: read bounded (--max-body-bytes), parsed by the one JSON parser,
     validated as `model`."""
     return validate(model, await read_object(request, state.settings.max_body_bytes))
+
+
+def instruction(entry: ModelEntry, given: str | None) -> str | None:
+    """A cross-encoder's prompt, as sentence-transformers' CrossEncoder.predict resolves it: the
+    request's instruction (an empty one: none), else the model's default prompt, if it names
+    one (config_sentence_transformers.json)."""
+    if given is not None:
+        return given or None
+    return entry.prompts.get(entry.default_prompt) if entry.default_prompt else None

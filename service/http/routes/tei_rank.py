@@ -26,6 +26,7 @@ from service.http.routes.tei_common import (
     Direction,
     check_batch,
     encode_texts,
+    instruction,
     parse_body,
     text_route,
 )
@@ -48,6 +49,11 @@ class RerankRequest(BaseModel):
     return_text: bool = False
     truncate: bool | None = None  # None: --auto-truncate decides
     truncation_direction: Direction = "Right"
+    instruction: str | None = Field(
+        None,
+        description="The task, for rerankers that read one (Qwen3-Reranker: the system "
+        "message; others: prepended to the query); absent: the model's default prompt",
+    )
 
 
 class Rank(BaseModel):
@@ -93,12 +99,15 @@ async def _logits(
     truncate: bool | None,
     direction: Direction,
     field: str,
+    given: str | None = None,
 ) -> list[np.ndarray]:
-    """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher."""
+    """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher; `given`: the
+    request's instruction (tei_common.instruction)."""
     deadline = time.monotonic() + state.settings.request_timeout_s
+    prompt = instruction(entry, given)
     with client_gone(request) as gone:
         encoded = await encode_texts(
-            gone, state, entry, texts, truncate, direction, deadline, field
+            gone, state, entry, texts, truncate, direction, deadline, field, prompt
         )
         return await run_parts(
             state, entry, gone, encoded, deadline, classify_runner, typed_payload
@@ -176,7 +185,14 @@ async def rerank(request: Request) -> Response:
         check_batch(state, len(body.texts), "texts")
         pairs: list[Text] = [(body.query, text) for text in body.texts]
         logits = await _logits(
-            request, state, entry, pairs, body.truncate, body.truncation_direction, "texts"
+            request,
+            state,
+            entry,
+            pairs,
+            body.truncate,
+            body.truncation_direction,
+            "texts",
+            body.instruction,
         )
         values, order = ranked(logits, body.raw_scores)
         ranks = [{"index": i, "score": values[i]} for i in order]  # Rank, without a None text
