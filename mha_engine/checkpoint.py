@@ -304,7 +304,7 @@ def text_model_from_directory(
         validate_state_dict(encoder_state, config)
     head = None  # the head's weights, checked before anything is built
     if info is not None and own_head is not None:
-        spec, head = own_head(weights, config, info.num_labels, settings.logit_score)
+        spec, head = own_head(weights, hf_config, config, info.num_labels, settings.logit_score)
     elif info is not None:
         base = family.base_prefix(weights)
         head = heads.head_state(

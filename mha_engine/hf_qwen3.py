@@ -106,17 +106,18 @@ def base_prefix(state: dict) -> str:
 
 def classifier_head(
     weights: dict[str, Tensor],
+    hf_config: dict,
     config: GroupedRotaryConfig,
     num_labels: int,
     logit_score: LogitScore | None,
 ) -> tuple[ScoreSpec, dict[str, Tensor]]:
     """The head of a Qwen3ForSequenceClassification (`score`, read at the last token that is not
-    padding) or of a LogitScore reranker (one LM-head row, read at the last token)."""
+    padding) or of a LogitScore reranker (one LM-head row, read at the last token; Qwen3Config
+    ties the head to the token table only when tie_word_embeddings says so)."""
     spec = ScoreSpec(None if logit_score else config.pad_token_id)
-    state = score_state(
-        weights, base_prefix(weights), config.d_model, config.vocab_size, num_labels, logit_score
-    )
-    return spec, state
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    prefix, D, V = base_prefix(weights), config.d_model, config.vocab_size
+    return spec, score_state(weights, prefix, D, V, num_labels, logit_score, tied)
 
 
 def _names(norms: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

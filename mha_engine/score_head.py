@@ -46,10 +46,11 @@ def score_state(
     vocab_size: int,
     num_labels: int,
     logit_score: LogitScore | None,
+    tied: bool = False,
 ) -> dict[str, Tensor]:
     """The head's weight {"weight": (num_labels, D)}: a classifier's `score.weight`, or one row
-    from the LM head (its tied token table when the checkpoint has no lm_head) for LogitScore,
-    the difference taken in float32."""
+    from the LM head for LogitScore (the token table when `tied`, config.tie_word_embeddings, as
+    transformers ties them), the difference taken in float32."""
     if logit_score is None:
         weight = weights.get("score.weight")
         if weight is None or tuple(weight.shape) != (num_labels, d_model):
@@ -59,11 +60,12 @@ def score_state(
                 f"{(num_labels, d_model)}, found {found}"
             )
         return {"weight": weight}
-    table = weights.get("lm_head.weight", weights.get(f"{base_prefix}embed_tokens.weight"))
+    name = f"{base_prefix}embed_tokens.weight" if tied else "lm_head.weight"
+    table = weights.get(name)
     if table is None or tuple(table.shape) != (vocab_size, d_model):
         raise CheckpointError(
-            "LogitScore reads the LM head: lm_head.weight (or the tied embed_tokens.weight) of "
-            f"shape {(vocab_size, d_model)} is missing or of another shape"
+            f"LogitScore reads the LM head: {name} (the LM head, tied to the token table: "
+            f"{tied}) of shape {(vocab_size, d_model)} is missing or of another shape"
         )
     ids = [logit_score.true_token_id, logit_score.false_token_id]
     for name, i in zip(("true_token_id", "false_token_id"), ids, strict=True):

@@ -117,7 +117,7 @@ def read_text_settings(directory: Path) -> TextSettings:
                     "MLMTransformer and SpladePooling"
                 )
     if pooling_dir is not None and (pooling_dir / "config.json").is_file():
-        pooling = _pooling(pooling_dir / "config.json")
+        pooling = _pooling(pooling_dir / "config.json", directory)
     max_len = _max_length(directory)
     if dense and sparse:
         raise CheckpointError(f"{modules_path}: a sparse encoder takes no Dense module")
@@ -139,11 +139,12 @@ def module_class(kind: object) -> str | None:
     return kind.rsplit(".", 1)[1]
 
 
-def _pooling(path: Path) -> str:
+def _pooling(path: Path, directory: Path) -> str:
     """The engine's pooling mode of a Pooling module's config.json, either spelling: legacy
     `pooling_mode_<name>: true` flags or 5.4's `pooling_mode: <name>`. Prompt tokens excluded
     from pooling (`include_prompt: false`, INSTRUCTOR-style) change mean and CLS vectors, which
-    the engine does not do: refused unless the pooling is the last token (never a prompt's)."""
+    the engine does not do: refused when the model has a prompt to apply, unless the pooling is
+    the last token (never a prompt's)."""
     config = _json(path)
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} must hold an object")
@@ -167,12 +168,21 @@ def _pooling(path: Path) -> str:
                 f"{list(ST_POOLING_MODES)}"
             )
         pooling = ST_POOLING_MODES[modes[0]]
-    if config.get("include_prompt", True) is not True and pooling != "last_token":
+    prompts = _prompts(directory)
+    if config.get("include_prompt", True) is not True and pooling != "last_token" and prompts:
         raise CheckpointError(
-            f"{path} excludes prompt tokens from {pooling} pooling (include_prompt false); the "
-            "engine pools every token"
+            f"{path} excludes prompt tokens from {pooling} pooling (include_prompt false) and "
+            f"the model has prompts {prompts}; the engine pools every token"
         )
     return pooling
+
+
+def _prompts(directory: Path) -> list[str]:
+    """The names of the non-empty prompts in config_sentence_transformers.json."""
+    path = directory / "config_sentence_transformers.json"
+    config = _json(path) if path.is_file() else None
+    prompts = config.get("prompts") if isinstance(config, dict) else None
+    return sorted(k for k, v in prompts.items() if v) if isinstance(prompts, dict) else []
 
 
 def _max_length(directory: Path) -> int | None:

@@ -76,7 +76,9 @@ class TextTokenizer:
     (the end is cut) or the left (the start is cut): one tokenizer each, so threads that
     tokenize at once never share a setting."""
 
-    def __init__(self, path: Path, max_length: int) -> None:
+    def __init__(self, path: Path, max_length: int, chat_pairs: bool = False) -> None:
+        """`chat_pairs`: format pairs with the model's chat template when its
+        sentence-transformers files say so (a reranker's or classifier's pairs)."""
         from tokenizers import Tokenizer
 
         self.path = path
@@ -90,10 +92,7 @@ class TextTokenizer:
             tokenizer.enable_truncation(max_length=max_length, direction=side.lower())
             self._by_side[side] = tokenizer
         self._tokenizer = self._by_side["Right"]
-        whole = Tokenizer.from_file(str(path))  # a rendered pair is cut by ChatPairs
-        whole.no_padding()
-        whole.no_truncation()
-        self.chat = load_chat_pairs(path.parent, whole, max_length)  # None: plain pairs
+        self.chat = load_chat_pairs(path.parent, path, max_length) if chat_pairs else None
 
     def encode(
         self, texts: list[Text], direction: str = "Right", prompt: str | None = None
@@ -160,33 +159,19 @@ def load_tokenizer(
                     "/v1/embeddings is off")  # fmt: skip
         return None
     max_length = min(model.max_seq_len, max_seq_len)
+    pairs = text_kind(model) in ("classifier", "reranker")
     try:
-        tokenizer = TextTokenizer(path, max_length)
+        tokenizer = TextTokenizer(path, max_length, chat_pairs=pairs)
+    except CheckpointError:
+        raise
     except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
         raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from exc
+    if pairs and tokenizer.chat is None and getattr(model, "model_type", None) == "qwen3":
+        log.warning("%s: pairs go through the tokenizer as they are; a Qwen3 reranker expects "
+                    "its prompt (save it with sentence-transformers 5.4+ to carry its chat "
+                    "template), or send pairs already formatted", model_dir)  # fmt: skip
     log.info("tokenizer %s: inputs truncated to %d tokens", path, max_length)
     return tokenizer
-
-
-def matryoshka(model_dir: Path | None) -> bool:
-    """Whether the model was trained so its vectors may be cut short (`dimensions`):
-    sentence-transformers' config_sentence_transformers.json sets `truncate_dim`, or the model
-    card's front matter (README.md) names the "matryoshka" tag or MatryoshkaLoss."""
-    if model_dir is None:
-        return False
-    config = Path(model_dir) / "config_sentence_transformers.json"
-    if config.is_file():
-        try:
-            if json.loads(config.read_text()).get("truncate_dim") is not None:
-                return True
-        except (ValueError, AttributeError):
-            log.warning("%s is not a JSON object; ignoring it", config)
-    card = Path(model_dir) / "README.md"
-    if not card.is_file():
-        return False
-    parts = card.read_text(errors="replace").split("---", 2)
-    front = parts[1].lower() if len(parts) == 3 and not parts[0].strip() else ""
-    return "matryoshka" in front
 
 
 def embed_runner(model: ServedTextModel, payloads: list[Payload]) -> list[np.ndarray]:
@@ -352,25 +337,6 @@ def scores(logits: np.ndarray, problem_type: str | None, raw: bool) -> np.ndarra
         return 1.0 / (1.0 + np.exp(-logits))
     shifted = np.exp(logits - logits.max())
     return shifted / shifted.sum()
-
-
-def read_prompts(model_dir: Path | None) -> tuple[dict[str, str], str | None]:
-    """sentence-transformers' prompts ({name: text prepended to inputs}) and default prompt
-    name from config_sentence_transformers.json; ({}, None) when it has none."""
-    path = None if model_dir is None else Path(model_dir) / "config_sentence_transformers.json"
-    if path is None or not path.is_file():
-        return {}, None
-    try:
-        config = json.loads(path.read_text())
-    except ValueError:
-        log.warning("%s is not JSON; ignoring its prompts", path)
-        return {}, None
-    prompts = config.get("prompts") if isinstance(config, dict) else None
-    if not isinstance(prompts, dict):
-        return {}, None
-    prompts = {str(k): v for k, v in prompts.items() if isinstance(v, str)}
-    default = config.get("default_prompt_name")
-    return prompts, default if default in prompts else None
 
 
 def minilm_path() -> Path | None:

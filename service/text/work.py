@@ -40,20 +40,24 @@ def _chars(text: Text) -> int:
     return len(text) if isinstance(text, str) else sum(map(len, text))
 
 
-def check_chars(texts: list[Text], limits: CharLimits, field: str = "input") -> None:
+def check_chars(
+    texts: list[Text], limits: CharLimits, field: str = "input", prompt: str | None = None
+) -> None:
     """413 naming the request's field, the limit and its flag, before a single character is
     tokenized (a pair counts both its texts: a query paired with each text counts once per
-    text)."""
-    total = 0
+    text; so does a prompt, an instruction, added to each)."""
+    total, extra = 0, len(prompt or "")
     for i, text in enumerate(texts):
-        if _chars(text) > limits.per_input:
+        chars = _chars(text) + extra
+        if chars > limits.per_input:
             paired = " (with the query it is paired with)" if isinstance(text, tuple) else ""
+            told = " (with the instruction)" if extra else ""
             raise PayloadTooLarge(
-                f"{field}[{i}] has {_chars(text)} characters{paired}, over the limit of "
+                f"{field}[{i}] has {chars} characters{paired}{told}, over the limit of "
                 f"{limits.per_input} per input (--max-input-chars); inputs are truncated to "
                 "the model's max length anyway, so send less text"
             )
-        total += _chars(text)
+        total += chars
     if total > limits.per_request:
         pairs = any(isinstance(text, tuple) for text in texts)
         raise PayloadTooLarge(

@@ -161,6 +161,20 @@ def test_what_is_refused(tmp_path: Path, edit, match: str) -> None:
         mha_engine.load_model(path)
 
 
+def test_an_untied_head_must_be_in_the_checkpoint(tmp_path: Path) -> None:
+    """Without tie_word_embeddings the LM head is its own weight, as transformers reads it: a
+    checkpoint without lm_head.weight is refused, not scored with the token table."""
+    from safetensors.torch import load_file, save_file
+
+    path = tm.save(tm.build("qwen3", "ForCausalLM", tie_word_embeddings=False), tmp_path)
+    _add_logit_score(path, {"true_token_id": 40, "false_token_id": 41})
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight"):
+        mha_engine.load_model(path)
+
+
 def test_logit_score_on_an_encoder_family_is_refused(tmp_path: Path) -> None:
     path = tm.save(tm.build("bert"), tmp_path)
     _add_logit_score(path, {"true_token_id": 5})

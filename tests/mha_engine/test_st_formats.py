@@ -124,12 +124,21 @@ def test_a_cross_encoder(tmp_path) -> None:
 def test_poolings_the_engine_does_not_run_are_refused(
     bert_dir, tmp_path, pooling, include_prompt, error
 ) -> None:
-    path = _saved(tmp_path, bert_dir, "mean")
+    path = _saved(tmp_path, bert_dir, "mean", prompts={"query": "query: "})
     config = {"embedding_dimension": tm.D, "pooling_mode": pooling}
     config["include_prompt"] = include_prompt
     (path / "1_Pooling" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=error.replace("[", r"\[")):
         mha_engine.load_model(path)
+
+
+def test_prompts_left_out_of_pooling_matter_only_where_a_prompt_exists(bert_dir, tmp_path) -> None:
+    """include_prompt false on a model without prompts pools what sentence-transformers pools:
+    it loads (directories that loaded before still do)."""
+    path = _saved(tmp_path, bert_dir, "mean", include_prompt=False)
+    assert mha_engine.load_model(path).config.pooling == "mean"
+    want = SentenceTransformer(str(path)).encode(TEXTS, convert_to_tensor=True)
+    torch.testing.assert_close(_engine_vectors(path), want, **FP32_TOL)
 
 
 def test_a_dense_residual_is_refused(bert_dir, tmp_path) -> None:

@@ -35,7 +35,7 @@ def reranker(request, tmp_path_factory) -> tuple:
 @pytest.mark.parametrize("prompt", [None, TASK])
 def test_pairs_tokenize_as_sentence_transformers_formats_them(reranker, prompt) -> None:
     cross_encoder, path = reranker
-    tokenizer = TextTokenizer(path / "tokenizer.json", 240)
+    tokenizer = TextTokenizer(path / "tokenizer.json", 240, chat_pairs=True)
     assert tokenizer.chat is not None
     pairs = [(QUERY, t) for t in TEXTS]
     features = cross_encoder.preprocess(pairs, prompt=prompt)
@@ -114,5 +114,114 @@ def test_the_models_default_prompt_is_its_instruction(tmp_path) -> None:
             np.testing.assert_allclose(got, default[0], **FP32_TOL)
             got = (await client.post("/rerank", json={**body, "instruction": ""})).json()
             np.testing.assert_allclose(got[0]["score"], bare[0], **FP32_TOL)
+
+    asyncio.run(main())
+
+
+def test_a_template_that_refuses_an_instruction_answers_400(tmp_path) -> None:
+    """A template may refuse messages (raise_exception): the request that sent them gets a 400
+    naming it, and the model keeps serving the others."""
+    _, path = tm.qwen3_reranker(tmp_path / NAME)
+    refusing = (
+        '{% if messages[0].role == "system" %}{{ raise_exception("no system role") }}{% endif %}'
+        + tm.RERANK_TEMPLATE
+    )
+    (path / "chat_template.jinja").write_text(refusing)
+
+    async def main() -> None:
+        async with asgi_client(model_dir=path, model_name=NAME) as client:
+            body = {"query": QUERY, "texts": TEXTS[:1], "instruction": TASK}
+            refused = await client.post("/rerank", json=body)
+            assert refused.status_code == 400, refused.text
+            assert "refuses the instruction: no system role" in refused.json()["error"]
+            assert (
+                await client.post("/rerank", json={**body, "instruction": ""})
+            ).status_code == 200
+
+    asyncio.run(main())
+
+
+def test_structured_message_content(tmp_path) -> None:
+    """A `structured` message format gives the template text blocks, as sentence-transformers
+    does: the token ids agree."""
+    from sentence_transformers import CrossEncoder
+
+    _, path = tm.qwen3_reranker(tmp_path / NAME)
+    config_path = path / "sentence_bert_config.json"
+    config = json.loads(config_path.read_text())
+    config["modality_config"]["message"]["format"] = "structured"
+    config_path.write_text(json.dumps(config))
+    template = tm.RERANK_TEMPLATE
+    for role in ("system", "query", "document"):
+        flat = f'messages | selectattr("role", "eq", "{role}") | map(attribute="content") | first'
+        blocks = f'messages | selectattr("role", "eq", "{role}") | map(attribute="content") '
+        assert flat in template
+        template = template.replace(flat, blocks + "| map('first') | map(attribute='text') | first")
+    (path / "chat_template.jinja").write_text(template)
+    cross_encoder = CrossEncoder(str(path))
+    pairs = [(QUERY, t) for t in TEXTS]
+    features = cross_encoder.preprocess(pairs, prompt=TASK)
+    rows = zip(features["input_ids"], features["attention_mask"], strict=True)
+    want = [ids[mask.bool()].tolist() for ids, mask in rows]
+    got = TextTokenizer(path / "tokenizer.json", 240, chat_pairs=True).encode(pairs, prompt=TASK)
+    assert [e.ids.tolist() for e in got] == want
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda c: c["modality_config"]["message"].pop("format"), "format None"),
+        (lambda c: c["modality_config"]["message"].update(format="auto"), "format 'auto'"),
+        (lambda c: c.update(processing_kwargs={"chat_template": {"add_generation_prompt": True}}),
+         "processing_kwargs"),
+    ],
+)  # fmt: skip
+def test_message_settings_the_service_does_not_apply_are_refused(tmp_path, change, match) -> None:
+    from mha_engine import CheckpointError
+
+    _, path = tm.qwen3_reranker(tmp_path / NAME)
+    config_path = path / "sentence_bert_config.json"
+    config = json.loads(config_path.read_text())
+    change(config)
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=match):
+        TextTokenizer(path / "tokenizer.json", 240, chat_pairs=True)
+    (path / "chat_template.jinja").unlink()
+    config_path.write_text(json.dumps({"modality_config": {"message": {"format": "flat"}}}))
+    with pytest.raises(CheckpointError, match="no chat template"):
+        TextTokenizer(path / "tokenizer.json", 240, chat_pairs=True)
+
+
+def test_an_embedder_with_a_chat_template_tokenizes_its_texts_as_they_are(tmp_path) -> None:
+    """sentence-transformers 6 gives any model whose tokenizer has a chat template a message
+    modality; an embedder's texts are still tokenized as they are (as TEI and the model cards
+    do), and /embed serves them."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    import mha_engine
+
+    base = tmp_path / "base"
+    base.mkdir()
+    tm.save(tm.build("qwen3", vocab_size=tm.write_chat_tokenizer(base, 64)), base)
+    tm.write_chat_tokenizer(base, 64)  # save() wrote the BERT one
+    (base / "chat_template.jinja").write_text(tm.RERANK_TEMPLATE)
+    modules = [Transformer(str(base)), Pooling(tm.D, "lasttoken"), Normalize()]
+    path = tmp_path / "st6"
+    SentenceTransformer(modules=modules).save(str(path))
+    config = json.loads((path / "sentence_bert_config.json").read_text())
+    assert "message" in config["modality_config"]
+    model = mha_engine.load_model(path)
+    tokenizer = TextTokenizer(path / "tokenizer.json", model.max_seq_len)
+    assert tokenizer.chat is None
+    ids = [torch.from_numpy(e.ids) for e in tokenizer.encode(TEXTS[:2])]
+    want = model.embed_varlen(ids).numpy()
+
+    async def main() -> None:
+        async with asgi_client(model_dir=path, model_name="emb") as client:
+            embed = await client.post("/embed", json={"inputs": TEXTS[:2], "truncate": True})
+            assert embed.status_code == 200, embed.text
+            np.testing.assert_allclose(np.array(embed.json()), want, **FP32_TOL)
 
     asyncio.run(main())

@@ -147,8 +147,7 @@ async def encode_texts(
             f"'{field}' holds a single text; this reranker formats (query, document) pairs "
             "with its chat template, so send pairs"
         )
-    counted = [(prompt, *t) if isinstance(t, tuple) else (prompt, t) for t in texts]
-    check_chars(counted if prompt else texts, entry.char_limits, field)
+    check_chars(texts, entry.char_limits, field, prompt)
     async with entry.batcher.reserve(len(texts)):
         encode = None  # tokenizer.encode's defaults
         if direction != "Right" or prompt:
