@@ -79,6 +79,9 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
     heads = positive_int(config, "num_attention_heads")
     kv_heads = positive_int(config, "num_key_value_heads", heads)
     pad = config.get("pad_token_id")
+    causal = config.get("is_causal", True)  # transformers 5: False turns attention bidirectional
+    if not isinstance(causal, bool):
+        raise CheckpointError(f"config.is_causal must be true or false, got {causal!r}")
     return Qwen3EncoderConfig(
         model_type=MODEL_TYPE,
         d_model=positive_int(config, "hidden_size"),
@@ -96,6 +99,7 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
         max_position_embeddings=config.get("max_position_embeddings", 32768),
         pad_token_id=pad if isinstance(pad, int) else None,
         rope_theta=_rope_theta(config),
+        causal=causal,
     )
 
 
@@ -196,6 +200,7 @@ def hf_config(config: Qwen3EncoderConfig) -> dict:
         "rope_theta": config.rope_theta,  # transformers 4 reads this one
         "use_sliding_window": False,
         "tie_word_embeddings": False,
+        "is_causal": config.causal,
     }
 
 

@@ -6,9 +6,10 @@ not equal the model width), an RMSNorm over each query and key head, rotary posi
 causal attention, the output projection back to the model width, then a SwiGLU feed-forward,
 down(silu(gate(x)) * up(x)). A final RMSNorm. Equal to transformers' Qwen3Model.
 
-Every sequence attends causally, packed or padded: on packed rows the plan is causal for every
-sequence (the CPU varlen kernel takes causal sequences; CUDA flash takes causal GQA in half
-precision), so a sequence's numbers depend on it alone. Positions restart at 0 in every sequence;
+Every sequence attends causally, packed or padded, unless config.json says `is_causal: false`
+(transformers 5's switch that turns a decoder's attention bidirectional, as bidirectional Qwen3
+embedders set it): the plan says which for every sequence (the CPU varlen kernel and CUDA flash
+take both), so a sequence's numbers depend on it alone. Positions restart at 0 in every sequence;
 transformers counts from 0 over the padded width, which equals ours with right padding (RoPE
 depends on relative positions only, so left padding differs only by rounding).
 """
@@ -28,7 +29,7 @@ from .varlen import Plan
 
 
 class Qwen3Layer(nn.Module):
-    """input_layernorm -> causal rotary GQA -> + x; post_attention_layernorm -> SwiGLU -> + x."""
+    """input_layernorm -> rotary GQA -> + x; post_attention_layernorm -> SwiGLU -> + x."""
 
     def __init__(self, config: Qwen3EncoderConfig) -> None:
         super().__init__()
@@ -46,28 +47,35 @@ class Qwen3Layer(nn.Module):
         key_padding_mask: Tensor | None,
         plan: Plan | None,
         need_weights: bool,
+        causal: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
-        """x: dense (B, T, D) or packed (N, D) with its (causal) plan; cos/sin (T|N, hd)."""
+        """x: dense (B, T, D) or packed (N, D) with its plan; cos/sin (T|N, hd)."""
         attn = self.self_attn
         q, k, v = attn.split_qkv(linear(attn.in_proj, self.input_layernorm(x)))
         q, k = attn.positioned(q, k, cos_sin)  # (..., H*hd), (..., Hkv*hd)
-        merged, weights = attn.attend_either(q, k, v, plan, key_padding_mask, True, need_weights)
+        merged, weights = attn.attend_either(q, k, v, plan, key_padding_mask, causal, need_weights)
         x = linear(attn.out_proj, merged, residual=x)  # (..., D)
         gate, up = linear(self.gate_up, self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return linear(self.down, F.silu(gate) * up, residual=x), weights
 
 
 class Qwen3Stack(nn.Module):
-    """The layers and the final norm, with EncoderStack's call signature (causal only)."""
+    """The layers and the final norm, with EncoderStack's call signature (causal unless the
+    config says otherwise)."""
 
     cuda_graphs_refusal = "Qwen3's layers (per-head norms, RoPE) are not captured yet"
-    attention_note = "causal grouped-query attention with rotary positions (Qwen3)"
 
     def __init__(self, config: Qwen3EncoderConfig) -> None:
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(Qwen3Layer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.d_model, config.layer_norm_eps)
+
+    @property
+    def attention_note(self) -> str:
+        """What the diagnostics say of this stack's attention."""
+        kind = "causal" if self.config.causal else "bidirectional"
+        return f"{kind} grouped-query attention with rotary positions (Qwen3)"
 
     def forward(
         self,
@@ -78,15 +86,19 @@ class Qwen3Stack(nn.Module):
         plan: Plan | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor]]:
-        """Dense (B, T, D) with an optional padding mask, or packed (N, D) with its plan; always
-        causal (the flag is taken for EncoderStack's signature; an attn_mask is refused)."""
-        if attn_mask is not None or (plan is not None and not all(plan.seq_causal)):
-            raise ValueError("Qwen3 attends causally: attn_mask and non-causal plans are refused")
+        """Dense (B, T, D) with an optional padding mask, or packed (N, D) with its plan; causal
+        as config.causal says (the flag is taken for EncoderStack's signature; an attn_mask, or
+        a plan that disagrees with the config, is refused)."""
         c = self.config
+        if attn_mask is not None or (plan is not None and set(plan.seq_causal) - {c.causal}):
+            raise ValueError(
+                f"this Qwen3 model attends {'causally' if c.causal else 'bidirectionally'}: "
+                "attn_mask and plans of the other kind are refused"
+            )
         cos_sin = rotary(token_positions(x, plan), c.head_dim, c.rope_theta, x.dtype)  # (T|N, hd)
         weights: list[Tensor] = []
         for layer in self.layers:
-            x, w = layer(x, cos_sin, key_padding_mask, plan, need_weights)
+            x, w = layer(x, cos_sin, key_padding_mask, plan, need_weights, c.causal)
             if w is not None:
                 weights.append(w)
         return self.norm(x), weights
@@ -94,16 +106,17 @@ class Qwen3Stack(nn.Module):
 
 class Qwen3Model(GroupedRotaryModel):
     """A Qwen3 embedder: TextEncoderModel's API (ids in, token states or vectors out; usually
-    last-token pooling) over TokenEmbeddings and Qwen3Stack, every sequence causal."""
+    last-token pooling) over TokenEmbeddings and Qwen3Stack, every sequence causal unless
+    config.causal is False (the caller's is_causal gives way to the config: it is the model's)."""
 
     stack_class = Qwen3Stack
     embeddings_class = TokenEmbeddings
 
     def _run(self, src, mask, src_key_padding_mask, is_causal, keep_weights):
-        return super()._run(src, mask, src_key_padding_mask, True, keep_weights)
+        return super()._run(src, mask, src_key_padding_mask, self.config.causal, keep_weights)
 
     def _encode(self, x, lens, key_padding_mask, is_causal, bucket_padding) -> Tensor:
-        return super()._encode(x, lens, key_padding_mask, True, bucket_padding)
+        return super()._encode(x, lens, key_padding_mask, self.config.causal, bucket_padding)
 
 
 class Qwen3ClassifierModel(ScoreClassifierModel, Qwen3Model):

@@ -156,12 +156,18 @@ class GroupedRotaryConfig(TextEncoderConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3EncoderConfig(GroupedRotaryConfig):
-    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm causal layers with RoPE, grouped-query
-    attention (GroupedRotaryConfig) and a SwiGLU feed-forward."""
+    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm layers with RoPE, grouped-query
+    attention (GroupedRotaryConfig), causal unless `causal` is False (config.json's is_causal),
+    and a SwiGLU feed-forward."""
 
     activations: ClassVar[tuple[str, ...]] = ("silu",)  # SwiGLU's gate
 
     activation: str = "silu"
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flag("causal", self.causal)
 
 
 @dataclass(frozen=True, kw_only=True)

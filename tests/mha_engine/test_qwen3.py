@@ -166,6 +166,7 @@ def test_batch_invariance_at_a_realistic_size(tmp_path: Path) -> None:
         ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window layers"),
         ({"num_key_value_heads": 3}, "multiple of config.num_key_value_heads 3"),
         ({"head_dim": 15}, "head_dim must be even"),
+        ({"is_causal": "no"}, "is_causal must be true or false"),
         ({"architectures": ["Qwen3ForSequenceClassification"]}, "needs score.weight"),
     ],
 )
@@ -199,6 +200,45 @@ def test_save_model_round_trips_through_transformers(tmp_path: Path, bias: bool)
     assert mha_engine.load_model(tmp_path / "out").config == model.config
     again = transformers.AutoModel.from_pretrained(tmp_path / "out", attn_implementation="eager")
     ids, mask = tm.random_padded([9, 4, 30])
+    assert torch.equal(_states(again, ids, mask), _states(reference, ids, mask))
+
+
+def test_a_bidirectional_qwen3_equals_transformers(tmp_path: Path) -> None:
+    """config.json's is_causal false (transformers 5 then runs the decoder's attention
+    bidirectionally, as bidirectional Qwen3 embedders ask): padded, packed, and past the CPU
+    kernel's limit; eager attention weights; batch invariance in every precision; a save_model
+    round trip that transformers reads back the same way."""
+    from mha_engine import cpu_varlen
+
+    reference = tm.build("qwen3", is_causal=False)
+    model = mha_engine.load_model(tm.save(reference, tmp_path / "src"))
+    assert model.config.causal is False
+    assert "bidirectional grouped-query" in model.diagnostics()["engine_path"]
+    ids, mask = tm.random_padded([7, 3, 12, 7, 1, 30])
+    want, real = _states(reference, ids, mask), mask.bool()
+    torch.testing.assert_close(model.encode(ids, mask)[real], want[real], **FP32_TOL)
+    seqs = [row[m] for row, m in zip(ids, real, strict=True)]
+    for got, w, m in zip(model.encode_varlen(seqs), want, real, strict=True):
+        torch.testing.assert_close(got, w[m], **FP32_TOL)
+    with pytest.MonkeyPatch.context() as patch:  # grouped SDPA calls beyond 4 tokens
+        patch.setitem(cpu_varlen.MAX_LEN, "AVX512", {torch.float32: 4})
+        patch.setitem(cpu_varlen.MAX_LEN, "other", {torch.float32: 4})
+        for got, w, m in zip(model.encode_varlen(seqs), want, real, strict=True):
+            torch.testing.assert_close(got, w[m], **FP32_TOL)
+    embeds = torch.randn(2, 9, tm.D, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = reference(inputs_embeds=embeds, output_attentions=True)
+    _, weights = model.attention_weights(embeds)
+    torch.testing.assert_close(weights, torch.stack(out.attentions), **FP32_TOL)
+    assert (weights.triu(diagonal=1) > 0).any()
+    for dtype in ("float32", "bfloat16", "int8"):
+        one = mha_engine.load_model(tmp_path / "src", dtype=dtype)
+        together = one.encode_varlen(seqs)
+        for alone, got in zip(seqs, together, strict=True):
+            assert torch.equal(one.encode_varlen([alone])[0], got)
+    mha_engine.save_model(model, tmp_path / "out")
+    assert mha_engine.load_model(tmp_path / "out").config == model.config
+    again = transformers.AutoModel.from_pretrained(tmp_path / "out", attn_implementation="eager")
     assert torch.equal(_states(again, ids, mask), _states(reference, ids, mask))
 
 
