@@ -1,20 +1,22 @@
-"""MPNet, ModernBERT, Qwen3 and Gemma 3 sentence embeddings: the engine's packed forward against
-transformers' model plus pooling (mean; Qwen3: last token), sentences/s on the same batches,
-interleaved.
+"""MPNet, ModernBERT, Qwen3, Qwen2 and Gemma 3 sentence embeddings: the engine's packed forward
+against transformers' model plus pooling (mean; Qwen3, Qwen2: last token), sentences/s on the
+same batches, interleaved.
 
-Run `python -m benchmarks.text_families [--family mpnet|modernbert|qwen3|gemma3_text] [--rounds 5]
-[--seconds 3] [--batch 32 --batch 1]` from the repository root under `flock /work/bench.lock` (needs
-transformers). The models have the published shapes, randomly initialised and saved as safetensors
-in a temporary directory (weights do not change the cost): all-mpnet-base-v2's (12 layers, 768 wide,
-12 heads) and ModernBERT-base's (22 layers, 768 wide, 12 heads, a 1,152-wide GeGLU, every third
-layer global, the others a 128-token window), Qwen3-Embedding-0.6B's (28 causal layers, 1,024 wide,
-16 query and 8 K/V heads of 128, a 3,072-wide SwiGLU) and EmbeddingGemma-300m's (24 bidirectional
-layers, 768 wide, 3 query and 1 K/V head of 256, every sixth layer full, the others a window of 256
-each way). Sentences are seeded random ids of 7-37 tokens (the lengths of benchmarks.embeddings'
-sentences under a BERT tokenizer), or of `--min-len`-`--max-len`. transformers runs each batch
-padded to its longest sentence with an attention mask (MPNet: eager attention, the only one it has;
-the others: SDPA); the engine runs it packed. Both in float32, then the engine in bfloat16 beside
-them.
+Run `python -m benchmarks.text_families [--family mpnet|modernbert|qwen3|qwen2|gemma3_text]
+[--rounds 5] [--seconds 3] [--batch 32 --batch 1]` from the repository root under
+`flock /work/bench.lock` (needs transformers). The models have the published shapes, randomly
+initialised and saved as safetensors in a temporary directory (weights do not change the cost):
+all-mpnet-base-v2's (12 layers, 768 wide, 12 heads), ModernBERT-base's (22 layers, 768 wide,
+12 heads, a 1,152-wide GeGLU, every third layer global, the others a 128-token window),
+Qwen3-Embedding-0.6B's (28 causal layers, 1,024 wide, 16 query and 8 K/V heads of 128, a
+3,072-wide SwiGLU), gte-Qwen2-1.5B-instruct's (28 causal layers, 1,536 wide, 12 query and 2 K/V
+heads of 128, Q/K/V biases, an 8,960-wide SwiGLU) and EmbeddingGemma-300m's (24 bidirectional
+layers, 768 wide, 3 query and 1 K/V head of 256, every sixth layer full, the others a window of
+256 each way). Sentences are seeded random ids of 7-37 tokens (the lengths of
+benchmarks.embeddings' sentences under a BERT tokenizer), or of `--min-len`-`--max-len`.
+transformers runs each batch padded to its longest sentence with an attention mask (MPNet: eager
+attention, the only one it has; the others: SDPA); the engine runs it packed. Both in float32,
+then the engine in bfloat16 beside them.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ SHAPES = {
         max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         pad_token_id=1,
     ),
+    "qwen2": dict(
+        hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, num_hidden_layers=28,
+        intermediate_size=8960, vocab_size=151646, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, pad_token_id=1,
+    ),
     "gemma3_text": dict(
         hidden_size=768, num_attention_heads=3, num_key_value_heads=1, head_dim=256,
         query_pre_attn_scalar=256, num_hidden_layers=24, intermediate_size=1152,
@@ -58,7 +65,7 @@ SHAPES = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
     ),
 }  # fmt: skip
-POOLING = {"qwen3": "last_token"}  # the others: mean
+POOLING = {"qwen3": "last_token", "qwen2": "last_token"}  # the others: mean
 
 
 def batch(

@@ -10,7 +10,8 @@ TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out),
 SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out); ModernBERT
 directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers) or
 ModernBertClassifierModel (a TextClassifierModel) with a sequence-classification head; Qwen3
-directories (Qwen3-Embedding) as Qwen3Model (a TextEncoderModel with causal, rotary GQA layers),
+directories (Qwen3-Embedding), and the Llama family's (Llama, Mistral, Qwen2), as Qwen3Model (a
+TextEncoderModel with causal, rotary GQA layers),
 Qwen3 rerankers (a causal LM scored by LogitScore, or a sequence classifier) as
 Qwen3ClassifierModel (a ScoreClassifierModel: one Linear at one token); bidirectional Gemma 3
 directories (EmbeddingGemma) as Gemma3Model.

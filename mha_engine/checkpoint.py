@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import heads, hf_bert, hf_gemma3, hf_modernbert, hf_qwen3, layouts, sparse
+from . import heads, hf_bert, hf_gemma3, hf_llama, hf_modernbert, hf_qwen3, layouts, sparse
 from .config import (
     EngineConfig,
     LayerStackConfig,
@@ -51,6 +51,7 @@ WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 OWN_STACKS: dict[str, tuple] = {
     hf_modernbert.MODEL_TYPE: (hf_modernbert, ModernBertModel, ModernBertClassifierModel),
     hf_qwen3.MODEL_TYPE: (hf_qwen3, Qwen3Model, Qwen3ClassifierModel),
+    **{name: (hf_llama, Qwen3Model, Qwen3ClassifierModel) for name in hf_llama.MODEL_TYPES},
     hf_gemma3.MODEL_TYPE: (hf_gemma3, Gemma3Model, None),
 }
 
@@ -277,7 +278,7 @@ def text_model_from_directory(
             raise CheckpointError(
                 f"{directory}: modules.json's LogitScore scores a causal LM's logits; "
                 f"{hf_config.get('architectures')} of model_type {model_type!r} is not one the "
-                "engine scores that way (Qwen3's is)"
+                "engine scores that way (Qwen3's and the Llama family's are)"
             )
         info = RERANKER_INFO
     if own is not None and settings.sparse:

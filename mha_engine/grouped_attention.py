@@ -48,7 +48,8 @@ class GemmaRMSNorm(RMSNorm):
 class GroupedRotaryAttention(FusedAttention):
     """FusedAttention over num_heads * head_dim query columns (`embed_dim` here) read from and
     written back to the model width d_model: in_proj (d_model -> H*hd + 2*Hkv*hd), out_proj
-    (H*hd -> d_model), plus q_norm and k_norm (`norm` over each head: the family's RMSNorm)."""
+    (H*hd -> d_model), plus q_norm and k_norm (`norm` over each head: the family's RMSNorm)
+    where config.head_norms (None in the Llama family)."""
 
     def __init__(self, config: GroupedRotaryConfig, norm: type[nn.Module] = RMSNorm) -> None:
         width = config.nhead * config.head_dim
@@ -59,16 +60,19 @@ class GroupedRotaryAttention(FusedAttention):
         super().__init__(attention)
         D = config.d_model
         self.in_proj = nn.Linear(D, width + 2 * self.kv_dim, bias=bias)  # rows [Q; K; V]
-        self.out_proj = nn.Linear(width, D, bias=bias)
-        self.q_norm = norm(config.head_dim, config.layer_norm_eps)
-        self.k_norm = norm(config.head_dim, config.layer_norm_eps)
+        self.out_proj = nn.Linear(width, D, bias=config.out_bias)
+        heads = config.head_norms
+        self.q_norm = norm(config.head_dim, config.layer_norm_eps) if heads else None
+        self.k_norm = norm(config.head_dim, config.layer_norm_eps) if heads else None
 
     def positioned(
         self, q: Tensor, k: Tensor, cos_sin: tuple[Tensor, Tensor]
     ) -> tuple[Tensor, Tensor]:
-        """Queries (..., H*hd) and keys (..., Hkv*hd) normalised per head, then rotated."""
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, -1))).flatten(-2)
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, -1))).flatten(-2)
+        """Queries (..., H*hd) and keys (..., Hkv*hd) normalised per head (if the family
+        does), then rotated."""
+        if self.q_norm is not None:
+            q = self.q_norm(q.unflatten(-1, (self.num_heads, -1))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, -1))).flatten(-2)
         return rotate(q, *cos_sin, self.num_heads), rotate(k, *cos_sin, self.num_kv_heads)
 
 

@@ -109,8 +109,16 @@ FAMILIES = {
     "distilbert": DISTILBERT,
     "mpnet": MPNET,
 }
-# with their own mappings: hf_modernbert.py, hf_qwen3.py, hf_gemma3.py
-SUPPORTED_MODEL_TYPES = (*FAMILIES, "modernbert", "qwen3", "gemma3_text")
+# with their own mappings: hf_modernbert.py, hf_qwen3.py, hf_llama.py, hf_gemma3.py
+SUPPORTED_MODEL_TYPES = (
+    *FAMILIES,
+    "modernbert",
+    "qwen3",
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma3_text",
+)
 BUFFERS = ("position_ids", "token_type_ids")  # non-persistent index buffers some files carry
 BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name for MPNet's table
 

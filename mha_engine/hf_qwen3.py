@@ -31,6 +31,7 @@ NAMES = (
     ("self_attn.o_proj.weight", "self_attn.out_proj.weight"),
     ("self_attn.o_proj.bias", "self_attn.out_proj.bias"),
     ("mlp.down_proj.weight", "down.weight"),
+    ("mlp.down_proj.bias", "down.bias"),
 )
 # weights stacked into one GEMM: Qwen3Layer's name <- HF's names, in row order
 STACKED = (
@@ -39,10 +40,11 @@ STACKED = (
     ("self_attn.in_proj_bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                 "self_attn.v_proj.bias")),
     ("gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("gate_up.bias", ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
 )  # fmt: skip
 
 
-def _rope_theta(config: dict) -> float:
+def rope_theta(config: dict) -> float:
     if config.get("rope_scaling") is not None:
         raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
     rope = config.get("rope_parameters")
@@ -98,7 +100,7 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
         vocab_size=positive_int(config, "vocab_size"),
         max_position_embeddings=config.get("max_position_embeddings", 32768),
         pad_token_id=pad if isinstance(pad, int) else None,
-        rope_theta=_rope_theta(config),
+        rope_theta=rope_theta(config),
         causal=causal,
     )
 
@@ -142,14 +144,24 @@ def expected_shapes(
         shapes.update({
             f"{p}self_attn.q_proj.weight": (Q, D), f"{p}self_attn.k_proj.weight": (KV, D),
             f"{p}self_attn.v_proj.weight": (KV, D), f"{p}self_attn.o_proj.weight": (D, Q),
-            f"{p}self_attn.q_norm.weight": (hd,), f"{p}self_attn.k_norm.weight": (hd,),
             f"{p}mlp.gate_proj.weight": (F, D), f"{p}mlp.up_proj.weight": (F, D),
             f"{p}mlp.down_proj.weight": (D, F),
         })  # fmt: skip
+        if config.head_norms:
+            shapes.update(
+                {f"{p}self_attn.q_norm.weight": (hd,), f"{p}self_attn.k_norm.weight": (hd,)}
+            )
         if config.attention_bias:
             shapes.update({
                 f"{p}self_attn.q_proj.bias": (Q,), f"{p}self_attn.k_proj.bias": (KV,),
-                f"{p}self_attn.v_proj.bias": (KV,), f"{p}self_attn.o_proj.bias": (D,),
+                f"{p}self_attn.v_proj.bias": (KV,),
+            })  # fmt: skip
+        if config.out_bias:
+            shapes[f"{p}self_attn.o_proj.bias"] = (D,)
+        if config.mlp_bias:
+            shapes.update({
+                f"{p}mlp.gate_proj.bias": (F,), f"{p}mlp.up_proj.bias": (F,),
+                f"{p}mlp.down_proj.bias": (D,),
             })  # fmt: skip
     return shapes
 
@@ -171,7 +183,7 @@ def engine_state(
     for i in range(config.num_layers):
         p = f"layers.{i}."
         for theirs, ours in _names(norms):
-            if f"{p}{theirs}" in base:  # o_proj.bias only with attention_bias
+            if f"{p}{theirs}" in base:  # biases and head norms only where the family has them
                 encoder[f"{p}{ours}"] = base[f"{p}{theirs}"]
         for ours, theirs in STACKED:
             if f"{p}{theirs[0]}" in base:

@@ -37,8 +37,8 @@ class Qwen3Layer(nn.Module):
         self.input_layernorm = RMSNorm(D, eps)
         self.self_attn = GroupedRotaryAttention(config)
         self.post_attention_layernorm = RMSNorm(D, eps)
-        self.gate_up = nn.Linear(D, 2 * F_, bias=False)  # rows [gate; up]
-        self.down = nn.Linear(F_, D, bias=False)
+        self.gate_up = nn.Linear(D, 2 * F_, bias=config.mlp_bias)  # rows [gate; up]
+        self.down = nn.Linear(F_, D, bias=config.mlp_bias)
 
     def forward(
         self,

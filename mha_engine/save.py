@@ -133,8 +133,8 @@ def module_state(module: nn.Module) -> dict[str, Tensor]:
 def engine_files(model: EngineModel) -> tuple[dict, dict[str, Tensor]]:
     """(config.json contents, state dict) of a loaded model, in the form load_model reads."""
     if isinstance(model, TextEncoderModel):
-        own = (f for f, encoder, _ in OWN_STACKS.values() if isinstance(model, encoder))
-        family = next(own, hf_bert)
+        own = OWN_STACKS.get(model.config.model_type)  # the family's mapping, by model_type
+        family = own[0] if own is not None else hf_bert
         state = family.hf_state(
             model.encoder.state_dict(), model.embeddings.state_dict(), model.config
         )

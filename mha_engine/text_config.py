@@ -43,7 +43,7 @@ class TextEncoderConfig(TransformerEncoderConfig):
     """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
 
     model_type: str  # bert | roberta | xlm-roberta | camembert | distilbert | mpnet | modernbert
-    # | qwen3 | gemma3_text
+    # | qwen3 | llama | mistral | qwen2 | gemma3_text
     vocab_size: int
     max_position_embeddings: int
     type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
@@ -129,14 +129,18 @@ def _check_theta(name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class GroupedRotaryConfig(TextEncoderConfig):
-    """What the decoder-derived families share (Qwen3, Gemma 3): nhead query heads and
-    num_kv_heads key/value heads of head_dim each (nhead * head_dim need not be d_model), a norm
-    over each query and key head, RoPE with base rope_theta, optional projection biases."""
+    """What the decoder-derived families share (Qwen3, the Llama family, Gemma 3): nhead query
+    heads and num_kv_heads key/value heads of head_dim each (nhead * head_dim need not be
+    d_model), a norm over each query and key head (not in the Llama family), RoPE with base
+    rope_theta, optional projection biases."""
 
     head_dim: int
     num_kv_heads: int
     rope_theta: float = 10000.0  # transformers' default (the checkpoints set their own)
-    attention_bias: bool = False  # biases on the Q/K/V and output projections
+    attention_bias: bool = False  # biases on the Q/K/V projections (and the output's: out_bias)
+    out_bias: bool | None = None  # the output projection's bias; None: as attention_bias
+    mlp_bias: bool = False  # biases on the feed-forward's projections (Llama's mlp_bias)
+    head_norms: bool = True  # an RMSNorm over each query and key head (Qwen3, Gemma 3)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -151,14 +155,19 @@ class GroupedRotaryConfig(TextEncoderConfig):
                 f"config.num_key_value_heads {self.num_kv_heads}"
             )
         check_flag("attention_bias", self.attention_bias)
+        if self.out_bias is None:
+            object.__setattr__(self, "out_bias", self.attention_bias)
+        for name in ("out_bias", "mlp_bias", "head_norms"):
+            check_flag(name, getattr(self, name))
         _check_theta("rope_theta", self.rope_theta)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3EncoderConfig(GroupedRotaryConfig):
-    """Qwen3 (Qwen3-Embedding) as an encoder: pre-RMSNorm layers with RoPE, grouped-query
-    attention (GroupedRotaryConfig), causal unless `causal` is False (config.json's is_causal),
-    and a SwiGLU feed-forward."""
+    """Qwen3 (Qwen3-Embedding) and the Llama family (Llama, Mistral, Qwen2: no per-head norms,
+    their own biases) as encoders: pre-RMSNorm layers with RoPE, grouped-query attention
+    (GroupedRotaryConfig), causal unless `causal` is False (config.json's is_causal), and a
+    SwiGLU feed-forward; model_type says which."""
 
     activations: ClassVar[tuple[str, ...]] = ("silu",)  # SwiGLU's gate
 

@@ -7,6 +7,7 @@ take their heads."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -194,5 +195,36 @@ def test_embeddinggemma_embeddings_equal_transformers(
             assert tei.status_code == 200, tei.text
             want = reference([prompts["query"] + t for t in texts])
             np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_llama_family_embedders_equal_sentence_transformers(tmp_path, family) -> None:
+    """e5-mistral's and gte-Qwen2's layout (last-token pooling, Normalize, a query prompt) saved
+    by sentence-transformers itself: /v1/embeddings and /embed equal its encode."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    base = tm.save(tm.build(family), tmp_path / "base")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[PAD]"}
+    (base / "tokenizer_config.json").write_text(json.dumps(config))  # its padding (left)
+    modules = [Transformer(str(base)), Pooling(tm.D, "lasttoken"), Normalize()]
+    model = SentenceTransformer(modules=modules, prompts={"query": "query : "})
+    directory = tmp_path / family
+    model.save(str(directory))
+    plain, queried = model.encode(TEXTS), model.encode(TEXTS, prompt_name="query")
+
+    async def main() -> None:
+        async with asgi_client(model_dir=directory, model_name=family) as client:
+            body = {"model": family, "input": TEXTS}
+            openai = await client.post("/v1/embeddings", json=body)
+            assert openai.status_code == 200, openai.text
+            got = np.array([d["embedding"] for d in openai.json()["data"]])
+            np.testing.assert_allclose(got, plain, **FP32_TOL)
+            tei = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": "query"})
+            assert tei.status_code == 200, tei.text
+            np.testing.assert_allclose(np.array(tei.json()), queried, **FP32_TOL)
 
     asyncio.run(main())
