@@ -13,6 +13,7 @@ BERT-family directory (config.json with model_type) loads as a TextEncoderModel 
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +46,7 @@ from .st_files import TextSettings, read_text_settings
 from .text_model import TextEncoderModel
 from .transformer_model import TransformerModel
 
+log = logging.getLogger(__name__)
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 # model_type -> (its mapping, encoder class, classifier class or None) for the families with
 # their own stack; every other model_type maps through hf_bert onto EncoderStack
@@ -264,6 +266,15 @@ def text_model_from_directory(
     bert = (hf_bert, TextEncoderModel, TextClassifierModel)
     family, encoder_class, classifier_class = own or bert
     config = family.engine_config(hf_config)  # fail on config errors before reading weights
+    if hf_config.get("auto_map"):
+        log.warning(
+            "%s: config.json names the model's own code (auto_map); the engine computes what "
+            "transformers' built-in %s computes from this config, as transformers does without "
+            "trust_remote_code (code that changes the attention, e.g. to bidirectional, is not "
+            "run: set config.json's is_causal to false where the model needs that)",
+            directory,
+            model_type,
+        )
     settings = read_text_settings(directory)
     config = replace(
         config,

@@ -5,10 +5,12 @@ stack (qwen3.py); the weight names are Qwen3's (hf_qwen3.py), which transformers
 these families.
 
 - llama: `attention_bias` on Q/K/V and the output projection, `mlp_bias` on the feed-forward;
-- mistral: no biases; its `sliding_window` (keys at most that far back) changes nothing on inputs
-  no longer than the window, so the engine's max length is capped there and longer inputs are
-  truncated as any input past the max length (exact, where transformers would mask);
-- qwen2: biases on Q/K/V only; sliding-window layers (`use_sliding_window`) are refused.
+- mistral: no biases; its `sliding_window` (4096 when the config names none: keys at most that
+  far back) changes nothing on inputs no longer than the window, so the engine's max length is
+  capped there: longer inputs are truncated as any input past the max length (where
+  transformers would attend through the window instead);
+- qwen2: biases on Q/K/V only; sliding-window layers (`use_sliding_window`, `layer_types`) are
+  refused.
 Refused naming the field, as for Qwen3: other activations, RoPE scaling (Llama 3's `llama3`
 type among them), a bad `is_causal`.
 """
@@ -40,19 +42,23 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
         raise CheckpointError(
             f"config.hidden_act {act!r} is not supported; {model_type}'s is 'silu'"
         )
-    if model_type == "qwen2" and config.get("use_sliding_window"):
-        raise CheckpointError("config.use_sliding_window asks for sliding-window layers; refused")
+    types = config.get("layer_types") or []
+    if model_type == "qwen2" and (config.get("use_sliding_window") or set(types) - {hf_qwen3.FULL}):
+        raise CheckpointError(
+            "config.use_sliding_window / layer_types ask for sliding-window layers; the engine "
+            "runs Qwen2 with full attention only"
+        )
     causal = config.get("is_causal", True)  # transformers 5: False turns attention bidirectional
     if not isinstance(causal, bool):
         raise CheckpointError(f"config.is_causal must be true or false, got {causal!r}")
     heads = positive_int(config, "num_attention_heads")
     hidden = positive_int(config, "hidden_size")
     positions = positive_int(config, "max_position_embeddings")
-    window = config.get("sliding_window") if model_type == "mistral" else None
+    window = config.get("sliding_window", 4096) if model_type == "mistral" else None  # its default
     if window is not None:
-        positions = min(positions, positive_int(config, "sliding_window"))
+        positions = min(positions, positive_int({"sliding_window": window}, "sliding_window"))
     llama = model_type == "llama"
-    qkv_bias = model_type == "qwen2" or (llama and bool(config.get("attention_bias", False)))
+    qkv_bias = model_type == "qwen2" or (llama and _flag(config, "attention_bias"))
     pad = config.get("pad_token_id")
     return Qwen3EncoderConfig(
         model_type=model_type,
@@ -68,7 +74,7 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
         final_norm=True,
         attention_bias=qkv_bias,
         out_bias=llama and qkv_bias,
-        mlp_bias=llama and bool(config.get("mlp_bias", False)),
+        mlp_bias=llama and _flag(config, "mlp_bias"),
         head_norms=False,
         vocab_size=positive_int(config, "vocab_size"),
         max_position_embeddings=positions,
@@ -76,6 +82,14 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
         rope_theta=hf_qwen3.rope_theta(config),
         causal=causal,
     )
+
+
+def _flag(config: dict, name: str) -> bool:
+    """config[name] (default false) as a bool, else CheckpointError."""
+    value = config.get(name, False)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.{name} must be true or false, got {value!r}")
+    return value
 
 
 def engine_state(
@@ -100,15 +114,14 @@ def classifier_head(
 def hf_config(config: Qwen3EncoderConfig) -> dict:
     """The Hugging Face config.json of a loaded Llama-family model (inverse of engine_config)."""
     out = hf_qwen3.hf_config(replace(config, model_type="qwen3"))
-    del out["head_dim"], out["use_sliding_window"]
-    out.update(
-        model_type=config.model_type,
-        architectures=[ARCHITECTURES[config.model_type]],
-        head_dim=config.head_dim,
-        attention_bias=config.attention_bias if config.model_type == "llama" else False,
-        mlp_bias=config.mlp_bias,
-        sliding_window=None,
-    )
+    del out["use_sliding_window"], out["attention_bias"]
+    out.update(model_type=config.model_type, architectures=[ARCHITECTURES[config.model_type]])
+    if config.model_type == "llama":
+        out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+    elif config.model_type == "mistral":  # the window loaded capped the length: the same window
+        out["sliding_window"] = config.max_position_embeddings
+    else:
+        out["use_sliding_window"] = False
     return out
 
 

@@ -45,6 +45,8 @@ STACKED = (
 
 
 def rope_theta(config: dict) -> float:
+    """RoPE's base from either config form (transformers 5's rope_parameters, 4's rope_theta),
+    10,000 when neither says; CheckpointError for RoPE scaling or another rope_type."""
     if config.get("rope_scaling") is not None:
         raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
     rope = config.get("rope_parameters")

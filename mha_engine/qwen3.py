@@ -1,10 +1,13 @@
-"""Qwen3 text embedders (Qwen3-Embedding-0.6B/4B/8B) as engine modules: the decoder as an encoder.
+"""Qwen3 text embedders (Qwen3-Embedding-0.6B/4B/8B) as engine modules: the decoder as an encoder;
+the Llama family (Llama, Mistral, Qwen2: hf_llama.py) runs on the same modules.
 
 Each layer is pre-norm (RMSNorm): fused Q/K/V projections of num_heads query heads and
 num_kv_heads key/value heads of head_dim each (grouped-query attention; num_heads * head_dim need
 not equal the model width), an RMSNorm over each query and key head, rotary positions (RoPE),
 causal attention, the output projection back to the model width, then a SwiGLU feed-forward,
-down(silu(gate(x)) * up(x)). A final RMSNorm. Equal to transformers' Qwen3Model.
+down(silu(gate(x)) * up(x)). A final RMSNorm. Equal to transformers' Qwen3Model; without the
+per-head norms (config.head_norms False) and with the family's biases, to its LlamaModel,
+MistralModel and Qwen2Model.
 
 Every sequence attends causally, packed or padded, unless config.json says `is_causal: false`
 (transformers 5's switch that turns a decoder's attention bidirectional, as bidirectional Qwen3
@@ -63,7 +66,7 @@ class Qwen3Stack(nn.Module):
     """The layers and the final norm, with EncoderStack's call signature (causal unless the
     config says otherwise)."""
 
-    cuda_graphs_refusal = "Qwen3's layers (per-head norms, RoPE) are not captured yet"
+    cuda_graphs_refusal = "Qwen3 / Llama-family layers (RoPE, GQA) are not captured yet"
 
     def __init__(self, config: Qwen3EncoderConfig) -> None:
         super().__init__()
@@ -75,7 +78,7 @@ class Qwen3Stack(nn.Module):
     def attention_note(self) -> str:
         """What the diagnostics say of this stack's attention."""
         kind = "causal" if self.config.causal else "bidirectional"
-        return f"{kind} grouped-query attention with rotary positions (Qwen3)"
+        return f"{kind} grouped-query attention with rotary positions ({self.config.model_type})"
 
     def forward(
         self,

@@ -166,8 +166,9 @@ def load_tokenizer(
         raise
     except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
         raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from exc
-    if pairs and tokenizer.chat is None and getattr(model, "model_type", None) == "qwen3":
-        log.warning("%s: pairs go through the tokenizer as they are; a Qwen3 reranker expects "
+    decoder = getattr(model, "model_type", None) in ("qwen3", "llama", "mistral", "qwen2")
+    if pairs and tokenizer.chat is None and decoder:
+        log.warning("%s: pairs go through the tokenizer as they are; a decoder reranker expects "
                     "its prompt (save it with sentence-transformers 5.4+ to carry its chat "
                     "template), or send pairs already formatted", model_dir)  # fmt: skip
     log.info("tokenizer %s: inputs truncated to %d tokens", path, max_length)

@@ -25,9 +25,11 @@ LENGTHS = [7, 3, 12, 7, 1, 30]
 VARIANTS = [
     ("llama", {}),
     ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"attention_bias": True, "head_dim": None}),  # head_dim: hidden / heads
     ("mistral", {}),
+    ("mistral", {"is_causal": False}),  # transformers 5's bidirectional switch
     ("qwen2", {}),  # biases on Q/K/V, none on the output
-    ("qwen2", {"is_causal": False}),  # transformers 5's bidirectional switch
+    ("qwen2", {"is_causal": False}),
 ]
 
 
@@ -51,7 +53,9 @@ def test_token_states_equal_transformers(tmp_path: Path, family: str, overrides:
     model = mha_engine.load_model(tm.save(reference, tmp_path))
     assert isinstance(model, Qwen3Model) and model.model_type == family
     c = model.config
-    assert (c.head_norms, c.head_dim, c.num_kv_heads) == (False, 16, 2)
+    head_dim = 16 if overrides.get("head_dim", 16) else tm.D // tm.HEADS
+    assert (c.head_norms, c.head_dim, c.num_kv_heads) == (False, head_dim, 2)
+    assert c.mlp_bias == bool(overrides.get("mlp_bias"))
     assert c.attention_bias == (family == "qwen2" or bool(overrides.get("attention_bias")))
     assert c.out_bias == bool(overrides.get("attention_bias"))
     assert c.causal == overrides.get("is_causal", True)
@@ -65,6 +69,24 @@ def test_mistral_sliding_window_caps_the_max_length(tmp_path: Path) -> None:
     model = mha_engine.load_model(tm.save(reference, tmp_path))
     assert model.max_seq_len == 16
     _check_states(model, reference, [16, 9, 1, 16])
+
+
+def test_mistrals_default_window_caps_long_position_tables() -> None:
+    """MistralConfig's sliding_window is 4096 when config.json names none."""
+    from mha_engine import hf_llama
+
+    config = tm.hf_config("mistral", max_position_embeddings=32768).to_dict()
+    config.pop("sliding_window")
+    assert hf_llama.engine_config(config).max_position_embeddings == 4096
+    config["sliding_window"] = None  # no window at all
+    assert hf_llama.engine_config(config).max_position_embeddings == 32768
+
+
+def test_every_own_family_is_a_supported_model_type() -> None:
+    from mha_engine import hf_bert
+    from mha_engine.checkpoint import OWN_STACKS
+
+    assert set(OWN_STACKS) <= set(hf_bert.SUPPORTED_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
@@ -131,6 +153,8 @@ def test_a_logit_score_reranker_on_qwen2(tmp_path) -> None:
     ("family", "changes", "match"),
     [
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding-window layers"),
+        ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+        ("llama", {"mlp_bias": "yes"}, "mlp_bias must be true or false"),
         (
             "llama",
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
@@ -146,3 +170,15 @@ def test_what_the_engine_does_not_run_is_refused(tmp_path, family, changes, matc
     (path / "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(CheckpointError, match=match):
         mha_engine.load_model(path)
+
+
+def test_a_config_naming_its_own_code_is_warned_about(tmp_path, caplog) -> None:
+    """gte-Qwen2's config names its own modeling code (auto_map), which transformers runs only
+    with trust_remote_code: the engine runs the built-in family, and says so."""
+    path = tm.save(tm.build("qwen2"), tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_qwen.Qwen2Model"}
+    (path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="mha_engine.checkpoint"):
+        mha_engine.load_model(path)
+    assert "auto_map" in caplog.text and "is_causal" in caplog.text
