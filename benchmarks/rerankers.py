@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 import mha_engine
 from benchmarks.text_families import SHAPES, batch
-from benchmarks.text_models import rate
+from benchmarks.text_models import interleaved, machine_line
 
 YES, NO = 9693, 2152  # Qwen3's "yes" and "no" token ids
 LOGIT_SCORE = "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"
@@ -77,11 +73,7 @@ def main() -> None:
         save_reranker(reference, Path(tmp))
         fp32 = mha_engine.load_model(tmp)
         bf16 = mha_engine.load_model(tmp, dtype="bfloat16")
-    print(
-        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.processor() or 'cpu'}, "
-        f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; Qwen3-Reranker"
-    )
+    print(machine_line("Qwen3-Reranker"))
     for size in args.batch or [8, 32]:
         seqs, _, _ = batch(size, config.vocab_size, (args.min_len, args.max_len))
         compare(reference, fp32, bf16, seqs, args.rounds, args.seconds)
@@ -109,20 +101,7 @@ def compare(reference, fp32, bf16, seqs: list[torch.Tensor], rounds: int, second
         f"transformers| fp32 {diff:.2e}, bf16 {diff16:.2e} (left padding moves RoPE's absolute "
         "positions: fp32 rounding, not the same sums)"
     )
-    rows: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(rounds):
-        order = list(steps.items())
-        for name, step in order if i % 2 == 0 else order[::-1]:
-            step()  # warm
-            rows[name].append(rate(step, size, seconds))
-        print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.3g}/s" for k, v in rows.items()))
-    base = statistics.median(rows["transformers fp32"])
-    print("\n| batch | runs | pairs/s (median) | min-max | vs transformers fp32 |")
-    print("|---:|---|---:|---:|---:|")
-    for name, got in rows.items():
-        med = statistics.median(got)
-        spread = f"{min(got):.3g}-{max(got):.3g}"
-        print(f"| {size} | {name} | {med:.3g} | {spread} | {med / base:.2f}x |")
+    interleaved(steps, size, rounds, seconds, "transformers fp32", "pairs")
 
 
 if __name__ == "__main__":

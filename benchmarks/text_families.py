@@ -22,17 +22,13 @@ then the engine in bfloat16 beside them.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 import mha_engine
-from benchmarks.text_models import rate
+from benchmarks.text_models import interleaved, machine_line
 
 SHAPES = {
     "mpnet": dict(
@@ -101,11 +97,7 @@ def main() -> None:
         reference.save_pretrained(Path(tmp), safe_serialization=True)
         fp32 = mha_engine.load_model(tmp)
         bf16 = mha_engine.load_model(tmp, dtype="bfloat16")
-    print(
-        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.processor() or 'cpu'}, "
-        f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; {args.family}"
-    )
+    print(machine_line(args.family))
     for size in args.batch or [32, 1]:
         seqs = batch(size, config.vocab_size, (args.min_len, args.max_len))
         pooling = POOLING.get(args.family, "mean")
@@ -138,20 +130,7 @@ def compare(
         f"\nbatch {size}, {min(map(len, seqs))}-{max(map(len, seqs))} tokens; max |engine - "
         f"transformers| fp32 {diff:.2e}, bf16 {diff16:.2e}"
     )
-    rows: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(rounds):
-        order = list(steps.items())
-        for name, step in order if i % 2 == 0 else order[::-1]:
-            step()  # warm
-            rows[name].append(rate(step, size, seconds))
-        print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.3g}/s" for k, v in rows.items()))
-    base = statistics.median(rows["transformers fp32"])
-    print("\n| batch | runs | sentences/s (median) | min-max | vs transformers fp32 |")
-    print("|---:|---|---:|---:|---:|")
-    for name, got in rows.items():
-        med = statistics.median(got)
-        spread = f"{min(got):.3g}-{max(got):.3g}"
-        print(f"| {size} | {name} | {med:.3g} | {spread} | {med / base:.2f}x |")
+    interleaved(steps, size, rounds, seconds, "transformers fp32", "sentences")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,37 @@ def build_reranker(minilm: Path, directory: Path) -> Path:
     return directory
 
 
+def machine_line(what: str) -> str:
+    """When and where a figure was taken: UTC time, CPU, torch, its CPU capability, threads,
+    load average, and what ran."""
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.processor() or 'cpu'}, "
+        f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; {what}"
+    )
+
+
+def interleaved(
+    steps: dict, size: int, rounds: int, seconds: float, baseline: str, unit: str
+) -> None:
+    """Each step's items/s (`size` items a call), the steps interleaved round by round (the
+    order reversed every other round), then a markdown table of medians against `baseline`."""
+    rows: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(rounds):
+        order = list(steps.items())
+        for name, step in order if i % 2 == 0 else order[::-1]:
+            step()  # warm
+            rows[name].append(rate(step, size, seconds))
+        print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.3g}/s" for k, v in rows.items()))
+    base = statistics.median(rows[baseline])
+    print(f"\n| batch | runs | {unit}/s (median) | min-max | vs {baseline} |")
+    print("|---:|---|---:|---:|---:|")
+    for name, got in rows.items():
+        med = statistics.median(got)
+        spread = f"{min(got):.3g}-{max(got):.3g}"
+        print(f"| {size} | {name} | {med:.3g} | {spread} | {med / base:.2f}x |")
+
+
 def rate(step, items: int, seconds: float) -> float:
     """Items/s of `step()` (items per call) over about `seconds`."""
     start, done = time.perf_counter(), 0

@@ -189,18 +189,10 @@ class ClassificationHead(nn.Module):
 
 
 class SequenceClassifier:
-    """What every text classifier adds to its encoder (mixed in before it): `info` and logits
-    from `classify_packed`; classify_varlen wraps the packed call for unpadded sequences."""
+    """What every text classifier adds to its encoder (mixed in before it): `info`, and
+    classify_varlen over the subclass's classify_packed (ServedClassifierModel's signature)."""
 
     info: ClassifierInfo
-
-    def classify_packed(
-        self,
-        input_ids: Tensor,
-        cu_seqlens: Tensor | Sequence[int],
-        token_type_ids: Tensor | None = None,
-    ) -> Tensor:
-        raise NotImplementedError
 
     def classify_varlen(
         self, input_ids: list[Tensor], token_type_ids: list[Tensor] | None = None

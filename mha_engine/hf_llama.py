@@ -19,12 +19,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torch import Tensor
-
 from . import hf_qwen3
 from .errors import CheckpointError, positive_int
-from .score_head import ScoreSpec
-from .st_files import LogitScore
 from .text_config import Qwen3EncoderConfig
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -37,78 +33,35 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"model_type {model_type!r} is not one of {MODEL_TYPES}")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(
-            f"config.hidden_act {act!r} is not supported; {model_type}'s is 'silu'"
-        )
     types = config.get("layer_types") or []
     if model_type == "qwen2" and (config.get("use_sliding_window") or set(types) - {hf_qwen3.FULL}):
         raise CheckpointError(
             "config.use_sliding_window / layer_types ask for sliding-window layers; the engine "
             "runs Qwen2 with full attention only"
         )
-    causal = config.get("is_causal", True)  # transformers 5: False turns attention bidirectional
-    if not isinstance(causal, bool):
-        raise CheckpointError(f"config.is_causal must be true or false, got {causal!r}")
-    heads = positive_int(config, "num_attention_heads")
-    hidden = positive_int(config, "hidden_size")
     positions = positive_int(config, "max_position_embeddings")
     window = config.get("sliding_window", 4096) if model_type == "mistral" else None  # its default
     if window is not None:
         positions = min(positions, positive_int({"sliding_window": window}, "sliding_window"))
     llama = model_type == "llama"
-    qkv_bias = model_type == "qwen2" or (llama and _flag(config, "attention_bias"))
-    pad = config.get("pad_token_id")
-    return Qwen3EncoderConfig(
-        model_type=model_type,
-        d_model=hidden,
-        nhead=heads,
-        num_kv_heads=positive_int(config, "num_key_value_heads", heads),
+    qkv_bias = model_type == "qwen2" or (llama and hf_qwen3.flag(config, "attention_bias"))
+    hidden, heads = positive_int(config, "hidden_size"), positive_int(config, "num_attention_heads")
+    return hf_qwen3.decoder_config(
+        config,
+        model_type,
         head_dim=config.get("head_dim") or hidden // heads,
-        num_layers=positive_int(config, "num_hidden_layers"),
-        dim_feedforward=positive_int(config, "intermediate_size"),
-        layer_norm_eps=hf_qwen3.rms_eps(config),
-        norm_first=True,
-        bias=False,
-        final_norm=True,
         attention_bias=qkv_bias,
         out_bias=llama and qkv_bias,
-        mlp_bias=llama and _flag(config, "mlp_bias"),
+        mlp_bias=llama and hf_qwen3.flag(config, "mlp_bias"),
         head_norms=False,
-        vocab_size=positive_int(config, "vocab_size"),
         max_position_embeddings=positions,
-        pad_token_id=pad if isinstance(pad, int) else None,
-        rope_theta=hf_qwen3.rope_theta(config),
-        causal=causal,
     )
 
 
-def _flag(config: dict, name: str) -> bool:
-    """config[name] (default false) as a bool, else CheckpointError."""
-    value = config.get(name, False)
-    if not isinstance(value, bool):
-        raise CheckpointError(f"config.{name} must be true or false, got {value!r}")
-    return value
-
-
-def engine_state(
-    state: dict[str, Tensor], config: Qwen3EncoderConfig
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(stack state, embeddings state) from HF weights, shapes checked."""
-    return hf_qwen3.engine_state(state, config)
-
-
-def classifier_head(
-    weights: dict[str, Tensor],
-    hf_config: dict,
-    config: Qwen3EncoderConfig,
-    num_labels: int,
-    logit_score: LogitScore | None,
-) -> tuple[ScoreSpec, dict[str, Tensor]]:
-    """`...ForSequenceClassification`'s score, or a LogitScore reranker's LM-head row (as
-    Qwen3's: hf_qwen3.classifier_head)."""
-    return hf_qwen3.classifier_head(weights, hf_config, config, num_labels, logit_score)
+# the weights, and a classifier's or LogitScore reranker's head, are named as Qwen3's
+engine_state = hf_qwen3.engine_state
+classifier_head = hf_qwen3.classifier_head
+hf_state = hf_qwen3.hf_state
 
 
 def hf_config(config: Qwen3EncoderConfig) -> dict:
@@ -123,10 +76,3 @@ def hf_config(config: Qwen3EncoderConfig) -> dict:
     else:
         out["use_sliding_window"] = False
     return out
-
-
-def hf_state(
-    encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: Qwen3EncoderConfig
-) -> dict[str, Tensor]:
-    """HF base-model weight names (inverse of engine_state)."""
-    return hf_qwen3.hf_state(encoder, embeddings, config)

@@ -68,42 +68,59 @@ def rms_eps(config: dict) -> float:
     return float(eps)
 
 
-def engine_config(config: dict) -> Qwen3EncoderConfig:
-    """HF Qwen3 config -> Qwen3EncoderConfig (pooling settings at their defaults)."""
+def flag(config: dict, name: str, default: bool = False) -> bool:
+    """config[name] as a bool (`default` when absent), else CheckpointError."""
+    value = config.get(name, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.{name} must be true or false, got {value!r}")
+    return value
+
+
+def decoder_config(config: dict, model_type: str, **family: object) -> Qwen3EncoderConfig:
+    """The fields Qwen3 and the Llama family (hf_llama.py) read alike from config.json (SiLU,
+    heads, layers, RMSNorm eps, RoPE base, is_causal: transformers 5's switch to bidirectional
+    attention), plus `family`'s own (head_dim, biases, head norms, position table)."""
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"config.hidden_act {act!r} is not supported; Qwen3's is 'silu'")
-    layers = positive_int(config, "num_hidden_layers")
-    types = config.get("layer_types") or [FULL] * layers
-    if config.get("use_sliding_window") or any(t != FULL for t in types):
         raise CheckpointError(
-            "config.use_sliding_window / layer_types ask for sliding-window layers; the engine "
-            "runs Qwen3 with full causal attention only"
+            f"config.hidden_act {act!r} is not supported; {model_type}'s is 'silu'"
         )
     heads = positive_int(config, "num_attention_heads")
-    kv_heads = positive_int(config, "num_key_value_heads", heads)
     pad = config.get("pad_token_id")
-    causal = config.get("is_causal", True)  # transformers 5: False turns attention bidirectional
-    if not isinstance(causal, bool):
-        raise CheckpointError(f"config.is_causal must be true or false, got {causal!r}")
-    return Qwen3EncoderConfig(
-        model_type=MODEL_TYPE,
+    fields = dict(
+        model_type=model_type,
         d_model=positive_int(config, "hidden_size"),
         nhead=heads,
-        num_kv_heads=kv_heads,
-        head_dim=positive_int(config, "head_dim", 128),  # Qwen3Config's default
-        num_layers=layers,
+        num_kv_heads=positive_int(config, "num_key_value_heads", heads),
+        num_layers=positive_int(config, "num_hidden_layers"),
         dim_feedforward=positive_int(config, "intermediate_size"),
         layer_norm_eps=rms_eps(config),
         norm_first=True,
         bias=False,
         final_norm=True,
-        attention_bias=bool(config.get("attention_bias", False)),
         vocab_size=positive_int(config, "vocab_size"),
-        max_position_embeddings=config.get("max_position_embeddings", 32768),
         pad_token_id=pad if isinstance(pad, int) else None,
         rope_theta=rope_theta(config),
-        causal=causal,
+        causal=flag(config, "is_causal", True),
+    )
+    return Qwen3EncoderConfig(**{**fields, **family})
+
+
+def engine_config(config: dict) -> Qwen3EncoderConfig:
+    """HF Qwen3 config -> Qwen3EncoderConfig (pooling settings at their defaults)."""
+    layers = positive_int(config, "num_hidden_layers")
+    types = config.get("layer_types") or [FULL] * layers
+    if config.get("use_sliding_window") or any(t != FULL for t in types):
+        raise CheckpointError(
+            "config.use_sliding_window / layer_types ask for sliding-window layers; the engine "
+            "runs Qwen3 with full attention only"
+        )
+    return decoder_config(
+        config,
+        MODEL_TYPE,
+        head_dim=positive_int(config, "head_dim", 128),  # Qwen3Config's default
+        attention_bias=flag(config, "attention_bias"),
+        max_position_embeddings=config.get("max_position_embeddings", 32768),
     )
 
 
