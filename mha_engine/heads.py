@@ -189,10 +189,33 @@ class ClassificationHead(nn.Module):
 
 
 class SequenceClassifier:
-    """What every text classifier adds to its encoder (mixed in before it): `info`, and
-    classify_varlen over the subclass's classify_packed (ServedClassifierModel's signature)."""
+    """What every text classifier adds to its encoder (mixed in before it): `info`, and logits
+    from the encoder's packed states: a subclass says which state (or pooled vector) each
+    sequence is classified by (`_pooled`) and how its head scores it (`_scores`)."""
 
     info: ClassifierInfo
+
+    def _pooled(self, hidden: Tensor, lens: list[int], input_ids: Tensor) -> Tensor:
+        """(B, D) in hidden's dtype from packed states (N, D)."""
+        raise NotImplementedError
+
+    def _scores(self, pooled: Tensor) -> Tensor:
+        """Logits (B', num_labels) of pooled rows (B', D)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def classify_packed(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | Sequence[int],
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Logits (B, num_labels) float32 of packed id sequences (N,) split at cu_seqlens;
+        token_type_ids (N,) mark each pair's second text (None: all 0)."""
+        hidden = self.encode_packed(input_ids, cu_seqlens, token_type_ids=token_type_ids)
+        lens = lengths(cu_seqlens, hidden.shape[0])
+        pooled = self._pooled(hidden, lens, input_ids)  # (B, D)
+        return self._scores(pad_rows(pooled))[: len(lens)].float()  # tiny batches padded
 
     def classify_varlen(
         self, input_ids: list[Tensor], token_type_ids: list[Tensor] | None = None
@@ -214,16 +237,8 @@ class TextClassifierModel(SequenceClassifier, TextEncoderModel):
         self.spec = spec or default_spec(config.model_type)
         self.head = ClassificationHead(config.d_model, info.num_labels, self.spec)
 
-    @torch.inference_mode()
-    def classify_packed(
-        self,
-        input_ids: Tensor,
-        cu_seqlens: Tensor | Sequence[int],
-        token_type_ids: Tensor | None = None,
-    ) -> Tensor:
-        """Logits (B, num_labels) float32 of packed id sequences (N,) split at cu_seqlens;
-        token_type_ids (N,) mark each pair's second text (None: all 0)."""
-        hidden = self.encode_packed(input_ids, cu_seqlens, token_type_ids=token_type_ids)
-        lens = lengths(cu_seqlens, hidden.shape[0])
-        pooled = pool_packed(hidden, lens, self.spec.pooling).to(hidden.dtype)  # (B, D)
-        return self.head(pad_rows(pooled))[: pooled.shape[0]].float()  # (B, num_labels)
+    def _pooled(self, hidden: Tensor, lens: list[int], input_ids: Tensor) -> Tensor:
+        return pool_packed(hidden, lens, self.spec.pooling).to(hidden.dtype)
+
+    def _scores(self, pooled: Tensor) -> Tensor:
+        return self.head(pooled)

@@ -40,9 +40,8 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
             "runs Qwen2 with full attention only"
         )
     positions = positive_int(config, "max_position_embeddings")
-    window = config.get("sliding_window", 4096) if model_type == "mistral" else None  # its default
-    if window is not None:
-        positions = min(positions, positive_int({"sliding_window": window}, "sliding_window"))
+    if model_type == "mistral" and config.get("sliding_window", 4096) is not None:  # its default
+        positions = min(positions, positive_int(config, "sliding_window", 4096))
     llama = model_type == "llama"
     qkv_bias = model_type == "qwen2" or (llama and hf_qwen3.flag(config, "attention_bias"))
     hidden, heads = positive_int(config, "hidden_size"), positive_int(config, "num_attention_heads")

@@ -94,9 +94,10 @@ class Qwen3Stack(nn.Module):
         a plan that disagrees with the config, is refused)."""
         c = self.config
         if attn_mask is not None or (plan is not None and set(plan.seq_causal) - {c.causal}):
+            how = "causally" if c.causal else "bidirectionally"
             raise ValueError(
-                f"this Qwen3 model attends {'causally' if c.causal else 'bidirectionally'}: "
-                "attn_mask and plans of the other kind are refused"
+                f"this {c.model_type} model attends {how}: attn_mask and plans of the other kind "
+                "are refused"
             )
         cos_sin = rotary(token_positions(x, plan), c.head_dim, c.rope_theta, x.dtype)  # (T|N, hd)
         weights: list[Tensor] = []

@@ -13,7 +13,6 @@ Two checkpoint forms give the same head, a Linear without bias on one token's fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,6 @@ from .heads import ClassifierInfo, SequenceClassifier
 from .st_files import LogitScore
 from .text import segment_ids
 from .text_model import TextEncoderModel
-from .varlen import lengths, pad_rows
 
 RERANKER_INFO = ClassifierInfo({0: "LABEL_0"})  # one score, as TEI names a reranker's label
 
@@ -104,18 +102,10 @@ class ScoreClassifierModel(SequenceClassifier, TextEncoderModel):
         self.spec = spec or ScoreSpec()
         self.head = nn.Linear(config.d_model, info.num_labels, bias=False)
 
-    @torch.inference_mode()
-    def classify_packed(
-        self,
-        input_ids: Tensor,
-        cu_seqlens: Tensor | Sequence[int],
-        token_type_ids: Tensor | None = None,
-    ) -> Tensor:
-        """Logits (B, num_labels) float32 of packed id sequences (N,) split at cu_seqlens
-        (token types are not used: these families have none)."""
-        hidden = self.encode_packed(input_ids, cu_seqlens)  # (N, D)
-        lens = lengths(cu_seqlens, hidden.shape[0])
+    def _pooled(self, hidden: Tensor, lens: list[int], input_ids: Tensor) -> Tensor:
         rows = scored_rows(input_ids, lens, self.spec.pad_token_id)  # (B,), where the ids are
         rows = rows if rows.device == hidden.device else upload(rows, hidden.device)
-        scored = pad_rows(hidden.index_select(0, rows))  # (B', D): tiny batches padded
-        return linear(self.head, scored)[: len(lens)].float()  # (B, num_labels)
+        return hidden.index_select(0, rows)  # (B, D)
+
+    def _scores(self, pooled: Tensor) -> Tensor:
+        return linear(self.head, pooled)
