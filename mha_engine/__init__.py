@@ -51,6 +51,7 @@ from .text_config import (
     Gemma3EncoderConfig,
     ModernBertEncoderConfig,
     Qwen3EncoderConfig,
+    RopeScaling,
     TextEncoderConfig,
 )
 from .text_model import TextEncoderModel
@@ -80,6 +81,7 @@ __all__ = [
     "Qwen3ClassifierModel",
     "Qwen3EncoderConfig",
     "Qwen3Model",
+    "RopeScaling",
     "ScoreClassifierModel",
     "ServedClassifierModel",
     "ServedModel",

@@ -103,9 +103,9 @@ class Gemma3Stack(nn.Module):
         if attn_mask is not None or is_causal or (plan is not None and any(plan.seq_causal)):
             raise ValueError("Gemma 3 here attends both ways: attn_mask and is_causal are refused")
         c = self.config
-        thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
+        ropes = {FULL: (c.rope_theta, c.rope_scaling), SLIDING: (c.local_rope_theta, None)}
         x, weights = run_windowed_layers(
-            self.layers, x, plan, key_padding_mask, need_weights, c.head_dim, thetas,
+            self.layers, x, plan, key_padding_mask, need_weights, c.head_dim, ropes,
             c.sliding_window,
         )  # fmt: skip
         return self.norm(x), weights

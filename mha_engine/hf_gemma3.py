@@ -6,17 +6,16 @@ mapping), and back (save_model).
 Both config forms are read (transformers 5's `layer_types` / `rope_parameters`, the earlier
 `sliding_window_pattern` / `rope_theta` / `rope_local_base_freq`). Refused naming the field:
 causal Gemma 3 (a generative model), logit soft-capping, a query scale other than head_dim's,
-RoPE scaling.
+RoPE scaling on the sliding layers (the full layers' static kinds run: hf_rope.py).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from . import hf_qwen3
+from . import hf_qwen3, hf_rope
 from .errors import CheckpointError, positive_int
 from .hf_bert import ACTIVATIONS, HF_ACTIVATIONS
-from .hf_modernbert import rope_theta
 from .text_config import LAYER_TYPES, Gemma3EncoderConfig
 
 MODEL_TYPE = "gemma3_text"
@@ -68,6 +67,7 @@ def engine_config(config: dict) -> Gemma3EncoderConfig:
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
         raise CheckpointError(f"config.sliding_window must be an integer >= 2, got {window!r}")
     pad = config.get("pad_token_id")
+    full = hf_rope.per_kind(config, FULL, "rope_theta", 1000000.0, True)  # legacy scaling: here
     return Gemma3EncoderConfig(
         model_type=MODEL_TYPE,
         d_model=positive_int(config, "hidden_size"),
@@ -86,8 +86,9 @@ def engine_config(config: dict) -> Gemma3EncoderConfig:
         max_position_embeddings=config.get("max_position_embeddings", 131072),
         pad_token_id=pad if isinstance(pad, int) else None,
         layer_types=tuple(types),
-        rope_theta=rope_theta(config, FULL, "rope_theta", 1000000.0),
-        local_rope_theta=rope_theta(config, SLIDING, "rope_local_base_freq", 10000.0),
+        rope_theta=full[0],
+        rope_scaling=full[1],
+        local_rope_theta=hf_rope.per_kind(config, SLIDING, "rope_local_base_freq", 1e4, False)[0],
         sliding_window=window // 2,  # see WINDOW
     )
 
@@ -120,8 +121,8 @@ def hf_config(config: Gemma3EncoderConfig) -> dict:
         "layer_types": list(config.layer_types),
         "sliding_window": 2 * config.sliding_window,
         "rope_parameters": {
-            FULL: {"rope_type": "default", "rope_theta": config.rope_theta},
-            SLIDING: {"rope_type": "default", "rope_theta": config.local_rope_theta},
+            FULL: hf_rope.hf_entry(config.rope_theta, config.rope_scaling),
+            SLIDING: hf_rope.hf_entry(config.local_rope_theta, None),
         },
         "use_bidirectional_attention": True,
         "attn_logit_softcapping": None,

@@ -11,8 +11,9 @@ these families.
   transformers would attend through the window instead);
 - qwen2: biases on Q/K/V only; sliding-window layers (`use_sliding_window`, `layer_types`) are
   refused.
-Refused naming the field, as for Qwen3: other activations, RoPE scaling (Llama 3's `llama3`
-type among them), a bad `is_causal`.
+RoPE scaling of the static kinds runs (Llama 3.1's `llama3`, `linear`, `yarn`: hf_rope.py).
+Refused naming the field, as for Qwen3: other activations, the RoPE kinds that change with the
+input's length, a bad `is_causal`.
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ weights (checked under their HF names) onto ModernBertStack and ModernBertEmbedd
 Both config forms are read: transformers 5's (`layer_types`, `rope_parameters`) and the original
 checkpoints' (`global_attn_every_n_layers`, `global_rope_theta`, `local_rope_theta`). What the
 engine does not run is refused naming the field: biases (`attention_bias`, `mlp_bias`,
-`norm_bias`; every published checkpoint has none) and RoPE scaling. `hf_config` / `hf_state`
-write a loaded model back in transformers 5's form (save_model).
+`norm_bias`; every published checkpoint has none) and RoPE scaling (hf_rope.py).
+`hf_config` / `hf_state` write a loaded model back in transformers 5's form (save_model).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from . import hf_bert
+from . import hf_bert, hf_rope
 from .errors import CheckpointError, check_state, positive_int
 from .hf_bert import ACTIVATIONS, HF_ACTIVATIONS
 from .text_config import LAYER_TYPES, ModernBertEncoderConfig
@@ -31,27 +31,10 @@ NAMES = (
 )
 
 
-def rope_theta(config: dict, kind: str, legacy: str, default: float) -> float:
-    """The RoPE base of one layer kind: transformers 5's rope_parameters[kind], else the
-    config's `legacy` field, else `default`; scaling and other rope types refused."""
-    if config.get("rope_scaling") is not None:  # transformers merges it into both kinds
-        raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
-    params = config.get("rope_parameters")
-    if not isinstance(params, dict) or params.get(kind) is None:
-        return config.get(legacy, default)
-    rope = params[kind]
-    if not isinstance(rope, dict):
-        raise CheckpointError(f"config.rope_parameters.{kind} must be an object, got {rope!r}")
-    if rope.get("rope_type", "default") != "default":
-        raise CheckpointError(
-            f"config.rope_parameters.{kind}.rope_type {rope.get('rope_type')!r} is not "
-            "supported (only 'default')"
-        )
-    return rope.get("rope_theta", config.get(legacy, default))
-
-
 def engine_config(config: dict) -> ModernBertEncoderConfig:
     """HF ModernBERT config -> ModernBertEncoderConfig (pooling settings at their defaults)."""
+    if config.get("rope_scaling"):  # transformers would merge it into both kinds
+        raise CheckpointError("config.rope_scaling is not supported for ModernBERT (plain RoPE)")
     for flag in ("attention_bias", "mlp_bias", "norm_bias"):
         if config.get(flag):
             raise CheckpointError(f"config.{flag} is set; ModernBERT with biases is not supported")
@@ -98,8 +81,8 @@ def engine_config(config: dict) -> ModernBertEncoderConfig:
         max_position_embeddings=config.get("max_position_embeddings", 8192),
         pad_token_id=pad if isinstance(pad, int) else None,
         layer_types=tuple(types),
-        rope_theta=rope_theta(config, FULL, "global_rope_theta", 160000.0),
-        local_rope_theta=rope_theta(config, SLIDING, "local_rope_theta", 10000.0),
+        rope_theta=hf_rope.per_kind(config, FULL, "global_rope_theta", 160000.0, False)[0],
+        local_rope_theta=hf_rope.per_kind(config, SLIDING, "local_rope_theta", 10000.0, False)[0],
         sliding_window=window // 2,
     )
 
@@ -177,8 +160,8 @@ def hf_config(config: ModernBertEncoderConfig) -> dict:
         "pad_token_id": config.pad_token_id,
         "layer_types": list(config.layer_types),
         "rope_parameters": {
-            FULL: {"rope_type": "default", "rope_theta": config.rope_theta},
-            SLIDING: {"rope_type": "default", "rope_theta": config.local_rope_theta},
+            FULL: hf_rope.hf_entry(config.rope_theta, None),
+            SLIDING: hf_rope.hf_entry(config.local_rope_theta, None),
         },
         "local_attention": 2 * config.sliding_window,
         # the original checkpoints' fields too, for transformers 4 (which reads only these)

@@ -2,8 +2,9 @@
 Qwen3EncoderConfig, the weights (checked under their HF names) onto Qwen3Stack and
 TokenEmbeddings; `hf_config` / `hf_state` write a loaded model back (save_model).
 
-Both config forms are read (transformers 5's `rope_parameters`, transformers 4's `rope_theta`).
-Refused naming the field: an activation other than SiLU, RoPE scaling, sliding-window layers.
+Both config forms are read (transformers 5's `rope_parameters`, transformers 4's `rope_theta` and
+`rope_scaling`: hf_rope.py). Refused naming the field: an activation other than SiLU, RoPE
+scaling that changes with the input's length, sliding-window layers.
 A causal-LM checkpoint (`model.` prefix, an `lm_head`) loads its base model; the head is unused,
 but for a LogitScore reranker (two of its rows). `classifier_head` reads a reranker's or
 classifier's head (score_head.py).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import hf_bert
+from . import hf_bert, hf_rope
 from .errors import CheckpointError, check_state, positive_int
 from .score_head import ScoreSpec, score_state
 from .st_files import LogitScore
@@ -44,22 +45,6 @@ STACKED = (
 )  # fmt: skip
 
 
-def rope_theta(config: dict) -> float:
-    """RoPE's base from either config form (transformers 5's rope_parameters, 4's rope_theta),
-    10,000 when neither says; CheckpointError for RoPE scaling or another rope_type."""
-    if config.get("rope_scaling") is not None:
-        raise CheckpointError("config.rope_scaling is not supported (only plain RoPE)")
-    rope = config.get("rope_parameters")
-    if not isinstance(rope, dict):
-        return config.get("rope_theta", 10000.0)  # Qwen3Config's default
-    if rope.get("rope_type", "default") != "default":
-        raise CheckpointError(
-            f"config.rope_parameters.rope_type {rope.get('rope_type')!r} is not supported "
-            "(only 'default')"
-        )
-    return rope.get("rope_theta", config.get("rope_theta", 10000.0))
-
-
 def rms_eps(config: dict) -> float:
     """config.rms_norm_eps (default 1e-6) as a positive float, else CheckpointError."""
     eps = config.get("rms_norm_eps", 1e-6)
@@ -87,6 +72,7 @@ def decoder_config(config: dict, model_type: str, **family: object) -> Qwen3Enco
         )
     heads = positive_int(config, "num_attention_heads")
     pad = config.get("pad_token_id")
+    theta, scaling = hf_rope.single(config, 10000.0)  # Qwen3Config's and LlamaConfig's default
     fields = dict(
         model_type=model_type,
         d_model=positive_int(config, "hidden_size"),
@@ -100,7 +86,8 @@ def decoder_config(config: dict, model_type: str, **family: object) -> Qwen3Enco
         final_norm=True,
         vocab_size=positive_int(config, "vocab_size"),
         pad_token_id=pad if isinstance(pad, int) else None,
-        rope_theta=rope_theta(config),
+        rope_theta=theta,
+        rope_scaling=scaling,
         causal=flag(config, "is_causal", True),
     )
     return Qwen3EncoderConfig(**{**fields, **family})
@@ -210,6 +197,14 @@ def engine_state(
     return encoder, {TOKENS: base[TOKENS]}
 
 
+def rope_scaling_v4(config: Qwen3EncoderConfig) -> dict | None:
+    """The scaling as transformers 4 reads it (`rope_scaling`, without the base)."""
+    if config.rope_scaling is None:
+        return None
+    entry = hf_rope.hf_entry(config.rope_theta, config.rope_scaling)
+    return {k: v for k, v in entry.items() if k != "rope_theta"}
+
+
 def hf_config(config: Qwen3EncoderConfig) -> dict:
     """The Hugging Face config.json of a Qwen3 model (inverse of engine_config)."""
     return {
@@ -227,8 +222,9 @@ def hf_config(config: Qwen3EncoderConfig) -> dict:
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.max_position_embeddings,
         "pad_token_id": config.pad_token_id,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta,  # transformers 4 reads this one
+        "rope_parameters": hf_rope.hf_entry(config.rope_theta, config.rope_scaling),
+        "rope_theta": config.rope_theta,  # transformers 4 reads this one, and rope_scaling
+        "rope_scaling": rope_scaling_v4(config),
         "use_sliding_window": False,
         "tie_word_embeddings": False,
         "is_causal": config.causal,

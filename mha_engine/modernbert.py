@@ -119,9 +119,9 @@ class ModernBertStack(nn.Module):
         if attn_mask is not None or is_causal or (plan is not None and any(plan.seq_causal)):
             raise ValueError("ModernBERT attends both ways: attn_mask and is_causal are not taken")
         c = self.config
-        thetas = {FULL: c.rope_theta, SLIDING: c.local_rope_theta}
+        ropes = {FULL: (c.rope_theta, None), SLIDING: (c.local_rope_theta, None)}
         x, weights = run_windowed_layers(
-            self.layers, x, plan, key_padding_mask, need_weights, c.d_model // c.nhead, thetas,
+            self.layers, x, plan, key_padding_mask, need_weights, c.d_model // c.nhead, ropes,
             c.sliding_window,
         )  # fmt: skip
         return self.final_norm(x), weights

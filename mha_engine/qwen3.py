@@ -99,7 +99,8 @@ class Qwen3Stack(nn.Module):
                 f"this {c.model_type} model attends {how}: attn_mask and plans of the other kind "
                 "are refused"
             )
-        cos_sin = rotary(token_positions(x, plan), c.head_dim, c.rope_theta, x.dtype)  # (T|N, hd)
+        positions = token_positions(x, plan)  # (T,) or (N,)
+        cos_sin = rotary(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)  # (T|N, hd)
         weights: list[Tensor] = []
         for layer in self.layers:
             x, w = layer(x, cos_sin, key_padding_mask, plan, need_weights, c.causal)

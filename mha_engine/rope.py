@@ -1,11 +1,14 @@
 """Rotary position embeddings (RoPE) as transformers computes them, shared by the rotary text
-families (ModernBERT, Qwen3, Gemma 3): cos/sin of position * 1 / theta^(2i / head_dim), applied to
+families (ModernBERT, Qwen3, the Llama family, Gemma 3): cos/sin of position * 1 / theta^(2i /
+head_dim), the frequencies rescaled by a static RopeScaling where the config has one, applied to
 queries and keys with rotate_half (the first half of each head's dims paired with the second).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from functools import lru_cache
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +16,7 @@ from torch import Tensor, nn
 from .devices import upload
 from .packed_attention import layer_window
 from .text import packed_positions
-from .text_config import LAYER_TYPES
+from .text_config import LAYER_TYPES, RopeScaling
 from .varlen import Plan
 
 FULL, SLIDING = LAYER_TYPES
@@ -30,15 +33,62 @@ def token_positions(x: Tensor, plan: Plan | None) -> Tensor:
     return torch.cat([positions, positions.new_zeros(extra)]) if extra else positions
 
 
+@lru_cache(maxsize=32)
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
+    """(head_dim / 2,) float32 on the host, in transformers' order of operations (exactly its
+    numbers): 1 / theta^(2i / head_dim), then the scaling's rule. Cached: never modify it."""
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)  # (hd/2,)
+    inv_freq = 1.0 / base
+    if scaling is None:
+        return inv_freq
+    factor = scaling.factor
+    if scaling.rope_type == "linear":
+        return inv_freq / factor
+    if scaling.rope_type == "llama3":  # divide the low frequencies, keep the high, smooth between
+        old = scaling.original_max_position_embeddings
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        divided = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * divided / factor + smooth * divided
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, divided)
+
+    # yarn: original frequencies on the fast dimensions, divided ones on the slow, a linear ramp
+    # between the dimensions that turn beta_fast and beta_slow times in the pre-training length
+    def dim_of(turns: float) -> float:
+        length = scaling.original_max_position_embeddings
+        return (head_dim * math.log(length / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    dims = torch.arange(head_dim // 2, dtype=torch.float32)
+    ramp = torch.clamp((dims - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency
+    return (1.0 / (factor * base)) * (1 - keep) + inv_freq * keep
+
+
 def rotary(
-    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin (..., head_dim) of the positions' rotary angles, in `dtype` (as transformers
-    rounds them); the inverse frequencies are computed on the host, as transformers does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    freqs = positions[..., None].float() * upload(inv_freq, positions.device)  # (..., hd/2)
+    """cos and sin (..., head_dim) of the positions' rotary angles (times YaRN's attention
+    factor), in `dtype` (as transformers rounds them); the inverse frequencies are computed on
+    the host, as transformers does."""
+    inv_freq = upload(inverse_frequencies(head_dim, theta, scaling), positions.device)
+    freqs = positions[..., None].float() * inv_freq  # (..., hd/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (..., hd)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scaling is not None and scaling.attention_factor != 1.0:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, num_heads: int) -> Tensor:
@@ -58,15 +108,18 @@ def run_windowed_layers(
     key_padding_mask: Tensor | None,
     need_weights: bool,
     head_dim: int,
-    thetas: dict[str, float],
+    ropes: dict[str, tuple[float, RopeScaling | None]],
     reach: int,
 ) -> tuple[Tensor, list[Tensor]]:
     """Full and sliding rotary layers (each with a `kind`) in order on x, dense or packed:
-    cos/sin once per kind (`thetas`: kind -> RoPE base) and the sliding layers' band (keys at
-    most `reach` away) once per forward; x after the last layer and the weights collected
-    (ModernBERT, Gemma 3)."""
+    cos/sin once per kind (`ropes`: kind -> RoPE base and scaling) and the sliding layers' band
+    (keys at most `reach` away) once per forward; x after the last layer and the weights
+    collected (ModernBERT, Gemma 3)."""
     positions = token_positions(x, plan)  # (N,) or (T,)
-    angles = {kind: rotary(positions, head_dim, theta, x.dtype) for kind, theta in thetas.items()}
+    angles = {
+        kind: rotary(positions, head_dim, theta, x.dtype, scaling)
+        for kind, (theta, scaling) in ropes.items()
+    }
     window = layer_window(reach, x, plan)
     weights: list[Tensor] = []
     for layer in layers:

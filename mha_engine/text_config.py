@@ -16,6 +16,45 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # attention per layer (Mo
 # Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
 RELATIVE_BUCKETS = (0, 32)
 DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "gelu", "sigmoid")  # after a Dense module
+# RoPE scalings the engine runs (rope_parameters' rope_type besides "default"): the static ones
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Static RoPE scaling as transformers computes it: `linear` divides every frequency by
+    factor; `llama3` (Llama 3.1 and later) divides the low ones, keeps the high ones and smooths
+    between; `yarn` blends divided and original frequencies by dimension and scales cos/sin by
+    attention_factor. The kinds that change with the input's length (dynamic, longrope) are not
+    here: a sequence's numbers would depend on its batch-mates."""
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int = 0  # llama3, yarn: the pre-training length
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: cos/sin scale (from factor, mscale at load)
+    truncate: bool = True  # yarn: whole dimensions bound the ramp
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALINGS:
+            raise CheckpointError(
+                f"RoPE scaling rope_type must be one of {ROPE_SCALINGS}, got {self.rope_type!r}"
+            )
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                     "attention_factor"):  # fmt: skip
+            _check_theta(f"rope_parameters.{name}", getattr(self, name))
+        check_flag("truncate", self.truncate)
+        if self.rope_type != "linear":
+            length = self.original_max_position_embeddings
+            check_positive("original_max_position_embeddings", length)
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise CheckpointError(
+                "config.rope_parameters.high_freq_factor must exceed low_freq_factor, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
 
 
 @dataclass(frozen=True)
@@ -141,6 +180,7 @@ class GroupedRotaryConfig(TextEncoderConfig):
     out_bias: bool | None = None  # the output projection's bias; None: as attention_bias
     mlp_bias: bool = False  # biases on the feed-forward's projections (Llama's mlp_bias)
     head_norms: bool = True  # an RMSNorm over each query and key head (Qwen3, Gemma 3)
+    rope_scaling: RopeScaling | None = None  # the full-attention layers' (None: plain RoPE)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -160,6 +200,8 @@ class GroupedRotaryConfig(TextEncoderConfig):
         for name in ("out_bias", "mlp_bias", "head_norms"):
             check_flag(name, getattr(self, name))
         _check_theta("rope_theta", self.rope_theta)
+        if isinstance(self.rope_scaling, dict):  # from to_dict's output
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -147,7 +147,11 @@ def test_bf16_and_int8_stay_close(gemma, dtype: str) -> None:
         ({"use_bidirectional_attention": False}, "causal Gemma 3 is a generative model"),
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is set"),
         ({"query_pre_attn_scalar": 32}, "query_pre_attn_scalar 32 is not head_dim 16"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_type 'dynamic'"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "sliding_attention.rope_type 'linear' is not supported here",
+        ),
         ({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
         ({"layer_types": ["full_attention", "chunked"]}, "layer_types must name 3 layers"),
         ({"architectures": ["Gemma3ForSequenceClassification"]}, "gemma3_text sequence"),

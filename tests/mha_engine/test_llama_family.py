@@ -158,7 +158,7 @@ def test_a_logit_score_reranker_on_qwen2(tmp_path) -> None:
         (
             "llama",
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
-            "rope_type 'llama3'",
+            "low_freq_factor must be a positive number, got None",
         ),
         ("mistral", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ("llama", {"is_causal": 0}, "is_causal must be true or false"),

@@ -161,8 +161,8 @@ def test_batch_invariance_at_a_realistic_size(tmp_path: Path) -> None:
     ("changes", "match"),
     [
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling is not supported"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "the input's length"),
         ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window layers"),
         ({"num_key_value_heads": 3}, "multiple of config.num_key_value_heads 3"),
         ({"head_dim": 15}, "head_dim must be even"),

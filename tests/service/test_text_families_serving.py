@@ -199,15 +199,27 @@ def test_embeddinggemma_embeddings_equal_transformers(
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
-def test_llama_family_embedders_equal_sentence_transformers(tmp_path, family) -> None:
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 1000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("mistral", {}), ("qwen2", {}), ("llama", {"rope_parameters": YARN})],
+)
+def test_llama_family_embedders_equal_sentence_transformers(tmp_path, family, overrides) -> None:
     """e5-mistral's and gte-Qwen2's layout (last-token pooling, Normalize, a query prompt) saved
-    by sentence-transformers itself: /v1/embeddings and /embed equal its encode."""
+    by sentence-transformers itself: /v1/embeddings and /embed equal its encode (also with RoPE
+    scaling: a Llama with YaRN)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
-    base = tm.save(tm.build(family), tmp_path / "base")
+    base = tm.save(tm.build(family, **overrides), tmp_path / "base")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[PAD]"}
     (base / "tokenizer_config.json").write_text(json.dumps(config))  # its padding (left)
     modules = [Transformer(str(base)), Pooling(tm.D, "lasttoken"), Normalize()]

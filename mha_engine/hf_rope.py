@@ -1,0 +1,136 @@
+"""RoPE's fields of a Hugging Face config.json in engine terms: each layer kind's base
+(rope_theta) and static scaling (text_config.RopeScaling), from either form, as transformers 5
+reads them: `rope_parameters` (one entry, or one per layer kind), or transformers 4's
+`rope_theta` and `rope_scaling` (which wins over rope_parameters). `hf_entry` writes one entry
+back (save_model).
+
+Refused naming the field: the kinds whose frequencies change with the input's length (dynamic,
+longrope: a sequence's numbers would depend on its batch-mates), partial rotary factors, and
+scaling where the family has none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+from .errors import CheckpointError
+from .text_config import ROPE_SCALINGS, RopeScaling
+
+DEFAULT = "default"
+BY_LENGTH = ("dynamic", "longrope")  # frequencies chosen by the batch's length
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a factor (transformers' get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def entry(rope: object, config: dict, where: str, theta: float, scalable: bool = True):
+    """(base, scaling or None) of one RoPE entry `rope` found at config.<where>; its base is
+    `theta` when it names none. scalable=False: only plain RoPE is accepted there."""
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"config.{where} must be an object, got {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", DEFAULT))
+    base = rope.get("rope_theta", theta)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"config.{where}.partial_rotary_factor is not supported (only 1.0)")
+    if kind == DEFAULT:
+        return base, None
+    if kind in BY_LENGTH and scalable:
+        raise CheckpointError(
+            f"config.{where}.rope_type {kind!r} is not supported: it chooses the frequencies by "
+            "the input's length, so a sequence's numbers would depend on its batch-mates "
+            f"(supported: {DEFAULT!r}, {', '.join(map(repr, ROPE_SCALINGS))})"
+        )
+    if kind not in ROPE_SCALINGS or not scalable:
+        only = (DEFAULT, *ROPE_SCALINGS) if scalable else (DEFAULT,)
+        raise CheckpointError(
+            f"config.{where}.rope_type {kind!r} is not supported here (only "
+            f"{', '.join(map(repr, only))})"
+        )
+    factor = rope.get("factor")
+    # transformers' standardize_rope_params: a top-level field wins (Phi-3's form), else the
+    # entry's, else the position table
+    original = (
+        config.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or config.get("max_position_embeddings")
+    )
+    if kind == "linear":
+        return base, RopeScaling(kind, factor)
+    if kind == "llama3":
+        return base, RopeScaling(
+            kind,
+            factor,
+            original_max_position_embeddings=original,
+            low_freq_factor=rope.get("low_freq_factor"),
+            high_freq_factor=rope.get("high_freq_factor"),
+        )
+    if factor is None and isinstance(original, int) and original > 0:  # yarn: the ratio
+        factor = config.get("max_position_embeddings", original) / original
+    attention = rope.get("attention_factor")
+    if attention is None and isinstance(factor, int | float) and factor > 0:
+        mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+        if not (mscale and all_dims):
+            attention = _mscale(factor)
+        elif all(isinstance(v, int | float) for v in (mscale, all_dims)):
+            attention = _mscale(factor, mscale) / _mscale(factor, all_dims)
+        else:
+            raise CheckpointError(
+                f"config.{where}.mscale and mscale_all_dim must be numbers, got {mscale!r} and "
+                f"{all_dims!r}"
+            )
+    return base, RopeScaling(
+        kind,
+        factor,
+        original_max_position_embeddings=original,
+        beta_fast=rope.get("beta_fast") or 32.0,
+        beta_slow=rope.get("beta_slow") or 1.0,
+        attention_factor=float(attention) if isinstance(attention, int | float) else attention,
+        truncate=rope.get("truncate", True),
+    )
+
+
+def single(config: dict, default: float) -> tuple[float, RopeScaling | None]:
+    """One RoPE for every layer (Qwen3, the Llama family): rope_scaling, else rope_parameters,
+    else plain RoPE with base config.rope_theta (`default` when absent)."""
+    theta = config.get("rope_theta", default)
+    where = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(where)
+    return (theta, None) if rope is None else entry(rope, config, where, theta)
+
+
+def per_kind(
+    config: dict, kind: str, legacy: str, default: float, scaled_by_legacy: bool
+) -> tuple[float, RopeScaling | None]:
+    """One layer kind's RoPE (ModernBERT, Gemma 3): rope_parameters[kind], its base else the
+    config's `legacy` field else `default`. transformers 4's rope_scaling is merged into this
+    kind's entry when `scaled_by_legacy` (Gemma 3's full layers) and ignored otherwise; scaling
+    is accepted only where it is merged."""
+    theta = config.get(legacy, default)
+    params = config.get("rope_parameters")
+    rope = params.get(kind) if isinstance(params, dict) else None
+    legacy_scaling = config.get("rope_scaling")
+    if legacy_scaling and scaled_by_legacy:
+        if not isinstance(legacy_scaling, dict):
+            raise CheckpointError(f"config.rope_scaling must be an object, got {legacy_scaling!r}")
+        rope = {**(rope if isinstance(rope, dict) else {}), **legacy_scaling}
+    if rope is None:
+        return theta, None
+    return entry(rope, config, f"rope_parameters.{kind}", theta, scalable=scaled_by_legacy)
+
+
+def hf_entry(theta: float, scaling: RopeScaling | None) -> dict:
+    """One rope_parameters entry as transformers 5 writes it (inverse of `entry`)."""
+    if scaling is None:
+        return {"rope_type": DEFAULT, "rope_theta": theta}
+    keep = {
+        "linear": ("factor",),
+        "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+                   "high_freq_factor"),
+        "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "attention_factor", "truncate"),
+    }[scaling.rope_type]  # fmt: skip
+    values = {f.name: getattr(scaling, f.name) for f in fields(scaling) if f.name in keep}
+    return {"rope_type": scaling.rope_type, "rope_theta": theta, **values}
