@@ -42,6 +42,7 @@ from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .protocol import ServedClassifierModel, ServedModel, ServedSparseModel, ServedTextModel
 from .quantize import Int8Linear, Int8Unsupported, quantize_int8
 from .qwen3 import Qwen3ClassifierModel, Qwen3Model
+from .rotary_bert import RotaryBertClassifierModel, RotaryBertModel
 from .save import save_model
 from .score_head import ScoreClassifierModel
 from .sparse import SparseEncoderModel
@@ -52,6 +53,7 @@ from .text_config import (
     ModernBertEncoderConfig,
     Qwen3EncoderConfig,
     RopeScaling,
+    RotaryBertConfig,
     TextEncoderConfig,
 )
 from .text_model import TextEncoderModel
@@ -82,6 +84,9 @@ __all__ = [
     "Qwen3EncoderConfig",
     "Qwen3Model",
     "RopeScaling",
+    "RotaryBertClassifierModel",
+    "RotaryBertConfig",
+    "RotaryBertModel",
     "ScoreClassifierModel",
     "ServedClassifierModel",
     "ServedModel",

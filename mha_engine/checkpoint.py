@@ -21,7 +21,17 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import heads, hf_bert, hf_gemma3, hf_llama, hf_modernbert, hf_qwen3, layouts, sparse
+from . import (
+    heads,
+    hf_bert,
+    hf_gemma3,
+    hf_llama,
+    hf_modernbert,
+    hf_qwen3,
+    hf_rotary_bert,
+    layouts,
+    sparse,
+)
 from .config import (
     EngineConfig,
     LayerStackConfig,
@@ -41,6 +51,7 @@ from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .quantize import quantize_int8
 from .qwen3 import Qwen3ClassifierModel, Qwen3Model
+from .rotary_bert import RotaryBertClassifierModel, RotaryBertModel
 from .score_head import RERANKER_INFO
 from .st_files import TextSettings, read_text_settings
 from .text_model import TextEncoderModel
@@ -55,6 +66,10 @@ OWN_STACKS: dict[str, tuple] = {
     hf_qwen3.MODEL_TYPE: (hf_qwen3, Qwen3Model, Qwen3ClassifierModel),
     **{name: (hf_llama, Qwen3Model, Qwen3ClassifierModel) for name in hf_llama.MODEL_TYPES},
     hf_gemma3.MODEL_TYPE: (hf_gemma3, Gemma3Model, None),
+    **{
+        name: (hf_rotary_bert, RotaryBertModel, RotaryBertClassifierModel)
+        for name in hf_rotary_bert.MODEL_TYPES
+    },
 }
 
 

@@ -3,7 +3,7 @@
 Every family pools its sequence (the first token, [CLS] / <s>; ModernBERT: the first token or
 the mean, as config.classifier_pooling says) and applies dense -> activation (-> LayerNorm) ->
 linear to num_labels logits; the names, the activation and the norm differ:
-- bert:       bert.pooler.dense + tanh, then classifier
+- bert, nomic_bert, gte: {base}.pooler.dense + tanh, then classifier
 - roberta, xlm-roberta, camembert, mpnet: classifier.dense + tanh, then classifier.out_proj
 - distilbert: pre_classifier + ReLU, then classifier
 - modernbert: head.dense (bias if classifier_bias) + classifier_activation + head.norm, then
@@ -60,6 +60,8 @@ HEAD_NAMES = {
     "distilbert": HeadNames("pre_classifier", "classifier", "relu"),
     "mpnet": ROBERTA_HEAD,
     "modernbert": HeadNames("head.dense", "classifier", "gelu", norm="head.norm"),
+    "nomic_bert": HeadNames("{base}pooler.dense", "classifier", "tanh"),
+    "gte": HeadNames("{base}pooler.dense", "classifier", "tanh"),
 }
 CLASSIFIER_POOLING = ("cls", "mean")  # ModernBERT's config.classifier_pooling
 

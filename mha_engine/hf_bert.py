@@ -118,6 +118,9 @@ SUPPORTED_MODEL_TYPES = (
     "mistral",
     "qwen2",
     "gemma3_text",
+    "nomic_bert",
+    "gte",
+    "new",
 )
 BUFFERS = ("position_ids", "token_type_ids")  # non-persistent index buffers some files carry
 BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name for MPNet's table

@@ -222,6 +222,28 @@ class Qwen3EncoderConfig(GroupedRotaryConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RotaryBertConfig(GroupedRotaryConfig):
+    """BERT with rotary positions (NomicBERT: nomic-embed-text; GTE: gte-multilingual-base and
+    its reranker): post-norm layers (LayerNorm after each residual sum), multi-head attention
+    with RoPE and no position table, a gated feed-forward down(act(gate(x)) * up(x)) with a
+    bias on `down` only where down_bias; model_type says which."""
+
+    activations: ClassVar[tuple[str, ...]] = ("silu", "gelu", "gelu_tanh")
+
+    activation: str = "silu"  # NomicBERT's SwiGLU; GTE's "gelu"
+    down_bias: bool = False  # GTE's down projection has one; nothing else in the MLP does
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flag("down_bias", self.down_bias)
+        if self.num_kv_heads != self.nhead or self.head_norms or self.norm_first:
+            raise CheckpointError(
+                f"{self.model_type}: multi-head attention (num_kv_heads = nhead), no head "
+                "norms, post-norm layers"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Gemma3EncoderConfig(GroupedRotaryConfig):
     """Gemma 3 as a bidirectional encoder (EmbeddingGemma): each layer's attention and
     feed-forward between two RMSNorms, grouped-query attention (GroupedRotaryConfig), full

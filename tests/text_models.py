@@ -74,6 +74,13 @@ def hf_config(model_type: str, **overrides):
         )  # fmt: skip
         if model_type == "mistral":
             kwargs["sliding_window"] = None  # a test sets one where it matters
+    elif model_type in ("nomic_bert", "gte"):  # BERT with RoPE and a gated MLP, no positions
+        kwargs = dict(
+            hidden_size=D, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+            intermediate_size=FFN, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        )  # fmt: skip
+        if model_type == "gte":
+            kwargs["type_vocab_size"] = 1
     elif model_type == "gemma3_text":  # EmbeddingGemma's form: bidirectional, sliding (4 each way)
         kwargs = dict(
             hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16,
@@ -117,7 +124,7 @@ def save(model, directory: Path) -> Path:
     """save_pretrained with safetensors, plus the tokenizer: a directory mha-serve loads."""
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
-    write_tokenizer(directory, 1 if model.config.model_type == "bert" else 0)
+    write_tokenizer(directory, 1 if model.config.model_type in ("bert", "nomic_bert") else 0)
     return directory
 
 

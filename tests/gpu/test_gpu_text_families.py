@@ -1,8 +1,9 @@
-"""MPNet, ModernBERT, Qwen3 and Gemma 3 on a real GPU (skipped without one): token states against
-transformers' own modules on the CPU, and a sentence's states alone against the same sentence
-among others. MPNet, ModernBERT and Gemma 3 take the grouped SDPA path on CUDA for their biased
-layers (relative positions, sliding window), Qwen3 in fp32 (flash's GQA is half precision
-only), counted in cuda_grouped_calls; not yet run on a GPU when written."""
+"""MPNet, ModernBERT, Qwen3, Gemma 3, NomicBERT and GTE on a real GPU (skipped without one): token
+states against transformers' own modules on the CPU, and a sentence's states alone against the
+same sentence among others. MPNet, ModernBERT and Gemma 3 take the grouped SDPA path on CUDA for
+their biased layers (relative positions, sliding window), Qwen3 in fp32 (flash's GQA is half
+precision only), counted in cuda_grouped_calls; NomicBERT and GTE the varlen kernels. Not yet
+run on a GPU when written."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ TOLERANCES = {torch.float32: (2e-5, 1.3e-6), torch.bfloat16: (3e-2, 0)}
 FP32_DRIFT = 4e-6  # cuBLAS fp32 GEMMs pick kernels by row count (tests/gpu/test_gpu_engine.py)
 
 
-@pytest.mark.parametrize("family", ["mpnet", "modernbert", "qwen3", "qwen2", "gemma3_text"])
+FAMILIES = ["mpnet", "modernbert", "qwen3", "qwen2", "gemma3_text", "nomic_bert", "gte"]
+GQA = ("qwen3", "qwen2")  # flash in half precision, grouped SDPA calls in fp32 (docs/gpu.md)
+MHA = ("nomic_bert", "gte")  # the varlen kernels in every precision (efficient in fp32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 def test_token_states_equal_transformers_and_never_depend_on_the_batch(tmp_path, family, dtype):
     reference = tm.build(family)
@@ -37,11 +43,11 @@ def test_token_states_equal_transformers_and_never_depend_on_the_batch(tmp_path,
         want = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     together = model.encode_varlen(seqs)
     atol, rtol = TOLERANCES[dtype]
-    if family in ("qwen3", "qwen2", "gemma3_text") and dtype == torch.bfloat16:
+    if family not in ("mpnet", "modernbert") and dtype == torch.bfloat16:
         atol = 8e-2  # CPU bf16: 2.9e-2 / 2.2e-2 on values up to 2.9 (test_qwen3, test_gemma3)
     for got, w, m in zip(together, want, mask.bool(), strict=True):
         torch.testing.assert_close(got.float().cpu(), w[m], atol=atol, rtol=rtol)
-    grouped = family not in ("qwen3", "qwen2") or dtype == torch.float32  # docs/gpu.md
+    grouped = family not in GQA + MHA or (family in GQA and dtype == torch.float32)
     assert (model.cuda_grouped_calls > 0) == grouped
     for one, got in zip(seqs, together, strict=True):
         alone = model.encode_varlen([one])[0]

@@ -19,7 +19,8 @@ from tests import text_models as tm
 
 TEXTS = ["the cat sat on the mat", "deep learning", "what is the capital of france", "good"]
 PAIRS = [("what is deep learning", "deep learning is machine learning"), ("paris", "rain")]
-FAMILIES = ["bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "modernbert"]
+FAMILIES = ["bert", "roberta", "xlm-roberta", "camembert", "distilbert", "mpnet", "modernbert",
+            "nomic_bert", "gte"]  # fmt: skip
 
 
 def _logits(ref, encoded, with_types: bool):
@@ -40,7 +41,7 @@ def test_logits_equal_transformers(tmp_path, model_type, num_labels):
     assert model.info.kind == ("reranker" if num_labels == 1 else "classifier")
     for texts, pairs in ((TEXTS, False), (PAIRS, True)):
         encoded = tm.tokenize(path, texts, pairs)
-        want = _logits(ref, encoded, with_types=model_type == "bert")
+        want = _logits(ref, encoded, with_types=model_type in ("bert", "nomic_bert"))
         got = model.classify_varlen([i for i, _ in encoded], [t for _, t in encoded])
         assert got.dtype == torch.float32 and got.shape == (len(texts), num_labels)
         torch.testing.assert_close(got, want, **FP32)

@@ -33,7 +33,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """name -> (transformers model, directory) for every family and head the tests use."""
     root = tmp_path_factory.mktemp("text-heads")
     built = {}
-    for family in ("bert", "xlm-roberta", "mpnet", "modernbert"):
+    for family in ("bert", "xlm-roberta", "mpnet", "modernbert", "nomic_bert", "gte"):
         built[f"{family}-reranker"] = tm.classifier(family, root / f"{family}-r", {0: "score"})
     for family in ("bert", "roberta", "distilbert"):
         built[f"{family}-classifier"] = tm.classifier(family, root / f"{family}-c", seed=1)
@@ -57,12 +57,15 @@ def serve(directory: Path, test, **settings: object) -> None:
 def transformers_logits(ref, directory: Path, texts: list, pairs: bool) -> np.ndarray:
     encoded = tm.tokenize(directory, texts, pairs)
     ids, mask, types = tm.padded(encoded)
-    kwargs = {"token_type_ids": types} if ref.config.model_type == "bert" else {}
+    typed = ref.config.model_type in ("bert", "nomic_bert")  # pairs' second segment: type 1
+    kwargs = {"token_type_ids": types} if typed else {}
     with torch.no_grad():
         return ref(input_ids=ids, attention_mask=mask, **kwargs).logits.numpy()
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "mpnet", "modernbert"])
+@pytest.mark.parametrize(
+    "family", ["bert", "xlm-roberta", "mpnet", "modernbert", "nomic_bert", "gte"]
+)
 def test_rerank_equals_transformers(models, family):
     ref, path = models[f"{family}-reranker"]
     logits = transformers_logits(ref, path, [(QUERY, p) for p in PASSAGES], pairs=True)[:, 0]

@@ -199,6 +199,32 @@ def test_embeddinggemma_embeddings_equal_transformers(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("family", ["nomic_bert", "gte"])
+def test_rotary_bert_embedders_equal_transformers(tmp_path, family) -> None:
+    """nomic-embed-text's layout (mean pooling, Normalize, its task prefixes as prompts) and
+    gte-multilingual-base's: /v1/embeddings and /embed (with a prompt) equal transformers'
+    NomicBertModel / GteModel."""
+    prompts = {"search_query": "search_query: ", "search_document": "search_document: "}
+    model, directory = tm.sentence_transformer(
+        tmp_path / family, pooling="mean", prompts=prompts, model_type=family
+    )
+    plain, _ = _reference(model, directory, TEXTS)
+    queried, _ = _reference(model, directory, [f"search_query: {t}" for t in TEXTS])
+
+    async def main() -> None:
+        async with asgi_client(model_dir=directory, model_name=family) as client:
+            openai = await client.post("/v1/embeddings", json={"model": family, "input": TEXTS})
+            assert openai.status_code == 200, openai.text
+            got = np.array([d["embedding"] for d in openai.json()["data"]])
+            np.testing.assert_allclose(got, plain, **FP32_TOL)
+            body = {"inputs": TEXTS, "prompt_name": "search_query"}
+            tei = await client.post("/embed", json=body)
+            assert tei.status_code == 200, tei.text
+            np.testing.assert_allclose(np.array(tei.json()), queried, **FP32_TOL)
+
+    asyncio.run(main())
+
+
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 1000.0,
