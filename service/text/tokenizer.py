@@ -95,17 +95,38 @@ class TextTokenizer:
         self.chat = load_chat_pairs(path.parent, path, max_length) if chat_pairs else None
 
     def encode(
-        self, texts: list[Text], direction: str = "Right", prompt: str | None = None
+        self,
+        texts: list[Text],
+        direction: str = "Right",
+        prompt: str | None = None,
+        doc_tokens: int | None = None,
     ) -> list[Encoded]:
         """Token ids (and types) of every text or pair, special tokens added; `prompt`
         (sentence-transformers' prompt: a reranker's instruction) is prepended to each text or
-        pair's first text, or for a chat reranker's pairs is the system message."""
+        pair's first text, or for a chat reranker's pairs is the system message; `doc_tokens`:
+        each pair's second text first cut to that many tokens (cut_documents)."""
+        if doc_tokens is not None:
+            texts = self.cut_documents(texts, doc_tokens)
         if self.chat is not None and texts and all(isinstance(t, tuple) for t in texts):
             chat = self.chat.encode(texts, prompt, direction)  # type: ignore[arg-type]
             return [Encoded(ids, cut, np.zeros_like(ids)) for ids, cut in chat]
         if prompt:
             texts = [prompt + t if isinstance(t, str) else (prompt + t[0], t[1]) for t in texts]
         return [_encoded(enc) for enc in self._by_side[direction].encode_batch(texts)]
+
+    def cut_documents(self, texts: list[Text], limit: int) -> list[Text]:
+        """Each pair's second text cut to its first `limit` tokens (Cohere's
+        max_tokens_per_doc), at the character where its limit-th token ends; shorter texts and
+        single texts as they are. Only texts longer than the limit are tokenized twice."""
+        seconds = [(i, t[1]) for i, t in enumerate(texts) if isinstance(t, tuple)]
+        if not seconds or limit >= self.max_length:  # the pair is cut to max_length anyway
+            return texts
+        out = list(texts)
+        encoded = self._tokenizer.encode_batch([t for _, t in seconds], add_special_tokens=False)
+        for (i, text), enc in zip(seconds, encoded, strict=True):
+            if len(enc.ids) > limit:
+                out[i] = (out[i][0], text[: enc.offsets[limit - 1][1]])
+        return out
 
     def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Texts of token-id sequences."""

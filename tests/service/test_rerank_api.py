@@ -166,6 +166,39 @@ def test_a_pair_over_the_maximum_is_truncated_longest_first(models):
     serve([d for _, d in models.values()], test)
 
 
+def test_max_tokens_per_doc_cuts_each_document_first(models):
+    """Cohere's max_tokens_per_doc: every document cut to its first n tokens before it is
+    paired with the query; against transformers' logit of exactly those token ids."""
+    from tokenizers import Tokenizer
+
+    rr, rr_dir = models["rr"]
+    documents = [" ".join(["deep learning is machine learning"] * 9), "paris", PASSAGES[0]]
+    tokenizer = Tokenizer.from_file(str(rr_dir / "tokenizer.json"))
+    tokenizer.no_truncation()
+    query = tokenizer.encode(QUERY, add_special_tokens=False)
+    want = []
+    for document in documents:
+        cut = tokenizer.encode(document, add_special_tokens=False)
+        cut.truncate(4)  # ids, types and offsets of its first 4 tokens
+        pair = tokenizer.post_process(query, cut)
+        ids, types = torch.tensor([pair.ids]), torch.tensor([pair.type_ids])
+        with torch.no_grad():
+            out = rr(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=types)
+        want.append(out.logits.numpy()[0, 0])
+    assert len(tokenizer.encode(documents[0]).ids) > 40  # the cut matters
+
+    async def test(client: httpx.AsyncClient) -> None:
+        body = {"model": "rr", "query": QUERY, "documents": documents, "raw_scores": True}
+        got = await client.post("/v2/rerank", json={**body, "max_tokens_per_doc": 4})
+        assert got.status_code == 200, got.text
+        scores = {r["index"]: r["relevance_score"] for r in got.json()["results"]}
+        np.testing.assert_allclose([scores[i] for i in range(3)], want, **TOL)
+        whole = await client.post("/v2/rerank", json={**body, "max_tokens_per_doc": 4096})
+        assert whole.json()["results"][0]["relevance_score"] != scores[0]
+
+    serve([d for _, d in models.values()], test)
+
+
 BAD = [  # (body, status, words in the message)
     ({"model": "nope", "query": "q", "documents": ["a"]}, 404, "unknown model 'nope'"),
     ({"model": "emb", "query": "q", "documents": ["a"]}, 400, "'emb' is an embedding model"),
@@ -196,7 +229,7 @@ BAD = [  # (body, status, words in the message)
     ({"query": "q", "documents": ["a"], "top_n": True}, 400, "body.top_n"),
     ({"query": "q", "documents": ["a"], "return_documents": "yes"}, 400, "return_documents"),
     ({"query": "q", "documents": ["a"], "max_chunks_per_doc": 3}, 400, "'max_chunks_per_doc'"),
-    ({"query": "q", "documents": ["a"], "max_tokens_per_doc": 4}, 400, "'max_tokens_per_doc'"),
+    ({"query": "q", "documents": ["a"], "max_tokens_per_doc": 0}, 400, "max_tokens_per_doc"),
     ({"query": "q", "documents": ["a"], "temperature": 1}, 400, "temperature"),
     ({"query": "q"}, 400, "body.documents"),
     ({"query": "q", "documents": ["a"] * 9}, 413, "'documents' has 9 items; at most 8"),

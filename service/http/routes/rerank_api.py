@@ -6,8 +6,9 @@ the logit, best first.
 
 Where it differs from TEI's /rerank: the model is named in the body (optional: the first
 reranker otherwise), documents may be objects (Cohere v1: `text`, or the `rank_fields` named, as
-"field: value" lines; the object comes back whole), a pair longer than the model's maximum is
-truncated as Cohere's API does (the longer side first), `top_n` cuts the list, and the batch
+"field: value" lines; the object comes back whole), each document is first cut to
+`max_tokens_per_doc` tokens where the request says so, a pair longer than the model's maximum
+is truncated as Cohere's API does (the longer side first), `top_n` cuts the list, and the batch
 bound is /v1/embeddings' (--max-queue, at most 2048), not TEI's 32.
 """
 
@@ -54,7 +55,7 @@ class RerankApiRequest(BaseModel):
     rank_fields: list[str] | None = Field(None, description="Object fields ranked (Cohere v1)")
     max_chunks_per_doc: int | None = Field(None, ge=1, description="Only 1 (no chunking)")
     max_tokens_per_doc: int | None = Field(
-        None, ge=1, description="At least the model's maximum length (pairs are cut to it)"
+        None, ge=1, description="Each document cut to this many tokens first (Cohere's)"
     )
     priority: int | None = Field(None, description="Accepted; requests run in arrival order")
     relevant_spans: dict[str, Any] | None = Field(
@@ -129,15 +130,12 @@ def _check(body: RerankApiRequest, state: ServiceState, entry: ModelEntry) -> li
             "with the query is truncated to the model's maximum length"
         )
     max_length = entry.tokenizer.max_length  # type: ignore[union-attr]
-    for name, value in (
-        ("max_tokens_per_doc", body.max_tokens_per_doc),
-        ("truncate_prompt_tokens", body.truncate_prompt_tokens),
-    ):
-        if value is not None and value != -1 and value < max_length:
-            raise BadInput(
-                f"'{name}' must be at least this model's {max_length} tokens (or absent): "
-                "pairs are truncated to the model's maximum, not shorter"
-            )
+    cut = body.truncate_prompt_tokens
+    if cut is not None and cut != -1 and cut < max_length:
+        raise BadInput(
+            f"'truncate_prompt_tokens' must be at least this model's {max_length} tokens (or "
+            "-1, or absent): pairs are truncated to the model's maximum, not shorter"
+        )
     spans = body.relevant_spans
     if spans is not None and spans.get("mode") != "disabled":
         raise BadInput(
@@ -171,8 +169,9 @@ async def _answer(
     with client_gone(request) as gone:
         prompt = instruction(entry, body.instruction)
         encoded = await encode_texts(
-            gone, state, entry, pairs, True, "Right", deadline, "documents", prompt
-        )
+            gone, state, entry, pairs, True, "Right", deadline, "documents", prompt,
+            body.max_tokens_per_doc,
+        )  # fmt: skip
         logits = await run_parts(
             state, entry, gone, encoded, deadline, classify_runner, typed_payload
         )

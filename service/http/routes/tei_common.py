@@ -128,11 +128,14 @@ async def encode_texts(
     deadline: float,
     field: str = "inputs",
     prompt: str | None = None,
+    doc_tokens: int | None = None,
 ) -> list[Encoded]:
     """Characters bounded (413), then tokenized off the loop holding queue slots (429);
     an input over the model's max length is 413 unless `truncate` (then cut at `direction`;
     None, a request that does not say: --auto-truncate decides, as in TEI). `prompt`: a
-    reranker's instruction (TextTokenizer.encode), counted in every input's characters."""
+    reranker's instruction (TextTokenizer.encode), counted in every input's characters;
+    `doc_tokens`: each pair's document first cut to that many tokens (Cohere's
+    max_tokens_per_doc)."""
     if truncate is None:
         truncate = state.settings.auto_truncate
     tokenizer = entry.tokenizer
@@ -150,8 +153,8 @@ async def encode_texts(
     check_chars(texts, entry.char_limits, field, prompt)
     async with entry.batcher.reserve(len(texts)):
         encode = None  # tokenizer.encode's defaults
-        if direction != "Right" or prompt:
-            encode = lambda part: tokenizer.encode(part, direction, prompt)  # noqa: E731
+        if direction != "Right" or prompt or doc_tokens:
+            encode = lambda part: tokenizer.encode(part, direction, prompt, doc_tokens)  # noqa: E731
         encoded = await tokenize(state, entry, gone, texts, deadline, encode)
     cut = [i for i, e in enumerate(encoded) if e.truncated]
     if cut and not truncate:
