@@ -283,10 +283,11 @@ def text_model_from_directory(
     config = family.engine_config(hf_config)  # fail on config errors before reading weights
     if hf_config.get("auto_map"):
         log.warning(
-            "%s: config.json names the model's own code (auto_map); the engine computes what "
-            "transformers' built-in %s computes from this config, as transformers does without "
-            "trust_remote_code (code that changes the attention, e.g. to bidirectional, is not "
-            "run: set config.json's is_causal to false where the model needs that)",
+            "%s: config.json names the model's own code (auto_map); the engine runs the "
+            "built-in %s architecture on this config, as transformers does without "
+            "trust_remote_code, reading the fields docs/models.md lists for the family (code "
+            "that changes the attention, e.g. to bidirectional, is not run: set config.json's "
+            "is_causal to false where the model needs that)",
             directory,
             model_type,
         )

@@ -52,16 +52,17 @@ class HeadSpec:
 
 
 ROBERTA_HEAD = HeadNames("classifier.dense", "classifier.out_proj", "tanh")
+BERT_HEAD = HeadNames("{base}pooler.dense", "classifier", "tanh")  # the pooler, then a Linear
 HEAD_NAMES = {
-    "bert": HeadNames("{base}pooler.dense", "classifier", "tanh"),
+    "bert": BERT_HEAD,
     "roberta": ROBERTA_HEAD,
     "xlm-roberta": ROBERTA_HEAD,
     "camembert": ROBERTA_HEAD,
     "distilbert": HeadNames("pre_classifier", "classifier", "relu"),
     "mpnet": ROBERTA_HEAD,
     "modernbert": HeadNames("head.dense", "classifier", "gelu", norm="head.norm"),
-    "nomic_bert": HeadNames("{base}pooler.dense", "classifier", "tanh"),
-    "gte": HeadNames("{base}pooler.dense", "classifier", "tanh"),
+    "nomic_bert": BERT_HEAD,
+    "gte": BERT_HEAD,
 }
 CLASSIFIER_POOLING = ("cls", "mean")  # ModernBERT's config.classifier_pooling
 

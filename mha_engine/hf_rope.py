@@ -26,15 +26,25 @@ def _mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def entry(rope: object, config: dict, where: str, theta: float, scalable: bool = True):
+def entry(
+    rope: object,
+    config: dict,
+    where: str,
+    theta: float,
+    scalable: bool = True,
+    nested: bool = False,
+):
     """(base, scaling or None) of one RoPE entry `rope` found at config.<where>; its base is
-    `theta` when it names none. scalable=False: only plain RoPE is accepted there."""
+    `theta` when it names none. scalable=False: only plain RoPE is accepted there. nested: an
+    entry of a per-kind rope_parameters, where transformers takes the pre-training length only
+    from the entry or the position table and always truncates YaRN's ramp."""
     if not isinstance(rope, dict):
         raise CheckpointError(f"config.{where} must be an object, got {rope!r}")
     kind = rope.get("rope_type", rope.get("type", DEFAULT))
     base = rope.get("rope_theta", theta)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"config.{where}.partial_rotary_factor is not supported (only 1.0)")
+    for fields_ in (rope, config):  # transformers moves a top-level one into the entry
+        if fields_.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError("config.partial_rotary_factor is not supported (only 1.0)")
     if kind == DEFAULT:
         return base, None
     if kind in BY_LENGTH and scalable:
@@ -50,12 +60,13 @@ def entry(rope: object, config: dict, where: str, theta: float, scalable: bool =
             f"{', '.join(map(repr, only))})"
         )
     factor = rope.get("factor")
-    # transformers' standardize_rope_params: a top-level field wins (Phi-3's form), else the
-    # entry's, else the position table
+    # transformers' standardize_rope_params: a top-level field wins (Phi-3's form; not for a
+    # per-kind entry), else the entry's, else the position table
+    positions = config.get("max_position_embeddings")
     original = (
-        config.get("original_max_position_embeddings")
+        (None if nested else config.get("original_max_position_embeddings"))
         or rope.get("original_max_position_embeddings")
-        or config.get("max_position_embeddings")
+        or positions
     )
     if kind == "linear":
         return base, RopeScaling(kind, factor)
@@ -67,8 +78,15 @@ def entry(rope: object, config: dict, where: str, theta: float, scalable: bool =
             low_freq_factor=rope.get("low_freq_factor"),
             high_freq_factor=rope.get("high_freq_factor"),
         )
-    if factor is None and isinstance(original, int) and original > 0:  # yarn: the ratio
-        factor = config.get("max_position_embeddings", original) / original
+    if factor is None:  # yarn: the ratio of the position table to the pre-training length
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                   for n in (positions, original)):  # fmt: skip
+            raise CheckpointError(
+                f"config.{where}.factor is null: YaRN's factor is then max_position_embeddings / "
+                f"original_max_position_embeddings, which need to be positive integers (got "
+                f"{positions!r}, {original!r})"
+            )
+        factor = positions / original
     attention = rope.get("attention_factor")
     if attention is None and isinstance(factor, int | float) and factor > 0:
         mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -88,7 +106,7 @@ def entry(rope: object, config: dict, where: str, theta: float, scalable: bool =
         beta_fast=rope.get("beta_fast") or 32.0,
         beta_slow=rope.get("beta_slow") or 1.0,
         attention_factor=float(attention) if isinstance(attention, int | float) else attention,
-        truncate=rope.get("truncate", True),
+        truncate=True if nested else rope.get("truncate", True),
     )
 
 
@@ -110,7 +128,9 @@ def per_kind(
     is accepted only where it is merged."""
     theta = config.get(legacy, default)
     params = config.get("rope_parameters")
-    rope = params.get(kind) if isinstance(params, dict) else None
+    if params is not None and not isinstance(params, dict):
+        raise CheckpointError(f"config.rope_parameters must be an object, got {params!r}")
+    rope = None if params is None else params.get(kind)
     legacy_scaling = config.get("rope_scaling")
     if legacy_scaling and scaled_by_legacy:
         if not isinstance(legacy_scaling, dict):
@@ -118,7 +138,8 @@ def per_kind(
         rope = {**(rope if isinstance(rope, dict) else {}), **legacy_scaling}
     if rope is None:
         return theta, None
-    return entry(rope, config, f"rope_parameters.{kind}", theta, scalable=scaled_by_legacy)
+    where = f"rope_parameters.{kind}"
+    return entry(rope, config, where, theta, scalable=scaled_by_legacy, nested=True)
 
 
 def hf_entry(theta: float, scaling: RopeScaling | None) -> dict:

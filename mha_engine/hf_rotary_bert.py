@@ -14,8 +14,9 @@ nomic's `rotary_scaling_factor` (dynamic NTK: its code rescales RoPE when a batc
 `max_trained_positions`, so a sequence's numbers would depend on its batch-mates) caps the max
 length at `max_trained_positions`, where the scaling never applies: exact up to there, longer
 inputs truncated. Refused naming the field: what neither transformers' classes nor the engine
-run (pre-norm or parallel blocks, RMSNorm, causal attention, partial or interleaved rotary,
-NomicBERT's biases, GTE's NTK RoPE scaling and log-n attention scaling).
+run (pre-norm or parallel blocks, RMSNorm, causal attention, partial, interleaved or xPos
+rotary, unscaled attention, NomicBERT's biases, GTE's NTK RoPE scaling and log-n attention
+scaling).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ NOMIC_FIELDS = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
 REQUIRED = {
     "nomic_bert": {"prenorm": False, "parallel_block": False, "use_rms_norm": False,
                    "causal": False, "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
-                   "qkv_proj_bias": False, "mlp_fc1_bias": False,
+                   "qkv_proj_bias": False, "mlp_fc1_bias": False, "rotary_emb_scale_base": None,
+                   "scale_attn_weights": True,
                    "mlp_fc2_bias": False},
     "gte": {"position_embedding_type": "rope", "layer_norm_type": "layer_norm",
             "logn_attention_scale": False, "logn_attention_clip1": False},
@@ -115,7 +117,7 @@ def engine_config(config: dict) -> RotaryBertConfig:
         fields.update({k: config[o] for k, o in NOMIC_FIELDS.items() if config.get(o) is not None})
     fields.update({k: config[k] for k in DEFAULTS[kind] if config.get(k) is not None})
     act = fields["hidden_act"]
-    if act not in HIDDEN_ACT:
+    if not isinstance(act, str) or act not in HIDDEN_ACT:
         raise CheckpointError(
             f"config.hidden_act {act!r} is not supported; use one of {list(HIDDEN_ACT)}"
         )

@@ -15,7 +15,6 @@ so their cost grows with T, not T^2; sequences no longer than the window run as 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from .attention import FusedAttention
@@ -23,7 +22,7 @@ from .config import MultiheadAttentionConfig
 from .fused import ACTIVATIONS, linear
 from .heads import TextClassifierModel
 from .rope import rotate, run_windowed_layers
-from .text import Float32Tables
+from .text import RotaryTables
 from .text_config import LAYER_TYPES, TextEncoderConfig
 from .text_model import TextEncoderModel
 from .varlen import AttnBias, Plan
@@ -31,7 +30,7 @@ from .varlen import AttnBias, Plan
 FULL, SLIDING = LAYER_TYPES
 
 
-class ModernBertEmbeddings(Float32Tables):
+class ModernBertEmbeddings(RotaryTables):
     """tok_embeddings then a LayerNorm (Hugging Face's names); float32 tables (Float32Tables).
     Positions are taken for TextEmbeddings' interface and unused: RoPE places tokens."""
 
@@ -42,10 +41,6 @@ class ModernBertEmbeddings(Float32Tables):
 
     def _table(self) -> Tensor:
         return self.tok_embeddings.weight
-
-    def padded_positions(self, input_ids: Tensor) -> Tensor:
-        T = input_ids.shape[-1]
-        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
 
     def forward(self, input_ids: Tensor, position_ids=None, token_type_ids=None) -> Tensor:
         return self.norm(self.tok_embeddings(input_ids))  # (..., D) float32

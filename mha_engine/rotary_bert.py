@@ -12,19 +12,18 @@ NomicBertModel and GteModel; their sequence classifiers carry BERT's pooler and 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from .fused import ACTIVATIONS, linear
 from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel
 from .heads import TextClassifierModel
 from .rope import rotary, token_positions
-from .text import Float32Tables
+from .text import RotaryTables
 from .text_config import RotaryBertConfig
 from .varlen import Plan
 
 
-class RotaryBertEmbeddings(Float32Tables):
+class RotaryBertEmbeddings(RotaryTables):
     """word + token type (where the table exists), then LayerNorm; Hugging Face's names.
     Positions are taken for TextEmbeddings' interface and unused: RoPE places tokens."""
 
@@ -38,10 +37,6 @@ class RotaryBertEmbeddings(Float32Tables):
 
     def _table(self) -> Tensor:
         return self.word_embeddings.weight
-
-    def padded_positions(self, input_ids: Tensor) -> Tensor:
-        T = input_ids.shape[-1]
-        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor | None = None, token_type_ids=None

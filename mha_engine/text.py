@@ -46,6 +46,15 @@ class Float32Tables(nn.Module):
         return super()._apply(lambda t: t.to(device=device), recurse)
 
 
+class RotaryTables(Float32Tables):
+    """Embedding tables of a family whose positions come from RoPE (no position table): the
+    padded path's positions are 0..T-1 for every row, taken for TextEmbeddings' interface."""
+
+    def padded_positions(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[-1]
+        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
+
+
 class TextEmbeddings(Float32Tables):
     """word + token-type + absolute position embeddings, then LayerNorm (BERT family).
 
@@ -156,7 +165,7 @@ def normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
     return F.normalize(x, p=2.0, dim=-1, eps=eps)
 
 
-class TokenEmbeddings(Float32Tables):
+class TokenEmbeddings(RotaryTables):
     """embed_tokens alone (positions come from RoPE: Qwen3), times `scale` where a family sets
     one (Gemma 3); a float32 table (Float32Tables). Hugging Face's name for the table."""
 
@@ -168,10 +177,6 @@ class TokenEmbeddings(Float32Tables):
 
     def _table(self) -> Tensor:
         return self.embed_tokens.weight
-
-    def padded_positions(self, input_ids: Tensor) -> Tensor:
-        T = input_ids.shape[-1]
-        return torch.arange(T, device=input_ids.device).expand_as(input_ids)
 
     def forward(
         self,

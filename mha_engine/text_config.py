@@ -200,8 +200,16 @@ class GroupedRotaryConfig(TextEncoderConfig):
         for name in ("out_bias", "mlp_bias", "head_norms"):
             check_flag(name, getattr(self, name))
         _check_theta("rope_theta", self.rope_theta)
-        if isinstance(self.rope_scaling, dict):  # from to_dict's output
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        scaling = self.rope_scaling
+        if isinstance(scaling, dict):  # from to_dict's output
+            if not {"rope_type", "factor"} <= scaling.keys():
+                raise CheckpointError(f"rope_scaling needs rope_type and factor, got {scaling!r}")
+            scaling = RopeScaling(**known_fields(RopeScaling, scaling))
+            object.__setattr__(self, "rope_scaling", scaling)
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise CheckpointError(f"rope_scaling must be a RopeScaling or None, got {scaling!r}")
+        if scaling is not None and scaling.rope_type == "yarn" and self.rope_theta == 1:
+            raise CheckpointError("config.rope_theta must not be 1 with YaRN (log(base) divides)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -69,6 +69,27 @@ def test_frequencies_are_transformers_bit_for_bit(head_dim, positions, rope) -> 
     assert scaling.attention_factor == want_factor
 
 
+def test_gemma3s_per_kind_yarn_is_transformers_bit_for_bit() -> None:
+    """A per-kind entry (Gemma 3's full layers): transformers takes the pre-training length
+    from the entry (not a top-level field) and always truncates YaRN's ramp."""
+    rope = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "truncate": False,
+            "original_max_position_embeddings": 64}  # fmt: skip
+    fields = dict(
+        hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=1024,
+        original_max_position_embeddings=128,  # a top-level field the nested entry ignores
+        layer_types=["full_attention", "sliding_attention"], num_hidden_layers=2,
+        rope_parameters={"full_attention": dict(rope),
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+    )  # fmt: skip
+    config = transformers.Gemma3TextConfig(**fields)
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, layer_type="full_attention")
+    raw = {**fields, "rope_parameters": {"full_attention": dict(rope)}}
+    theta, scaling = hf_rope.per_kind(raw, "full_attention", "rope_theta", 1e6, True)
+    assert (theta, scaling.truncate, scaling.original_max_position_embeddings) == (5000.0, True, 64)
+    assert torch.equal(inverse_frequencies(16, theta, scaling), want)
+    assert scaling.attention_factor == want_factor
+
+
 SCALED = [  # family, its rope settings (pre-training length 32: the test's inputs run past it)
     (
         "llama",
@@ -136,9 +157,13 @@ def test_token_states_equal_transformers_past_the_pretraining_length(
     model = mha_engine.load_model(tm.save(reference, tmp_path))
     assert model.config.rope_scaling is not None
     _check_states(model, reference)
-    # the scaling matters here: the same weights with plain RoPE are far off
+    # the scaling matters here: the same weights and bases with plain RoPE are far off
     plain = json.loads((tmp_path / "config.json").read_text())
-    plain.pop("rope_parameters")
+    params = plain["rope_parameters"]
+    for entry in params.values() if "full_attention" in params else [params]:
+        for key in set(entry) - {"rope_theta"}:
+            del entry[key]
+        entry["rope_type"] = "default"
     (tmp_path / "config.json").write_text(json.dumps(plain))
     with pytest.raises(AssertionError):
         _check_states(mha_engine.load_model(tmp_path), reference)
@@ -208,6 +233,12 @@ def test_a_sequences_numbers_never_depend_on_its_batch(tmp_path, dtype) -> None:
         ("qwen3", {"rope_parameters": {**QWEN3_YARN, "mscale": "x", "mscale_all_dim": 1}},
          "mscale and mscale_all_dim must be numbers"),
         ("llama", {"rope_scaling": ["linear", 2.0]}, "rope_scaling must be an object"),
+        ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0},
+                   "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("qwen3", {"rope_parameters": {**QWEN3_YARN, "factor": None},
+                   "max_position_embeddings": "long"}, "factor is null"),
+        ("qwen3", {"rope_parameters": {**QWEN3_YARN, "rope_theta": 1}}, "rope_theta must not"),
+        ("gemma3_text", {"rope_parameters": [1]}, "rope_parameters must be an object"),
     ],
 )  # fmt: skip
 def test_what_the_engine_does_not_run_is_refused(tmp_path, family, changes, match) -> None:
