@@ -1,24 +1,26 @@
-"""MPNet, ModernBERT, Qwen3, Qwen2, Gemma 3, NomicBERT and GTE sentence embeddings: the engine's
-packed forward against transformers' model plus pooling (mean; Qwen3, Qwen2: last token),
-sentences/s on the same batches, interleaved.
+"""MPNet, ModernBERT, Qwen3, Qwen2, EuroBERT, Gemma 3, NomicBERT and GTE sentence embeddings: the
+engine's packed forward against transformers' model plus pooling (mean; Qwen3, Qwen2: last
+token), sentences/s on the same batches, interleaved.
 
 Run `python -m benchmarks.text_families [--family
-mpnet|modernbert|qwen3|qwen2|gemma3_text|nomic_bert|gte] [--rounds 5] [--seconds 3] [--batch 32
---batch 1]` from the repository root under `flock /work/bench.lock` (needs transformers). The
-models have the published shapes, randomly initialised and saved as safetensors in a temporary
-directory (weights do not change the cost): all-mpnet-base-v2's (12 layers, 768 wide, 12 heads),
-ModernBERT-base's (22 layers, 768 wide, 12 heads, a 1,152-wide GeGLU, every third layer global,
-the others a 128-token window), Qwen3-Embedding-0.6B's (28 causal layers, 1,024 wide, 16 query
-and 8 K/V heads of 128, a 3,072-wide SwiGLU), gte-Qwen2-1.5B-instruct's (28 causal layers, 1,536
-wide, 12 query and 2 K/V heads of 128, Q/K/V biases, an 8,960-wide SwiGLU),
-EmbeddingGemma-300m's (24 bidirectional layers, 768 wide, 3 query and 1 K/V head of 256, every
-sixth layer full, the others a window of 256 each way), nomic-embed-text-v1.5's (12 post-norm
-rotary layers, 768 wide, 12 heads, a 3,072-wide SwiGLU) and gte-multilingual-base's (the same
-shape with biases, a GELU-gated feed-forward and a 250,048-token table). Sentences are seeded
-random ids of 7-37 tokens (the lengths of benchmarks.embeddings' sentences under a BERT
-tokenizer), or of `--min-len`-`--max-len`. transformers runs each batch padded to its longest
-sentence with an attention mask (MPNet: eager attention, the only one it has; the others: SDPA);
-the engine runs it packed. Both in float32, then the engine in bfloat16 beside them.
+mpnet|modernbert|qwen3|qwen2|eurobert|gemma3_text|nomic_bert|gte] [--rounds 5] [--seconds 3]
+[--batch 32 --batch 1]` from the repository root under `flock /work/bench.lock` (needs
+transformers). The models have the published shapes, randomly initialised and saved as
+safetensors in a temporary directory (weights do not change the cost): all-mpnet-base-v2's (12
+layers, 768 wide, 12 heads), ModernBERT-base's (22 layers, 768 wide, 12 heads, a 1,152-wide
+GeGLU, every third layer global, the others a 128-token window), Qwen3-Embedding-0.6B's (28
+causal layers, 1,024 wide, 16 query and 8 K/V heads of 128, a 3,072-wide SwiGLU), gte-
+Qwen2-1.5B-instruct's (28 causal layers, 1,536 wide, 12 query and 2 K/V heads of 128, Q/K/V
+biases, an 8,960-wide SwiGLU), EmbeddingGemma-300m's (24 bidirectional layers, 768 wide, 3 query
+and 1 K/V head of 256, every sixth layer full, the others a window of 256 each way),
+EuroBERT-210m's (12 bidirectional Llama layers, 768 wide, 12 heads, a 3,072-wide SwiGLU), nomic-
+embed-text-v1.5's (12 post-norm rotary layers, 768 wide, 12 heads, a 3,072-wide SwiGLU) and gte-
+multilingual-base's (the same shape with biases, a GELU-gated feed-forward and a 250,048-token
+table). Sentences are seeded random ids of 7-37 tokens (the lengths of benchmarks.embeddings'
+sentences under a BERT tokenizer), or of `--min-len`-`--max-len`. transformers runs each batch
+padded to its longest sentence with an attention mask (MPNet: eager attention, the only one it
+has; the others: SDPA); the engine runs it packed. Both in float32, then the engine in bfloat16
+beside them.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ SHAPES = {
         use_bidirectional_attention=True, pad_token_id=0, sliding_window_pattern=6,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    ),
+    "eurobert": dict(
+        hidden_size=768, num_attention_heads=12, num_key_value_heads=12, num_hidden_layers=12,
+        intermediate_size=3072, vocab_size=128256, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 250000.0}, pad_token_id=1,
     ),
     "nomic_bert": dict(
         hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072,

@@ -117,6 +117,7 @@ SUPPORTED_MODEL_TYPES = (
     "llama",
     "mistral",
     "qwen2",
+    "eurobert",
     "gemma3_text",
     "nomic_bert",
     "gte",

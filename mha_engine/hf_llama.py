@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family directories (Llama, Mistral, Qwen2: e5-mistral-7b-instruct,
+"""Hugging Face Llama-family directories (Llama, Mistral, Qwen2, EuroBERT: e5-mistral-7b-instruct,
 SFR-Embedding-Mistral, gte-Qwen2-instruct and the rerankers built on them) in engine terms: the
 same layers as Qwen3 without its per-head norms, each family with its own biases, run by Qwen3's
 stack (qwen3.py); the weight names are Qwen3's (hf_qwen3.py), which transformers shares across
@@ -10,7 +10,9 @@ these families.
   capped there: longer inputs are truncated as any input past the max length (where
   transformers would attend through the window instead);
 - qwen2: biases on Q/K/V only; sliding-window layers (`use_sliding_window`, `layer_types`) are
-  refused.
+  refused;
+- eurobert (EuroBERT): Llama's layers and biases as a bidirectional encoder (every sequence
+  attends both ways, as transformers' EuroBertModel); its own classification head is refused.
 RoPE scaling of the static kinds runs (Llama 3.1's `llama3`, `linear`, `yarn`: hf_rope.py).
 Refused naming the field, as for Qwen3: other activations, the RoPE kinds that change with the
 input's length, a bad `is_causal`.
@@ -24,8 +26,10 @@ from . import hf_qwen3
 from .errors import CheckpointError, positive_int
 from .text_config import Qwen3EncoderConfig
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "eurobert")
+ARCHITECTURES = {"llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model",
+                 "eurobert": "EuroBertModel"}  # fmt: skip
+LLAMA_BIASES = ("llama", "eurobert")  # attention_bias on Q/K/V/O, mlp_bias on the feed-forward
 base_prefix = hf_qwen3.base_prefix  # the same token table name
 
 
@@ -43,12 +47,14 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
     positions = positive_int(config, "max_position_embeddings")
     if model_type == "mistral" and config.get("sliding_window", 4096) is not None:  # its default
         positions = min(positions, positive_int(config, "sliding_window", 4096))
-    llama = model_type == "llama"
+    llama = model_type in LLAMA_BIASES
     qkv_bias = model_type == "qwen2" or (llama and hf_qwen3.flag(config, "attention_bias"))
     hidden, heads = positive_int(config, "hidden_size"), positive_int(config, "num_attention_heads")
+    encoder = {"causal": False} if model_type == "eurobert" else {}  # an encoder: both ways
     return hf_qwen3.decoder_config(
         config,
         model_type,
+        **encoder,
         head_dim=config.get("head_dim") or hidden // heads,
         attention_bias=qkv_bias,
         out_bias=llama and qkv_bias,
@@ -60,8 +66,18 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
 
 # the weights, and a classifier's or LogitScore reranker's head, are named as Qwen3's
 engine_state = hf_qwen3.engine_state
-classifier_head = hf_qwen3.classifier_head
 hf_state = hf_qwen3.hf_state
+
+
+def classifier_head(weights, hf_config, config, num_labels, logit_score):
+    """Qwen3's score head (hf_qwen3.classifier_head); EuroBERT's own (a dense layer, an
+    activation and a classifier over its pooling) is refused."""
+    if config.model_type == "eurobert":
+        raise CheckpointError(
+            "EuroBertForSequenceClassification's head (dense, activation, classifier) is not "
+            "supported; its base model serves embeddings"
+        )
+    return hf_qwen3.classifier_head(weights, hf_config, config, num_labels, logit_score)
 
 
 def hf_config(config: Qwen3EncoderConfig) -> dict:
@@ -69,10 +85,10 @@ def hf_config(config: Qwen3EncoderConfig) -> dict:
     out = hf_qwen3.hf_config(replace(config, model_type="qwen3"))
     del out["use_sliding_window"], out["attention_bias"]
     out.update(model_type=config.model_type, architectures=[ARCHITECTURES[config.model_type]])
-    if config.model_type == "llama":
+    if config.model_type in LLAMA_BIASES:
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     elif config.model_type == "mistral":  # the window loaded capped the length: the same window
         out["sliding_window"] = config.max_position_embeddings
-    else:
+    elif config.model_type == "qwen2":
         out["use_sliding_window"] = False
     return out

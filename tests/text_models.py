@@ -66,7 +66,7 @@ def hf_config(model_type: str, **overrides):
             num_hidden_layers=LAYERS, intermediate_size=FFN, eos_token_id=SEP,
             rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
         )  # fmt: skip
-    elif model_type in ("llama", "mistral", "qwen2"):  # Qwen3's shapes, without head norms
+    elif model_type in ("llama", "mistral", "qwen2", "eurobert"):  # Qwen3's, no head norms
         kwargs = dict(
             hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16,
             num_hidden_layers=LAYERS, intermediate_size=FFN, eos_token_id=SEP,

@@ -25,8 +25,12 @@ TOLERANCES = {torch.float32: (2e-5, 1.3e-6), torch.bfloat16: (3e-2, 0)}
 FP32_DRIFT = 4e-6  # cuBLAS fp32 GEMMs pick kernels by row count (tests/gpu/test_gpu_engine.py)
 
 
-FAMILIES = ["mpnet", "modernbert", "qwen3", "qwen2", "gemma3_text", "nomic_bert", "gte"]
-GQA = ("qwen3", "qwen2")  # flash in half precision, grouped SDPA calls in fp32 (docs/gpu.md)
+FAMILIES = ["mpnet", "modernbert", "qwen3", "qwen2", "eurobert", "gemma3_text", "nomic_bert", "gte"]
+GQA = (
+    "qwen3",
+    "qwen2",
+    "eurobert",
+)  # flash in half precision, grouped SDPA calls in fp32 (docs/gpu.md)
 MHA = ("nomic_bert", "gte")  # the varlen kernels in every precision (efficient in fp32)
 
 

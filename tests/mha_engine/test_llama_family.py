@@ -1,6 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2: Qwen3's layers without per-head norms, each with its
-own biases) against transformers' own models: padded and packed token states, the biases
-each family has, Mistral's sliding window (the max length capped at it), bidirectional
+"""The Llama family (Llama, Mistral, Qwen2, EuroBERT: Qwen3's layers without per-head norms, each
+with its own biases) against transformers' own models: padded and packed token states, the
+biases each family has, Mistral's sliding window (the max length capped at it), bidirectional
 attention by is_causal, batch invariance in fp32/bf16/int8, save_model round trips through
 transformers, sequence classifiers and LogitScore rerankers, and what is refused."""
 
@@ -30,6 +30,8 @@ VARIANTS = [
     ("mistral", {"is_causal": False}),  # transformers 5's bidirectional switch
     ("qwen2", {}),  # biases on Q/K/V, none on the output
     ("qwen2", {"is_causal": False}),
+    ("eurobert", {}),  # Llama's layers as a bidirectional encoder
+    ("eurobert", {"attention_bias": True, "mlp_bias": True}),
 ]
 
 
@@ -58,7 +60,7 @@ def test_token_states_equal_transformers(tmp_path: Path, family: str, overrides:
     assert c.mlp_bias == bool(overrides.get("mlp_bias"))
     assert c.attention_bias == (family == "qwen2" or bool(overrides.get("attention_bias")))
     assert c.out_bias == bool(overrides.get("attention_bias"))
-    assert c.causal == overrides.get("is_causal", True)
+    assert c.causal == (family != "eurobert" and overrides.get("is_causal", True))
     _check_states(model, reference)
 
 
@@ -89,7 +91,7 @@ def test_every_own_family_is_a_supported_model_type() -> None:
     assert set(OWN_STACKS) <= set(hf_bert.SUPPORTED_MODEL_TYPES)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "eurobert"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_sequences_numbers_never_depend_on_its_batch(tmp_path, family, dtype) -> None:
     model = mha_engine.load_model(tm.save(tm.build(family), tmp_path), dtype=dtype)
@@ -162,6 +164,11 @@ def test_a_logit_score_reranker_on_qwen2(tmp_path) -> None:
         ),
         ("mistral", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ("llama", {"is_causal": 0}, "is_causal must be true or false"),
+        (
+            "eurobert",
+            {"architectures": ["EuroBertForSequenceClassification"], "num_labels": 2},
+            "EuroBertForSequenceClassification's head",
+        ),
     ],
 )
 def test_what_the_engine_does_not_run_is_refused(tmp_path, family, changes, match) -> None:

@@ -235,7 +235,7 @@ YARN = {
 
 @pytest.mark.parametrize(
     ("family", "overrides"),
-    [("mistral", {}), ("qwen2", {}), ("llama", {"rope_parameters": YARN})],
+    [("mistral", {}), ("qwen2", {}), ("llama", {"rope_parameters": YARN}), ("eurobert", {})],
 )
 def test_llama_family_embedders_equal_sentence_transformers(tmp_path, family, overrides) -> None:
     """e5-mistral's and gte-Qwen2's layout (last-token pooling, Normalize, a query prompt) saved
