@@ -185,16 +185,44 @@ def engine_state(
         if k.startswith(prefix) and k[len(prefix) :].startswith(parts)
     }
     check_state(base, expected_shapes(config, norms), f"{config.model_type} config")
-    encoder = {"norm.weight": base["norm.weight"]}
-    for i in range(config.num_layers):
+    encoder = stack_layers(base, config.num_layers, _names(norms), STACKED)
+    return {**encoder, "norm.weight": base["norm.weight"]}, {TOKENS: base[TOKENS]}
+
+
+def stack_layers(
+    base: dict[str, Tensor], num_layers: int, names: tuple, stacked: tuple
+) -> dict[str, Tensor]:
+    """Every layer's weights under the stack's names (`layers.{i}.`): one to one (`names`:
+    HF's -> ours) and stacked along rows into one GEMM's (`stacked`: ours <- HF's, in row order),
+    each only where the checkpoint has it (biases, head norms: where the family does)."""
+    out = {}
+    for i in range(num_layers):
         p = f"layers.{i}."
-        for theirs, ours in _names(norms):
-            if f"{p}{theirs}" in base:  # biases and head norms only where the family has them
-                encoder[f"{p}{ours}"] = base[f"{p}{theirs}"]
-        for ours, theirs in STACKED:
+        for theirs, ours in names:
+            if f"{p}{theirs}" in base:
+                out[f"{p}{ours}"] = base[f"{p}{theirs}"]
+        for ours, theirs in stacked:
             if f"{p}{theirs[0]}" in base:
-                encoder[f"{p}{ours}"] = torch.cat([base[f"{p}{t}"] for t in theirs])
-    return encoder, {TOKENS: base[TOKENS]}
+                out[f"{p}{ours}"] = torch.cat([base[f"{p}{t}"] for t in theirs])
+    return out
+
+
+def unstack_layers(
+    encoder: dict[str, Tensor], num_layers: int, names: tuple, stacked: tuple, sizes
+) -> dict[str, Tensor]:
+    """The inverse of stack_layers: HF's names again, each stacked tensor split into
+    `sizes(ours, tensor)` rows."""
+    out = {}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        for theirs, ours in names:
+            if f"{p}{ours}" in encoder:
+                out[f"{p}{theirs}"] = encoder[f"{p}{ours}"]
+        for ours, theirs in stacked:
+            if f"{p}{ours}" in encoder:
+                parts = encoder[f"{p}{ours}"].split(sizes(ours, encoder[f"{p}{ours}"]))
+                out.update(zip((f"{p}{t}" for t in theirs), parts, strict=True))
+    return out
 
 
 def rope_scaling_v4(config: Qwen3EncoderConfig) -> dict | None:
@@ -240,15 +268,9 @@ def hf_state(
     """HF base-model weight names from the stack's and the embeddings' states (inverse of
     engine_state)."""
     D, KV = config.nhead * config.head_dim, config.num_kv_heads * config.head_dim
-    out = {TOKENS: embeddings[TOKENS], "norm.weight": encoder["norm.weight"]}
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        for theirs, ours in _names(norms):
-            if f"{p}{ours}" in encoder:
-                out[f"{p}{theirs}"] = encoder[f"{p}{ours}"]
-        for ours, theirs in STACKED:
-            if f"{p}{ours}" in encoder:
-                stacked = encoder[f"{p}{ours}"]
-                sizes = (D, KV, KV) if ours.startswith("self_attn") else (len(stacked) // 2,) * 2
-                out.update(zip((f"{p}{t}" for t in theirs), stacked.split(sizes), strict=True))
-    return out
+
+    def sizes(ours: str, stacked: Tensor) -> tuple[int, ...]:
+        return (D, KV, KV) if ours.startswith("self_attn") else (len(stacked) // 2,) * 2
+
+    layers = unstack_layers(encoder, config.num_layers, _names(norms), STACKED, sizes)
+    return {TOKENS: embeddings[TOKENS], "norm.weight": encoder["norm.weight"], **layers}

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import re
 
-import torch
 from torch import Tensor
 
-from . import hf_bert, hf_rope
+from . import hf_bert, hf_qwen3, hf_rope
 from .errors import CheckpointError, check_state, positive_int
 from .text_config import RotaryBertConfig
 
@@ -220,15 +219,7 @@ def engine_state(
         and not k.endswith(("inv_freq", "position_ids"))  # buffers some Hub files hold
     })  # fmt: skip
     check_state(base, expected_shapes(config), f"{config.model_type} config")
-    encoder = {}
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        for theirs, ours in NAMES:
-            if f"{p}{theirs}" in base:
-                encoder[f"{p}{ours}"] = base[f"{p}{theirs}"]
-        for ours, theirs in STACKED:
-            if f"{p}{theirs[0]}" in base:
-                encoder[f"{p}{ours}"] = torch.cat([base[f"{p}{t}"] for t in theirs])
+    encoder = hf_qwen3.stack_layers(base, config.num_layers, NAMES, STACKED)
     embeddings = {k[len("embeddings.") :]: v for k, v in base.items() if k.startswith("embed")}
     return encoder, embeddings
 
@@ -258,16 +249,10 @@ def hf_state(
     encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: RotaryBertConfig
 ) -> dict[str, Tensor]:
     """transformers' base-model weight names from the stack's and the embeddings' states."""
-    out = {f"embeddings.{k}": v for k, v in embeddings.items()}
     Q, F = config.nhead * config.head_dim, config.dim_feedforward
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        for theirs, ours in NAMES:
-            if f"{p}{ours}" in encoder:
-                out[f"{p}{theirs}"] = encoder[f"{p}{ours}"]
-        for ours, theirs in STACKED:
-            if f"{p}{ours}" in encoder:
-                sizes = (Q, Q, Q) if ours.startswith("self_attn") else (F, F)
-                parts = encoder[f"{p}{ours}"].split(sizes)
-                out.update(zip((f"{p}{t}" for t in theirs), parts, strict=True))
-    return out
+
+    def sizes(ours: str, stacked: Tensor) -> tuple[int, ...]:
+        return (Q, Q, Q) if ours.startswith("self_attn") else (F, F)
+
+    layers = hf_qwen3.unstack_layers(encoder, config.num_layers, NAMES, STACKED, sizes)
+    return {**{f"embeddings.{k}": v for k, v in embeddings.items()}, **layers}
