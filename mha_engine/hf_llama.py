@@ -22,8 +22,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from torch import Tensor
+
 from . import hf_qwen3
 from .errors import CheckpointError, positive_int
+from .heads import is_sequence_classifier
+from .score_head import ScoreSpec
+from .st_files import LogitScore
 from .text_config import Qwen3EncoderConfig
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "eurobert")
@@ -50,7 +55,14 @@ def engine_config(config: dict) -> Qwen3EncoderConfig:
     llama = model_type in LLAMA_BIASES
     qkv_bias = model_type == "qwen2" or (llama and hf_qwen3.flag(config, "attention_bias"))
     hidden, heads = positive_int(config, "hidden_size"), positive_int(config, "num_attention_heads")
-    encoder = {"causal": False} if model_type == "eurobert" else {}  # an encoder: both ways
+    encoder = {}
+    if model_type == "eurobert":  # an encoder: both ways; EuroBertConfig's own eps default
+        if is_sequence_classifier(config):
+            raise CheckpointError(
+                "EuroBertForSequenceClassification's head (dense, activation, classifier) is "
+                "not supported; its base model serves embeddings"
+            )
+        encoder = {"causal": False, "layer_norm_eps": hf_qwen3.rms_eps(config, 1e-5)}
     return hf_qwen3.decoder_config(
         config,
         model_type,
@@ -69,13 +81,18 @@ engine_state = hf_qwen3.engine_state
 hf_state = hf_qwen3.hf_state
 
 
-def classifier_head(weights, hf_config, config, num_labels, logit_score):
-    """Qwen3's score head (hf_qwen3.classifier_head); EuroBERT's own (a dense layer, an
-    activation and a classifier over its pooling) is refused."""
+def classifier_head(
+    weights: dict[str, Tensor],
+    hf_config: dict,
+    config: Qwen3EncoderConfig,
+    num_labels: int,
+    logit_score: LogitScore | None,
+) -> tuple[ScoreSpec, dict[str, Tensor]]:
+    """Qwen3's score head (hf_qwen3.classifier_head); EuroBERT, an encoder, has no LM head
+    for a LogitScore (its own classifier head is refused in engine_config)."""
     if config.model_type == "eurobert":
         raise CheckpointError(
-            "EuroBertForSequenceClassification's head (dense, activation, classifier) is not "
-            "supported; its base model serves embeddings"
+            "modules.json's LogitScore scores a causal LM's logits; EuroBERT is an encoder"
         )
     return hf_qwen3.classifier_head(weights, hf_config, config, num_labels, logit_score)
 

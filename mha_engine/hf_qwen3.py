@@ -12,6 +12,8 @@ classifier's head (score_head.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -45,9 +47,10 @@ STACKED = (
 )  # fmt: skip
 
 
-def rms_eps(config: dict) -> float:
-    """config.rms_norm_eps (default 1e-6) as a positive float, else CheckpointError."""
-    eps = config.get("rms_norm_eps", 1e-6)
+def rms_eps(config: dict, default: float = 1e-6) -> float:
+    """config.rms_norm_eps (`default` when absent: Qwen3's and Llama's) as a positive float,
+    else CheckpointError."""
+    eps = config.get("rms_norm_eps", default)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
         raise CheckpointError(f"config.rms_norm_eps must be a positive number, got {eps!r}")
     return float(eps)
@@ -190,7 +193,10 @@ def engine_state(
 
 
 def stack_layers(
-    base: dict[str, Tensor], num_layers: int, names: tuple, stacked: tuple
+    base: dict[str, Tensor],
+    num_layers: int,
+    names: tuple[tuple[str, str], ...],
+    stacked: tuple[tuple[str, tuple[str, ...]], ...],
 ) -> dict[str, Tensor]:
     """Every layer's weights under the stack's names (`layers.{i}.`): one to one (`names`:
     HF's -> ours) and stacked along rows into one GEMM's (`stacked`: ours <- HF's, in row order),
@@ -208,7 +214,11 @@ def stack_layers(
 
 
 def unstack_layers(
-    encoder: dict[str, Tensor], num_layers: int, names: tuple, stacked: tuple, sizes
+    encoder: dict[str, Tensor],
+    num_layers: int,
+    names: tuple[tuple[str, str], ...],
+    stacked: tuple[tuple[str, tuple[str, ...]], ...],
+    sizes: Callable[[str, Tensor], tuple[int, ...]],
 ) -> dict[str, Tensor]:
     """The inverse of stack_layers: HF's names again, each stacked tensor split into
     `sizes(ours, tensor)` rows."""

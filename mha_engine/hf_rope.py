@@ -33,7 +33,7 @@ def entry(
     theta: float,
     scalable: bool = True,
     nested: bool = False,
-):
+) -> tuple[float, RopeScaling | None]:
     """(base, scaling or None) of one RoPE entry `rope` found at config.<where>; its base is
     `theta` when it names none. scalable=False: only plain RoPE is accepted there. nested: an
     entry of a per-kind rope_parameters, where transformers takes the pre-training length only

@@ -39,7 +39,10 @@ class RotaryBertEmbeddings(RotaryTables):
         return self.word_embeddings.weight
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, token_type_ids=None
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
     ) -> Tensor:
         """ids (...,) -> float32 (..., D); token types default to 0."""
         x = self.word_embeddings(input_ids)  # (..., D)
@@ -50,7 +53,9 @@ class RotaryBertEmbeddings(RotaryTables):
                 x = x + self.token_type_embeddings(token_type_ids)
         return self.LayerNorm(x)
 
-    def forward_packed(self, input_ids: Tensor, lengths: list[int], token_type_ids=None) -> Tensor:
+    def forward_packed(
+        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
+    ) -> Tensor:
         return self.forward(input_ids, None, token_type_ids)  # (N, D)
 
 

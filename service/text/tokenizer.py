@@ -116,16 +116,17 @@ class TextTokenizer:
 
     def cut_documents(self, texts: list[Text], limit: int) -> list[Text]:
         """Each pair's second text cut to its first `limit` tokens (Cohere's
-        max_tokens_per_doc), at the character where its limit-th token ends; shorter texts and
-        single texts as they are. Only texts longer than the limit are tokenized twice."""
+        max_tokens_per_doc), at the character where its first `limit` tokens end; shorter texts
+        and single texts as they are. Below max_length every document is tokenized twice."""
         seconds = [(i, t[1]) for i, t in enumerate(texts) if isinstance(t, tuple)]
         if not seconds or limit >= self.max_length:  # the pair is cut to max_length anyway
             return texts
         out = list(texts)
         encoded = self._tokenizer.encode_batch([t for _, t in seconds], add_special_tokens=False)
         for (i, text), enc in zip(seconds, encoded, strict=True):
-            if len(enc.ids) > limit:
-                out[i] = (out[i][0], text[: enc.offsets[limit - 1][1]])
+            end = max((stop for _, stop in enc.offsets[:limit]), default=0)
+            if len(enc.ids) > limit and end > 0:  # (trimmed offsets can end at 0)
+                out[i] = (out[i][0], text[:end])
         return out
 
     def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:

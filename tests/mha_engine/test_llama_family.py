@@ -84,6 +84,17 @@ def test_mistrals_default_window_caps_long_position_tables() -> None:
     assert hf_llama.engine_config(config).max_position_embeddings == 32768
 
 
+def test_eurobert_reads_its_own_defaults() -> None:
+    """EuroBertConfig's rms_norm_eps is 1e-5 when config.json names none (Llama's is 1e-6), and
+    its attention is bidirectional whatever is_causal says."""
+    from mha_engine import hf_llama
+
+    config = tm.hf_config("eurobert").to_dict()
+    config.pop("rms_norm_eps")
+    got = hf_llama.engine_config({**config, "is_causal": True})
+    assert (got.layer_norm_eps, got.causal) == (1e-5, False)
+
+
 def test_every_own_family_is_a_supported_model_type() -> None:
     from mha_engine import hf_bert
     from mha_engine.checkpoint import OWN_STACKS
