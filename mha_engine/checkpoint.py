@@ -71,6 +71,7 @@ OWN_STACKS: dict[str, tuple] = {
         for name in hf_rotary_bert.MODEL_TYPES
     },
 }
+SUPPORTED_MODEL_TYPES = (*hf_bert.FAMILIES, *OWN_STACKS)  # every text model_type that loads
 
 
 MODEL_CLASSES: dict[str, type[EngineModel]] = {
@@ -277,6 +278,10 @@ def text_model_from_directory(
     SparseEncoderModel when modules.json asks for SPLADE pooling (sentence-transformers'
     SparseEncoder)."""
     model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
     own = OWN_STACKS.get(model_type)
     bert = (hf_bert, TextEncoderModel, TextClassifierModel)
     family, encoder_class, classifier_class = own or bert

@@ -20,6 +20,15 @@ def positive_int(config: dict, name: str, default: int | None = None) -> int:
     return value
 
 
+def positive_number(config: dict, name: str, default: float | None = None) -> float:
+    """config[name] (`default` where it is absent) as a positive float, else CheckpointError
+    naming the field."""
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise CheckpointError(f"config.{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def check_state(
     state: dict,
     expected: dict[str, tuple[int, ...]],

@@ -65,10 +65,8 @@ class Gemma3Layer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """x: dense (B, T, D) or packed (N, D) with its plan; cos/sin per position (T|N, hd)."""
         attn = self.self_attn
-        q, k, v = attn.split_qkv(linear(attn.in_proj, self.input_layernorm(x)))
-        q, k = attn.positioned(q, k, cos_sin)  # (..., H*hd), (..., Hkv*hd)
-        merged, weights = attn.attend_either(
-            q, k, v, plan, key_padding_mask, need_weights=need_weights, attn_bias=window
+        merged, weights = attn.attend_rotary(
+            self.input_layernorm(x), cos_sin, plan, key_padding_mask, False, need_weights, window
         )  # packed (N, E) or dense (B, T, E); on packed rows the band per sequence length
         x = x + self.post_attention_layernorm(linear(attn.out_proj, merged))  # (..., D)
         gate, up = linear(self.gate_up, self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)

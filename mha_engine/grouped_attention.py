@@ -10,9 +10,11 @@ from torch import Tensor, nn
 
 from .attention import FusedAttention
 from .config import MultiheadAttentionConfig
+from .fused import linear
 from .rope import rotate
 from .text_config import GroupedRotaryConfig
 from .text_model import TextEncoderModel
+from .varlen import AttnBias, Plan
 
 
 class RMSNorm(nn.Module):
@@ -74,6 +76,24 @@ class GroupedRotaryAttention(FusedAttention):
             q = self.q_norm(q.unflatten(-1, (self.num_heads, -1))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, -1))).flatten(-2)
         return rotate(q, *cos_sin, self.num_heads), rotate(k, *cos_sin, self.num_kv_heads)
+
+    def attend_rotary(
+        self,
+        x: Tensor,
+        cos_sin: tuple[Tensor, Tensor],
+        plan: Plan | None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        attn_bias: Tensor | AttnBias | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """One fused Q/K/V GEMM on x (already normed where the family norms first), the heads
+        positioned, then attend_either: merged heads (..., H*hd) before out_proj, and weights."""
+        q, k, v = self.split_qkv(linear(self.in_proj, x))
+        q, k = self.positioned(q, k, cos_sin)  # (..., H*hd), (..., Hkv*hd)
+        return self.attend_either(
+            q, k, v, plan, key_padding_mask, is_causal, need_weights, attn_bias
+        )
 
 
 class GroupedRotaryModel(TextEncoderModel):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import hf_bert, hf_rope
-from .errors import CheckpointError, check_state, positive_int
+from .errors import CheckpointError, check_state, positive_int, positive_number
 from .score_head import ScoreSpec, score_state
 from .st_files import LogitScore
 from .text_config import LAYER_TYPES, GroupedRotaryConfig, Qwen3EncoderConfig
@@ -50,10 +50,7 @@ STACKED = (
 def rms_eps(config: dict, default: float = 1e-6) -> float:
     """config.rms_norm_eps (`default` when absent: Qwen3's and Llama's) as a positive float,
     else CheckpointError."""
-    eps = config.get("rms_norm_eps", default)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
-        raise CheckpointError(f"config.rms_norm_eps must be a positive number, got {eps!r}")
-    return float(eps)
+    return positive_number(config, "rms_norm_eps", default)
 
 
 def flag(config: dict, name: str, default: bool = False) -> bool:

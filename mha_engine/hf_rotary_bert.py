@@ -26,7 +26,7 @@ import re
 from torch import Tensor
 
 from . import hf_bert, hf_qwen3, hf_rope
-from .errors import CheckpointError, check_state, positive_int
+from .errors import CheckpointError, check_state, positive_int, positive_number
 from .text_config import RotaryBertConfig
 
 MODEL_TYPES = ("nomic_bert", "gte", "new")  # new: GTE as its Hub checkpoints name it
@@ -140,7 +140,7 @@ def engine_config(config: dict) -> RotaryBertConfig:
         num_layers=positive_int(fields, "num_hidden_layers"),
         dim_feedforward=positive_int(fields, "intermediate_size"),
         activation=HIDDEN_ACT[act],
-        layer_norm_eps=_eps(fields["layer_norm_eps"]),
+        layer_norm_eps=positive_number(fields, "layer_norm_eps"),
         norm_first=False,
         vocab_size=positive_int(fields, "vocab_size"),
         max_position_embeddings=positions,
@@ -152,13 +152,6 @@ def engine_config(config: dict) -> RotaryBertConfig:
         attention_bias=gte,
         down_bias=gte,
     )
-
-
-def _eps(eps: object) -> float:
-    """A positive layer_norm_eps, else CheckpointError."""
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
-        raise CheckpointError(f"config.layer_norm_eps must be a positive number, got {eps!r}")
-    return float(eps)
 
 
 def base_prefix(state: dict) -> str:

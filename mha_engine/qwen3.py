@@ -54,9 +54,10 @@ class Qwen3Layer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """x: dense (B, T, D) or packed (N, D) with its plan; cos/sin (T|N, hd)."""
         attn = self.self_attn
-        q, k, v = attn.split_qkv(linear(attn.in_proj, self.input_layernorm(x)))
-        q, k = attn.positioned(q, k, cos_sin)  # (..., H*hd), (..., Hkv*hd)
-        merged, weights = attn.attend_either(q, k, v, plan, key_padding_mask, causal, need_weights)
+        h = self.input_layernorm(x)
+        merged, weights = attn.attend_rotary(
+            h, cos_sin, plan, key_padding_mask, causal, need_weights
+        )
         x = linear(attn.out_proj, merged, residual=x)  # (..., D)
         gate, up = linear(self.gate_up, self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return linear(self.down, F.silu(gate) * up, residual=x), weights

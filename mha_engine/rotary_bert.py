@@ -18,45 +18,16 @@ from .fused import ACTIVATIONS, linear
 from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel
 from .heads import TextClassifierModel
 from .rope import rotary, token_positions
-from .text import RotaryTables
+from .text import TextEmbeddings
 from .text_config import RotaryBertConfig
 from .varlen import Plan
 
 
-class RotaryBertEmbeddings(RotaryTables):
-    """word + token type (where the table exists), then LayerNorm; Hugging Face's names.
-    Positions are taken for TextEmbeddings' interface and unused: RoPE places tokens."""
+class RotaryBertEmbeddings(TextEmbeddings):
+    """BERT's embeddings without the position table (RoPE places tokens): word + token type
+    (where the table exists), then LayerNorm; Hugging Face's names."""
 
-    def __init__(self, config: RotaryBertConfig) -> None:
-        super().__init__()
-        D = config.d_model
-        self.word_embeddings = nn.Embedding(config.vocab_size, D)
-        types = config.type_vocab_size
-        self.token_type_embeddings = nn.Embedding(types, D) if types > 0 else None
-        self.LayerNorm = nn.LayerNorm(D, eps=config.layer_norm_eps)
-
-    def _table(self) -> Tensor:
-        return self.word_embeddings.weight
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor | None = None,
-        token_type_ids: Tensor | None = None,
-    ) -> Tensor:
-        """ids (...,) -> float32 (..., D); token types default to 0."""
-        x = self.word_embeddings(input_ids)  # (..., D)
-        if self.token_type_embeddings is not None:
-            if token_type_ids is None:
-                x = x + self.token_type_embeddings.weight[0]
-            else:
-                x = x + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(x)
-
-    def forward_packed(
-        self, input_ids: Tensor, lengths: list[int], token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        return self.forward(input_ids, None, token_type_ids)  # (N, D)
+    position_table = False
 
 
 class RotaryBertLayer(nn.Module):
@@ -83,10 +54,8 @@ class RotaryBertLayer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """x: dense (B, T, D) or packed (N, D) with its plan; cos/sin per position (T|N, hd)."""
         attn = self.self_attn
-        q, k, v = attn.split_qkv(linear(attn.in_proj, x))
-        q, k = attn.positioned(q, k, cos_sin)  # (..., H*hd) each
-        merged, weights = attn.attend_either(
-            q, k, v, plan, key_padding_mask, need_weights=need_weights
+        merged, weights = attn.attend_rotary(
+            x, cos_sin, plan, key_padding_mask, False, need_weights
         )
         x = self.post_attention_layernorm(linear(attn.out_proj, merged, residual=x))  # (..., D)
         gate, up = linear(self.gate_up, x).chunk(2, dim=-1)

@@ -88,7 +88,7 @@ def scored_rows(input_ids: Tensor, lens: list[int], pad_token_id: int | None) ->
     real = torch.where(input_ids != pad_token_id, rows, -1)  # (N,)
     best = torch.full((len(lens),), -1, dtype=torch.long, device=device)
     best.scatter_reduce_(0, segment_ids(lens, device), real, "amax")  # (B,)
-    starts = (ends - torch.tensor(lens)).to(device)
+    starts = upload(ends - torch.tensor(lens), device)  # (B,), built on the host
     return torch.where(best >= 0, best, starts)
 
 

@@ -62,14 +62,19 @@ class TextEmbeddings(Float32Tables):
     token_type_embeddings, LayerNorm), so an HF `embeddings.` state dict loads as it is.
     The tables stay float32 whatever dtype the model is cast to: lookup and LayerNorm run in
     float32 and the caller casts the result once, so a bf16 model's first layer gets the fp32
-    embeddings rounded once.
+    embeddings rounded once. A family whose positions come from RoPE sets `position_table`
+    False: no position embeddings (NomicBERT, GTE).
     """
+
+    position_table = True
 
     def __init__(self, config: TextEncoderConfig) -> None:
         super().__init__()
         D = config.d_model
         self.word_embeddings = nn.Embedding(config.vocab_size, D)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, D)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, D) if self.position_table else None
+        )
         self.token_type_embeddings = (
             nn.Embedding(config.type_vocab_size, D) if config.type_vocab_size > 0 else None
         )  # None: DistilBERT
@@ -94,16 +99,23 @@ class TextEmbeddings(Float32Tables):
         return torch.arange(T, device=input_ids.device).expand_as(input_ids) + self.position_offset
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
     ) -> Tensor:
-        """Embed ids of any shape (..., ) -> float32 (..., D); token types default to 0."""
+        """Embed ids of any shape (..., ) -> float32 (..., D); token types default to 0,
+        positions to padded_positions' (unused without a position table)."""
         x = self.word_embeddings(input_ids)  # (..., D)
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
                 x = x + self.token_type_embeddings.weight[0]
             else:
                 x = x + self.token_type_embeddings(token_type_ids)
-        x = x + self.position_embeddings(position_ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = self.padded_positions(input_ids)
+            x = x + self.position_embeddings(position_ids)
         return self.LayerNorm(x)
 
     def forward_packed(
@@ -111,6 +123,8 @@ class TextEmbeddings(Float32Tables):
     ) -> Tensor:
         """Packed ids (N,) of unpadded sequences -> (N, D); positions restart per sequence;
         token types (N,) for sentence pairs (None: all 0)."""
+        if self.position_embeddings is None:
+            return self.forward(input_ids, None, token_type_ids)  # (N, D)
         positions = packed_positions(lengths, input_ids.device) + self.position_offset  # (N,)
         return self.forward(input_ids, positions, token_type_ids)
 

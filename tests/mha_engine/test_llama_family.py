@@ -95,11 +95,12 @@ def test_eurobert_reads_its_own_defaults() -> None:
     assert (got.layer_norm_eps, got.causal) == (1e-5, False)
 
 
-def test_every_own_family_is_a_supported_model_type() -> None:
-    from mha_engine import hf_bert
-    from mha_engine.checkpoint import OWN_STACKS
-
-    assert set(OWN_STACKS) <= set(hf_bert.SUPPORTED_MODEL_TYPES)
+def test_an_unsupported_model_type_names_every_family_that_loads(tmp_path) -> None:
+    path = tm.save(tm.build("llama"), tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match=r"'bert'.*'qwen3'.*'eurobert'.*'nomic_bert'"):
+        mha_engine.load_model(path)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "eurobert"])
