@@ -6,7 +6,8 @@ back (save_model).
 
 Refused naming the field: the kinds whose frequencies change with the input's length (dynamic,
 longrope: a sequence's numbers would depend on its batch-mates), partial rotary factors, and
-scaling where the family has none.
+scaling where the family has none. `ntk` (fixed NTK) is read only where the family's own code
+defines it (GTE).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import math
 from dataclasses import fields
 
 from .errors import CheckpointError
-from .text_config import ROPE_SCALINGS, RopeScaling
+from .text_config import RopeScaling
 
 DEFAULT = "default"
 BY_LENGTH = ("dynamic", "longrope")  # frequencies chosen by the batch's length
+TRANSFORMERS_KINDS = ("linear", "llama3", "yarn")  # the static kinds transformers computes
+NTK = "ntk"  # GTE's fixed NTK (gte-*-en-v1.5's remote code; not a transformers kind)
 
 
 def _mscale(factor: float, mscale: float = 1.0) -> float:
@@ -33,11 +36,13 @@ def entry(
     theta: float,
     scalable: bool = True,
     nested: bool = False,
+    kinds: tuple[str, ...] = TRANSFORMERS_KINDS,
 ) -> tuple[float, RopeScaling | None]:
     """(base, scaling or None) of one RoPE entry `rope` found at config.<where>; its base is
     `theta` when it names none. scalable=False: only plain RoPE is accepted there. nested: an
     entry of a per-kind rope_parameters, where transformers takes the pre-training length only
-    from the entry or the position table and always truncates YaRN's ramp."""
+    from the entry or the position table and always truncates YaRN's ramp. kinds: the scalings
+    the family runs."""
     if not isinstance(rope, dict):
         raise CheckpointError(f"config.{where} must be an object, got {rope!r}")
     kind = rope.get("rope_type", rope.get("type", DEFAULT))
@@ -51,10 +56,10 @@ def entry(
         raise CheckpointError(
             f"config.{where}.rope_type {kind!r} is not supported: it chooses the frequencies by "
             "the input's length, so a sequence's numbers would depend on its batch-mates "
-            f"(supported: {DEFAULT!r}, {', '.join(map(repr, ROPE_SCALINGS))})"
+            f"(supported: {DEFAULT!r}, {', '.join(map(repr, kinds))})"
         )
-    if kind not in ROPE_SCALINGS or not scalable:
-        only = (DEFAULT, *ROPE_SCALINGS) if scalable else (DEFAULT,)
+    if kind not in kinds or not scalable:
+        only = (DEFAULT, *kinds) if scalable else (DEFAULT,)
         raise CheckpointError(
             f"config.{where}.rope_type {kind!r} is not supported here (only "
             f"{', '.join(map(repr, only))})"
@@ -69,6 +74,12 @@ def entry(
         or positions
     )
     if kind == "linear":
+        return base, RopeScaling(kind, factor)
+    if kind == NTK:
+        if rope.get("mixed_b") is not None:
+            raise CheckpointError(
+                f"config.{where}.mixed_b (mixed NTK) is not supported: only fixed NTK scaling"
+            )
         return base, RopeScaling(kind, factor)
     if kind == "llama3":
         return base, RopeScaling(
@@ -110,13 +121,15 @@ def entry(
     )
 
 
-def single(config: dict, default: float) -> tuple[float, RopeScaling | None]:
+def single(
+    config: dict, default: float, kinds: tuple[str, ...] = TRANSFORMERS_KINDS
+) -> tuple[float, RopeScaling | None]:
     """One RoPE for every layer (Qwen3, the Llama family): rope_scaling, else rope_parameters,
     else plain RoPE with base config.rope_theta (`default` when absent)."""
     theta = config.get("rope_theta", default)
     where = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     rope = config.get(where)
-    return (theta, None) if rope is None else entry(rope, config, where, theta)
+    return (theta, None) if rope is None else entry(rope, config, where, theta, kinds=kinds)
 
 
 def per_kind(
@@ -148,6 +161,7 @@ def hf_entry(theta: float, scaling: RopeScaling | None) -> dict:
         return {"rope_type": DEFAULT, "rope_theta": theta}
     keep = {
         "linear": ("factor",),
+        NTK: ("factor",),
         "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
                    "high_freq_factor"),
         "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",

@@ -13,10 +13,12 @@ transformers 5 renames the same way at load:
 nomic's `rotary_scaling_factor` (dynamic NTK: its code rescales RoPE when a batch runs past
 `max_trained_positions`, so a sequence's numbers would depend on its batch-mates) caps the max
 length at `max_trained_positions`, where the scaling never applies: exact up to there, longer
-inputs truncated. Refused naming the field: what neither transformers' classes nor the engine
-run (pre-norm or parallel blocks, RMSNorm, causal attention, partial, interleaved or xPos
-rotary, unscaled attention, NomicBERT's biases, GTE's NTK RoPE scaling and log-n attention
-scaling).
+inputs truncated. gte-*-en-v1.5's `rope_scaling` {"type": "ntk"} (fixed NTK, as its remote code,
+TEI and vLLM compute it; transformers 5 cannot load it) runs as the linear scaling it equals on
+base rope_theta * factor, and save_model writes it in that form. Refused naming the field: what
+neither transformers' classes nor the engine run (pre-norm or parallel blocks, RMSNorm, causal
+attention, partial, interleaved or xPos rotary, unscaled attention, NomicBERT's biases, GTE's
+mixed NTK and log-n attention scaling).
 """
 
 from __future__ import annotations
@@ -25,13 +27,18 @@ import re
 
 from torch import Tensor
 
-from . import hf_bert, hf_qwen3, hf_rope
+from . import hf_bert, hf_qwen3, hf_rope, rope
 from .errors import CheckpointError, check_state, positive_int, positive_number
 from .text_config import RotaryBertConfig
 
 MODEL_TYPES = ("nomic_bert", "gte", "new")  # new: GTE as its Hub checkpoints name it
 ARCHITECTURES = {"nomic_bert": "NomicBertModel", "gte": "GteModel"}
 TOKENS = "embeddings.word_embeddings.weight"
+# RoPE scalings per family: GTE's remote code also defines fixed NTK (gte-*-en-v1.5)
+KINDS = {
+    "nomic_bert": hf_rope.TRANSFORMERS_KINDS,
+    "gte": (*hf_rope.TRANSFORMERS_KINDS, hf_rope.NTK),
+}
 HIDDEN_ACT = {"silu": "silu", "swiglu": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
               "gelu_pytorch_tanh": "gelu_tanh"}  # fmt: skip
 # transformers' defaults where config.json is silent (NomicBertConfig, GteConfig)
@@ -120,7 +127,9 @@ def engine_config(config: dict) -> RotaryBertConfig:
         raise CheckpointError(
             f"config.hidden_act {act!r} is not supported; use one of {list(HIDDEN_ACT)}"
         )
-    theta, scaling = hf_rope.single({**config, "rope_theta": fields["rope_theta"]}, 0.0)
+    theta, scaling = hf_rope.single(
+        {**config, "rope_theta": fields["rope_theta"]}, 0.0, KINDS[kind]
+    )
     heads = positive_int(fields, "num_attention_heads")
     hidden = positive_int(fields, "hidden_size")
     pad = fields["pad_token_id"]
@@ -234,7 +243,9 @@ def hf_config(config: RotaryBertConfig) -> dict:
         "type_vocab_size": config.type_vocab_size,
         "pad_token_id": config.pad_token_id,
         "head_dim": config.head_dim,
-        "rope_parameters": hf_rope.hf_entry(config.rope_theta, config.rope_scaling),
+        "rope_parameters": hf_rope.hf_entry(  # fixed NTK as the linear scaling it equals
+            *rope.transformers_form(config.rope_theta, config.rope_scaling, config.head_dim)
+        ),
     }
 
 

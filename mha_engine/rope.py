@@ -1,6 +1,7 @@
 """Rotary position embeddings (RoPE) as transformers computes them, shared by the rotary text
 families (ModernBERT, Qwen3, the Llama family, Gemma 3): cos/sin of position * 1 / theta^(2i /
-head_dim), the frequencies rescaled by a static RopeScaling where the config has one, applied to
+head_dim), the frequencies rescaled by a static RopeScaling where the config has one (GTE's
+fixed NTK as the linear scaling it equals), applied to
 queries and keys with rotate_half (the first half of each head's dims paired with the second).
 """
 
@@ -33,10 +34,23 @@ def token_positions(x: Tensor, plan: Plan | None) -> Tensor:
     return torch.cat([positions, positions.new_zeros(extra)]) if extra else positions
 
 
+def transformers_form(
+    theta: float, scaling: RopeScaling | None, head_dim: int
+) -> tuple[float, RopeScaling | None]:
+    """The same frequencies in a kind transformers computes: fixed NTK (base theta * factor, every
+    frequency divided by factor^(2 / head_dim)) is linear scaling by factor^(2 / head_dim) on
+    base theta * factor; every other RoPE is already one."""
+    if scaling is None or scaling.rope_type != "ntk":
+        return theta, scaling
+    return theta * scaling.factor, RopeScaling("linear", scaling.factor ** (2 / head_dim))
+
+
 @lru_cache(maxsize=32)
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
     """(head_dim / 2,) float32 on the host, in transformers' order of operations (exactly its
     numbers): 1 / theta^(2i / head_dim), then the scaling's rule. Cached: never modify it."""
+    if scaling is not None and scaling.rope_type == "ntk":  # as linear on base theta * factor
+        return inverse_frequencies(head_dim, *transformers_form(theta, scaling, head_dim))
     base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)  # (hd/2,)
     inv_freq = 1.0 / base
     if scaling is None:

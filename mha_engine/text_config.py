@@ -16,8 +16,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # attention per layer (Mo
 # Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
 RELATIVE_BUCKETS = (0, 32)
 DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "gelu", "sigmoid")  # after a Dense module
-# RoPE scalings the engine runs (rope_parameters' rope_type besides "default"): the static ones
-ROPE_SCALINGS = ("linear", "llama3", "yarn")
+# RoPE scalings the engine runs (rope_parameters' rope_type besides "default"): the static ones;
+# ntk only where a family's own code defines it (GTE's gte-*-en-v1.5)
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "ntk")
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,10 @@ class RopeScaling:
     """Static RoPE scaling as transformers computes it: `linear` divides every frequency by
     factor; `llama3` (Llama 3.1 and later) divides the low ones, keeps the high ones and smooths
     between; `yarn` blends divided and original frequencies by dimension and scales cos/sin by
-    attention_factor. The kinds that change with the input's length (dynamic, longrope) are not
-    here: a sequence's numbers would depend on its batch-mates."""
+    attention_factor; `ntk` (fixed NTK, GTE's remote code) multiplies the base by factor and
+    divides every frequency by factor^(2 / head_dim). The kinds that change with the input's
+    length (dynamic, longrope) are not here: a sequence's numbers would depend on its
+    batch-mates."""
 
     rope_type: str
     factor: float
@@ -47,7 +50,7 @@ class RopeScaling:
                      "attention_factor"):  # fmt: skip
             _check_theta(f"rope_parameters.{name}", getattr(self, name))
         check_flag("truncate", self.truncate)
-        if self.rope_type != "linear":
+        if self.rope_type not in ("linear", "ntk"):  # the others read the pre-training length
             length = self.original_max_position_embeddings
             check_positive("original_max_position_embeddings", length)
         if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:

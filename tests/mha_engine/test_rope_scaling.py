@@ -230,6 +230,7 @@ def test_a_sequences_numbers_never_depend_on_its_batch(tmp_path, dtype) -> None:
         ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                        "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ("mistral", {"rope_parameters": {"rope_type": "proportional"}}, "'proportional'"),
+        ("qwen3", {"rope_scaling": {"type": "ntk", "factor": 2.0}}, "'ntk' is not"),  # GTE's only
         ("qwen2", {"rope_parameters": {**LLAMA31, "high_freq_factor": 1.0}}, "must exceed"),
         ("qwen3", {"rope_parameters": {**QWEN3_YARN, "mscale": "x", "mscale_all_dim": 1}},
          "mscale and mscale_all_dim must be numbers"),

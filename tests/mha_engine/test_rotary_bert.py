@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import mha_engine
-from mha_engine import CheckpointError, RotaryBertModel, cuda_graphs
+from mha_engine import CheckpointError, RotaryBertModel, cuda_graphs, rope
 from mha_engine.rotary_bert import RotaryBertClassifierModel
 
 transformers = pytest.importorskip("transformers")
@@ -168,6 +168,51 @@ def test_gtes_new_model_type_loads_as_gte(tmp_path) -> None:
     _check_states(model, reference)
 
 
+def _gte_en_v15(tmp_path: Path, factor: float = 2.0, theta: float = 1000.0) -> tuple:
+    """gte-base-en-v1.5's form (model_type new, no token types, `rope_scaling` fixed NTK, which
+    transformers 5 cannot load) beside its reference: transformers' GteModel with base
+    theta * factor and linear scaling by factor^(2 / head_dim), the frequencies NTK defines."""
+    head_dim = tm.D // tm.HEADS
+    linear = {"rope_type": "linear", "factor": factor ** (2 / head_dim)}
+    linear["rope_theta"] = theta * factor
+    reference = tm.build("gte", type_vocab_size=0, rope_parameters=linear)
+    config = {**reference.config.to_dict(), "model_type": "new", "architectures": ["NewModel"],
+              "rope_theta": theta, "rope_scaling": {"type": "ntk", "factor": factor}}  # fmt: skip
+    del config["rope_parameters"]
+    return reference, _hub_form(reference, tmp_path / "hub", config)
+
+
+def test_gte_en_v15s_fixed_ntk_scaling_equals_transformers_linear_form(tmp_path) -> None:
+    reference, path = _gte_en_v15(tmp_path)
+    model = mha_engine.load_model(path)
+    c = model.config
+    assert (c.type_vocab_size, c.rope_theta, c.rope_scaling.rope_type) == (0, 1000.0, "ntk")
+    assert "embeddings.token_type_embeddings.weight" not in model.state_dict()
+    head_dim = tm.D // tm.HEADS  # the frequencies are transformers' linear ones, bit for bit
+    assert torch.equal(
+        rope.inverse_frequencies(head_dim, c.rope_theta, c.rope_scaling),
+        reference.rotary_emb.inv_freq,
+    )
+    _check_states(model, reference)
+    # unscaled RoPE on the same weights is not close: the check above exercises the scaling
+    (path / "config.json").write_text(
+        json.dumps({**json.loads((path / "config.json").read_text()), "rope_scaling": None})
+    )
+    with pytest.raises(AssertionError):
+        _check_states(mha_engine.load_model(path), reference)
+
+
+def test_save_model_writes_fixed_ntk_as_transformers_loads_it(tmp_path) -> None:
+    reference, path = _gte_en_v15(tmp_path)
+    mha_engine.save_model(mha_engine.load_model(path), tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["rope_parameters"] == reference.config.rope_parameters
+    again = transformers.AutoModel.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    ids, mask = tm.random_padded(LENGTHS)
+    assert torch.equal(_states(again, ids, mask), _states(reference, ids, mask))
+    _check_states(mha_engine.load_model(tmp_path / "out"), reference)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("labels", [3, 1])
 def test_sequence_classifiers_and_rerankers_equal_transformers(tmp_path, family, labels) -> None:
@@ -233,7 +278,8 @@ def test_save_model_round_trips_through_transformers(built, tmp_path) -> None:
         ("nomic_bert", {"hidden_act": ["silu"]}, "hidden_act"),
         ("nomic_bert", {"rotary_emb_scale_base": 512}, "rotary_emb_scale_base"),
         ("nomic_bert", {"scale_attn_weights": False}, "scale_attn_weights"),
-        ("gte", {"model_type": "new", "rope_scaling": {"type": "ntk", "factor": 2.0}}, "'ntk'"),
+        ("gte", {"rope_scaling": {"type": "ntk", "factor": 2.0, "mixed_b": 0.6}}, "mixed_b"),
+        ("nomic_bert", {"rope_scaling": {"type": "ntk", "factor": 2.0}}, "'ntk' is not"),
         ("gte", {"logn_attention_scale": True}, "logn_attention_scale"),
         ("gte", {"layer_norm_type": "rms_norm"}, "layer_norm_type"),
         ("gte", {"type_vocab_size": -1}, "type_vocab_size"),
