@@ -1,9 +1,10 @@
-"""MPNet, ModernBERT, Qwen3, Qwen2, EuroBERT, Gemma 3, NomicBERT and GTE sentence embeddings: the
-engine's packed forward against transformers' model plus pooling (mean; Qwen3, Qwen2: last
-token), sentences/s on the same batches, interleaved.
+"""MPNet, ModernBERT, Qwen3, Qwen2, EuroBERT, Gemma 3, NomicBERT, GTE and JinaBERT sentence
+embeddings: the engine's packed forward against transformers' model plus pooling (mean; Qwen3,
+Qwen2: last token), sentences/s on the same batches, interleaved.
 
 Run `python -m benchmarks.text_families [--family
-mpnet|modernbert|qwen3|qwen2|eurobert|gemma3_text|nomic_bert|gte] [--rounds 5] [--seconds 3]
+mpnet|modernbert|qwen3|qwen2|eurobert|gemma3_text|nomic_bert|gte|jina_bert] [--rounds 5]
+[--seconds 3]
 [--batch 32 --batch 1]` from the repository root under `flock /work/bench.lock` (needs
 transformers). The models have the published shapes, randomly initialised and saved as
 safetensors in a temporary directory (weights do not change the cost): all-mpnet-base-v2's (12
@@ -16,8 +17,12 @@ and 1 K/V head of 256, every sixth layer full, the others a window of 256 each w
 EuroBERT-210m's (12 bidirectional Llama layers, 768 wide, 12 heads, a 3,072-wide SwiGLU), nomic-
 embed-text-v1.5's (12 post-norm rotary layers, 768 wide, 12 heads, a 3,072-wide SwiGLU) and gte-
 multilingual-base's (the same shape with biases, a GELU-gated feed-forward and a 250,048-token
-table). Sentences are seeded random ids of 7-37 tokens (the lengths of benchmarks.embeddings'
-sentences under a BERT tokenizer), or of `--min-len`-`--max-len`. transformers runs each batch
+table) and jina-embeddings-v2-base-en's (12 post-norm BERT layers with ALiBi, 768 wide, 12 heads,
+a 3,072-wide GEGLU; transformers has no JinaBERT class, so its side is the reference the tests
+use: transformers' BertModel with each layer's intermediate a GLU and ALiBi as a float mask built
+per batch, as JinaBERT's own code adds it, SDPA). Sentences are seeded random ids of 7-37
+tokens (the lengths of benchmarks.embeddings' sentences under a BERT tokenizer), or of
+`--min-len`-`--max-len`. transformers runs each batch
 padded to its longest sentence with an attention mask (MPNet: eager attention, the only one it
 has; the others: SDPA); the engine runs it packed. Both in float32, then the engine in bfloat16
 beside them.
@@ -79,6 +84,10 @@ SHAPES = {
         vocab_size=250048, max_position_embeddings=8192, type_vocab_size=1, pad_token_id=1,
         rope_parameters={"rope_type": "default", "rope_theta": 160000.0},
     ),
+    "jina_bert": dict(
+        hidden=768, heads=12, num_hidden_layers=12, intermediate_size=3072, vocab_size=30528,
+        max_position_embeddings=8192, type_vocab_size=2, pad_token_id=0,
+    ),
 }  # fmt: skip
 POOLING = {"qwen3": "last_token", "qwen2": "last_token"}  # the others: mean
 
@@ -109,30 +118,56 @@ def main() -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(args.family, **SHAPES[args.family])
-    attention = "eager" if args.family == "mpnet" else "sdpa"
-    reference = transformers.AutoModel.from_config(config, attn_implementation=attention).eval()
+    jina = args.family == "jina_bert"
     with tempfile.TemporaryDirectory() as tmp:
-        reference.save_pretrained(Path(tmp), safe_serialization=True)
+        if jina:  # transformers' BertModel computing JinaBERT (the tests' reference)
+            from tests import jina_models
+
+            reference = jina_models.reference(**SHAPES[args.family])
+            reference.set_attn_implementation("sdpa")
+            jina_models.hub_form(reference, Path(tmp) / "jina")
+            tmp = str(Path(tmp) / "jina")
+        else:
+            config = transformers.AutoConfig.for_model(args.family, **SHAPES[args.family])
+            attention = "eager" if args.family == "mpnet" else "sdpa"
+            reference = transformers.AutoModel.from_config(
+                config, attn_implementation=attention
+            ).eval()
+            reference.save_pretrained(Path(tmp), safe_serialization=True)
         fp32 = mha_engine.load_model(tmp)
         bf16 = mha_engine.load_model(tmp, dtype="bfloat16")
     print(machine_line(args.family))
     for size in args.batch or [32, 1]:
-        seqs = batch(size, config.vocab_size, (args.min_len, args.max_len))
+        seqs = batch(size, reference.config.vocab_size, (args.min_len, args.max_len))
         pooling = POOLING.get(args.family, "mean")
-        compare(reference, fp32, bf16, seqs, args.rounds, args.seconds, pooling)
+        alibi = reference.config.num_attention_heads if jina else 0
+        compare(reference, fp32, bf16, seqs, args.rounds, args.seconds, pooling, alibi)
 
 
 def compare(
-    reference, fp32, bf16, seqs: tuple, rounds: int, seconds: float, pooling: str = "mean"
+    reference,
+    fp32,
+    bf16,
+    seqs: tuple,
+    rounds: int,
+    seconds: float,
+    pooling: str = "mean",
+    alibi: int = 0,
 ) -> None:
-    """One batch: the three runs interleaved, a markdown table of their medians."""
+    """One batch: the three runs interleaved, a markdown table of their medians. alibi: the
+    head count of a JinaBERT reference, whose mask carries ALiBi (built per batch)."""
     seqs, padded, mask = seqs
     size = len(seqs)
 
     @torch.inference_mode()
     def theirs() -> torch.Tensor:
-        hidden = reference(input_ids=padded, attention_mask=mask).last_hidden_state
+        if alibi:
+            from tests import jina_models
+
+            attention_mask = jina_models.alibi_mask(mask, alibi)
+        else:
+            attention_mask = mask
+        hidden = reference(input_ids=padded, attention_mask=attention_mask).last_hidden_state
         if pooling == "last_token":  # right padding: each row's last real token
             return hidden[torch.arange(size), mask.sum(1) - 1]  # (B, D)
         m = mask[..., None].float()

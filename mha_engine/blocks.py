@@ -3,7 +3,8 @@
 Module and parameter names are PyTorch's (self_attn, linear1, linear2, norm1, norm2; layers,
 norm), so nn.TransformerEncoder state dicts load as they are. Every op except attention is per
 token, so one layer serves dense (B, T, E) batches and packed (N, E) tokens with a varlen Plan.
-A stack may carry MPNet's relative position bias (`position_bias`), shared by its layers.
+A stack may carry a position bias shared by its layers (`position_bias`: MPNet's relative bias,
+JinaBERT's ALiBi), and a gated feed-forward (JinaBERT: linear1 gives [gate; up] rows).
 """
 
 from __future__ import annotations
@@ -12,20 +13,26 @@ from torch import Tensor, nn
 
 from .attention import FusedAttention
 from .config import TransformerEncoderConfig
-from .fused import linear
-from .position_bias import BiasCache, RelativePositionBias
+from .fused import ACTIVATIONS, linear
+from .position_bias import AlibiBias, BiasCache, RelativePositionBias
 from .varlen import AttnBias, Plan
 
 
 class EncoderLayer(nn.Module):
-    """One encoder layer: self-attention + feed-forward, post-norm or pre-norm (norm_first)."""
+    """One encoder layer: self-attention + feed-forward, post-norm or pre-norm (norm_first). A
+    gated feed-forward (config.gated_ffn, JinaBERT's GLU) is linear2(act(gate) * up) with
+    [gate; up] = linear1(x), linear1 without bias."""
 
     def __init__(self, config: TransformerEncoderConfig) -> None:
         super().__init__()
         E, F_, bias = config.d_model, config.dim_feedforward, config.bias
         eps = config.layer_norm_eps
+        self.gated = getattr(config, "gated_ffn", False)  # TextEncoderConfig's
         self.self_attn = FusedAttention(config.attention)
-        self.linear1 = nn.Linear(E, F_, bias=bias)
+        if self.gated:
+            self.linear1 = nn.Linear(E, 2 * F_, bias=False)  # rows [gate; up]
+        else:
+            self.linear1 = nn.Linear(E, F_, bias=bias)
         self.linear2 = nn.Linear(F_, E, bias=bias)
         self.norm1 = nn.LayerNorm(E, eps=eps, bias=bias)
         self.norm2 = nn.LayerNorm(E, eps=eps, bias=bias)
@@ -52,7 +59,12 @@ class EncoderLayer(nn.Module):
         return residual + a, w
 
     def _ff(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """[residual +] linear2(activation(linear1(x))), activation and add fused on CPU."""
+        """[residual +] linear2(activation(linear1(x))), activation and add fused on CPU; gated:
+        linear2(activation(gate) * up)."""
+        if self.gated:
+            gate, up = linear(self.linear1, x).chunk(2, dim=-1)  # (..., F) each
+            h = ACTIVATIONS[self.activation_name](gate) * up
+            return linear(self.linear2, h, residual=residual)  # (..., E)
         h = linear(self.linear1, x, self.activation_name)  # (..., F)
         return linear(self.linear2, h, residual=residual)  # (..., E)
 
@@ -84,7 +96,7 @@ class EncoderLayer(nn.Module):
 
 class EncoderStack(nn.Module):
     """num_layers EncoderLayers plus the optional final LayerNorm (nn.TransformerEncoder.norm),
-    and MPNet's relative position bias where the config has one."""
+    and the position bias where the config has one (MPNet's relative bias, JinaBERT's ALiBi)."""
 
     layer_class: type[nn.Module] = EncoderLayer
 
@@ -98,13 +110,17 @@ class EncoderStack(nn.Module):
             else None
         )
         buckets = getattr(config, "relative_attention_num_buckets", 0)  # TextEncoderConfig's
-        self.position_bias = RelativePositionBias(config.nhead, buckets) if buckets else None
+        self.position_bias: RelativePositionBias | AlibiBias | None = None
+        if buckets:
+            self.position_bias = RelativePositionBias(config.nhead, buckets)
+        elif getattr(config, "alibi", False):
+            self.position_bias = AlibiBias(config.nhead)
 
     @property
     def cuda_graphs_refusal(self) -> str | None:
         """Why CUDA graphs cannot replay this stack (None: they can)."""
         if self.position_bias is not None:
-            return "the kernel takes no relative position bias (MPNet)"
+            return "the kernel takes no position bias (MPNet's relative bias, ALiBi)"
         return None
 
     def forward(
@@ -124,10 +140,10 @@ class EncoderStack(nn.Module):
         bias: Tensor | AttnBias | None = None
         if self.position_bias is not None:  # computed once, shared by every layer
             if plan is not None:
-                bias = BiasCache(self.position_bias, x.dtype)
+                bias = BiasCache(self.position_bias, x.dtype, x.device)
             else:
                 T = x.shape[-2]
-                bias = self.position_bias(T, T, x.dtype)  # (1, H, T, T)
+                bias = self.position_bias(T, T, x.dtype, x.device)  # (1, H, T, T)
         for layer in self.layers:
             x, w = layer(x, key_padding_mask, attn_mask, is_causal, plan, need_weights, bias)
             if w is not None:

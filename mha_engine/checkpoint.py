@@ -129,7 +129,11 @@ def _stack_shapes(config: LayerStackConfig) -> dict[str, tuple[int, ...]]:
     if isinstance(config, TransformerDecoderConfig):
         attentions.append("multihead_attn")
         norms.append("norm3")
-    layer: dict[str, tuple[int, ...]] = {"linear1.weight": (F, E), "linear2.weight": (E, F)}
+    gated = getattr(config, "gated_ffn", False)  # JinaBERT's GLU: [gate; up] rows, no bias
+    layer: dict[str, tuple[int, ...]] = {
+        "linear1.weight": (2 * F if gated else F, E),
+        "linear2.weight": (E, F),
+    }
     for name in attentions:
         layer[f"{name}.in_proj_weight"] = (3 * E, E)
         layer[f"{name}.out_proj.weight"] = (E, E)
@@ -141,7 +145,9 @@ def _stack_shapes(config: LayerStackConfig) -> dict[str, tuple[int, ...]]:
         if bias:
             layer[f"{name}.bias"] = (E,)
     if bias:
-        layer.update({"linear1.bias": (F,), "linear2.bias": (E,)})
+        layer["linear2.bias"] = (E,)
+        if not gated:
+            layer["linear1.bias"] = (F,)
     shapes = {f"layers.{i}.{k}": s for i in range(config.num_layers) for k, s in layer.items()}
     if config.final_norm:
         shapes["norm.weight"] = (E,)
@@ -286,7 +292,8 @@ def text_model_from_directory(
     bert = (hf_bert, TextEncoderModel, TextClassifierModel)
     family, encoder_class, classifier_class = own or bert
     config = family.engine_config(hf_config)  # fail on config errors before reading weights
-    if hf_config.get("auto_map"):
+    # the engine runs JinaBERT's own code; other auto_maps name code it does not run
+    if hf_config.get("auto_map") and config.model_type != hf_bert.JINA:
         log.warning(
             "%s: config.json names the model's own code (auto_map); the engine runs the "
             "built-in %s architecture on this config, as transformers does without "
@@ -294,7 +301,7 @@ def text_model_from_directory(
             "that changes the attention, e.g. to bidirectional, is not run: set config.json's "
             "is_causal to false where the model needs that)",
             directory,
-            model_type,
+            config.model_type,
         )
     settings = read_text_settings(directory)
     config = replace(
@@ -313,9 +320,10 @@ def text_model_from_directory(
                 "engine scores that way (Qwen3's and the Llama family's are)"
             )
         info = RERANKER_INFO
-    if own is not None and settings.sparse:
+    if settings.sparse and config.model_type not in sparse.MLM_NAMES:
         raise CheckpointError(
-            f"{directory}: a {model_type} SPLADE model (its masked-LM head) is not supported"
+            f"{directory}: a {config.model_type} SPLADE model (its masked-LM head) is not "
+            f"supported (only {list(sparse.MLM_NAMES)})"
         )
     if info is not None and classifier_class is None:
         raise CheckpointError(

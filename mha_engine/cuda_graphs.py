@@ -336,7 +336,7 @@ def capture(
             "no bias_k/add_zero_attn, no GQA, head_dim a multiple of 8 up to 256)"
         )
     refusal = getattr(getattr(model, "encoder", None), "cuda_graphs_refusal", None)
-    if refusal is not None:  # a stack whose layers add score biases (MPNet, ModernBERT)
+    if refusal is not None:  # a stack whose layers add score biases (MPNet, JinaBERT, ModernBERT)
         raise ValueError(f"CUDA graphs replay the varlen kernel only: {refusal}")
     graphs = CudaGraphs(
         model.packed_run if captures else None,

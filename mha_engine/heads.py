@@ -60,6 +60,7 @@ HEAD_NAMES = {
     "camembert": ROBERTA_HEAD,
     "distilbert": HeadNames("pre_classifier", "classifier", "relu"),
     "mpnet": ROBERTA_HEAD,
+    "jina_bert": BERT_HEAD,  # JinaBertForSequenceClassification (jina-reranker-v1)
     "modernbert": HeadNames("head.dense", "classifier", "gelu", norm="head.norm"),
     "nomic_bert": BERT_HEAD,
     "gte": BERT_HEAD,

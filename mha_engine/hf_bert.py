@@ -5,7 +5,10 @@ in engine terms.
 text fields (vocabulary, positions); `engine_state` checks every tensor under its HF name, then
 fuses query/key/value into in_proj and renames the rest onto EncoderStack and TextEmbeddings.
 MPNet is RoBERTa-like (positions from padding, no token types) plus a relative position bias
-table shared by all layers (EncoderStack.position_bias).
+table shared by all layers (EncoderStack.position_bias). JinaBERT (jina-embeddings-v2: a `bert`
+config with position_embedding_type `alibi`, written for its remote code) is BERT with ALiBi
+instead of a position table and a GLU feed-forward (`mlp.gated_layers` rows [gate; up], `mlp.wo`,
+`mlp.layernorm`); the engine names it `jina_bert`.
 Heads outside the base model (pooler, MLM/classification heads) are ignored here; heads.py
 loads sequence-classification heads.
 """
@@ -45,6 +48,8 @@ class Family:
     positions_from_padding: bool  # RoBERTa numbers positions from pad_token_id + 1
     layer_norm_eps: float = 1e-12  # when config.json has none (the family's config default)
     relative_bias: str | None = None  # MPNet: the (buckets, H) relative position bias table
+    alibi: bool = False  # JinaBERT: ALiBi, no position table
+    gated: bool = False  # JinaBERT: linear1 is a GLU's [gate; up] rows, without bias
 
 
 BERT = Family(
@@ -101,7 +106,11 @@ MPNET = replace(
 # transformers' MPNetEmbeddings number positions from a padding index fixed at 1, whatever
 # config.pad_token_id says
 MPNET_PADDING_IDX = 1
-FAMILIES = {
+JINA_BERT = replace(
+    BERT, linear1="mlp.gated_layers", linear2="mlp.wo", norm2="mlp.layernorm", alibi=True,
+    gated=True,
+)  # fmt: skip
+FAMILIES = {  # by config.json's model_type
     "bert": BERT,
     "roberta": ROBERTA,
     "xlm-roberta": ROBERTA,
@@ -109,8 +118,43 @@ FAMILIES = {
     "distilbert": DISTILBERT,
     "mpnet": MPNET,
 }
-BUFFERS = ("position_ids", "token_type_ids")  # non-persistent index buffers some files carry
+JINA = "jina_bert"  # the engine's model_type for JinaBERT (its config.json says `bert`)
+# JinaBERT's feed_forward_type -> the activation on the gate (its code: nn.GELU(), exact; ReLU)
+JINA_FEED_FORWARD = {"geglu": "gelu", "reglu": "relu"}
+# its remote code, named in config.json's auto_map and written back by save_model
+JINA_CODE = "jinaai/jina-bert-implementation--"
+JINA_AUTO_MAP = {
+    "AutoConfig": JINA_CODE + "configuration_bert.JinaBertConfig",
+    "AutoModel": JINA_CODE + "modeling_bert.JinaBertModel",
+    "AutoModelForSequenceClassification": JINA_CODE
+    + "modeling_bert.JinaBertForSequenceClassification",
+}
+BUFFERS = ("position_ids", "token_type_ids", "alibi")  # non-persistent buffers some files carry
 BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name for MPNet's table
+
+
+def family_of(model_type: str) -> Family:
+    """The Family of an engine model_type (config.json's, or `jina_bert`)."""
+    return JINA_BERT if model_type == JINA else FAMILIES[model_type]
+
+
+def _jina(config: dict) -> dict:
+    """JinaBERT's engine fields, its variants refused naming the field."""
+    auto_map = config.get("auto_map")
+    names = [str(config.get("_name_or_path", ""))]
+    names += map(str, auto_map.values()) if isinstance(auto_map, dict) else []
+    if any("qk-post-norm" in name for name in names):
+        raise CheckpointError(
+            "jina-bert-v2-qk-post-norm (jina-embeddings-v2-base-code) is not supported: its "
+            "layers add LayerNorms on queries and keys and a second residual"
+        )
+    kind = config.get("feed_forward_type", "original")
+    if kind not in JINA_FEED_FORWARD:
+        raise CheckpointError(
+            f"config.feed_forward_type {kind!r} is not supported with ALiBi (JinaBERT's "
+            f"{list(JINA_FEED_FORWARD)})"
+        )
+    return {"activation": JINA_FEED_FORWARD[kind], "alibi": True, "gated_ffn": True}
 
 
 def is_hf_config(config: object) -> bool:
@@ -130,12 +174,18 @@ def engine_config(config: dict) -> TextEncoderConfig:
         if config.get(flag):
             raise CheckpointError(f"config.{flag} is set; only encoder-only models are supported")
     position_type = config.get("position_embedding_type", "absolute")
-    if position_type != "absolute":
+    jina = model_type == "bert" and position_type == "alibi"
+    if jina:
+        model_type, family = JINA, JINA_BERT
+    elif position_type != "absolute":
         raise CheckpointError(
-            f"config.position_embedding_type {position_type!r} is not supported (only absolute)"
+            f"config.position_embedding_type {position_type!r} is not supported (absolute; "
+            "alibi for JinaBERT's bert configs)"
         )
-    c: dict = {"model_type": model_type}
+    c: dict = {"model_type": model_type, **(_jina(config) if jina else {})}
     for field, hf_field in family.fields.items():
+        if field in c:  # JinaBERT's activation comes from feed_forward_type
+            continue
         if field == "activation":
             act = config.get(hf_field, "gelu")
             if act not in ACTIVATIONS:
@@ -194,14 +244,15 @@ def legacy_names(key: str) -> str:
 
 def expected_shapes(config: TextEncoderConfig) -> dict[str, tuple[int, ...]]:
     """Every HF key (without the task prefix) the config implies, with its shape."""
-    family = FAMILIES[config.model_type]
+    family = family_of(config.model_type)
     E, F = config.d_model, config.dim_feedforward
     shapes = {
         "embeddings.word_embeddings.weight": (config.vocab_size, E),
-        "embeddings.position_embeddings.weight": (config.max_position_embeddings, E),
         "embeddings.LayerNorm.weight": (E,),
         "embeddings.LayerNorm.bias": (E,),
     }
+    if not family.alibi:
+        shapes["embeddings.position_embeddings.weight"] = (config.max_position_embeddings, E)
     if family.token_types and config.type_vocab_size > 0:
         shapes["embeddings.token_type_embeddings.weight"] = (config.type_vocab_size, E)
     if family.relative_bias is not None:
@@ -214,11 +265,12 @@ def expected_shapes(config: TextEncoderConfig) -> dict[str, tuple[int, ...]]:
             (a.k, E, E),
             (a.v, E, E),
             (a.out, E, E),
-            (family.linear1, F, E),
+            (family.linear1, 2 * F if family.gated else F, E),
             (family.linear2, E, F),
         ):
             shapes[f"{p}{name}.weight"] = (rows, cols)
-            shapes[f"{p}{name}.bias"] = (rows,)
+            if not (family.gated and name == family.linear1):  # a GLU's gate/up has no bias
+                shapes[f"{p}{name}.bias"] = (rows,)
         for norm in (family.norm1, family.norm2):
             shapes[f"{p}{norm}.weight"] = shapes[f"{p}{norm}.bias"] = (E,)
     return shapes
@@ -228,7 +280,7 @@ def engine_state(
     state: dict[str, Tensor], config: TextEncoderConfig
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(encoder state in nn.TransformerEncoder names, TextEmbeddings state) from HF weights."""
-    family = FAMILIES[config.model_type]
+    family = family_of(config.model_type)
     prefix = base_prefix(state)
     section = family.layers.split(".", 1)[0] + "."  # 'encoder.' or 'transformer.'
     base = {
@@ -253,7 +305,8 @@ def engine_state(
             (family.norm2, "norm2"),
         ):
             for kind in ("weight", "bias"):
-                encoder[f"{dst}{ours}.{kind}"] = base[f"{src}{name}.{kind}"]
+                if f"{src}{name}.{kind}" in base:  # checked above: only a GLU's has no bias
+                    encoder[f"{dst}{ours}.{kind}"] = base[f"{src}{name}.{kind}"]
     if family.relative_bias is not None:
         encoder[BIAS_KEY] = base[family.relative_bias]
     embeddings = {  # TextEmbeddings uses HF's names under `embeddings.`
@@ -268,11 +321,16 @@ HF_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_tanh": "gelu_new"}
 
 def hf_config(config: TextEncoderConfig) -> dict:
     """The Hugging Face config.json of a text model (inverse of engine_config)."""
-    family = FAMILIES[config.model_type]
+    family = family_of(config.model_type)
     c: dict = {"model_type": config.model_type, "position_embedding_type": "absolute"}
     for field, hf_field in family.fields.items():
         value = getattr(config, field)
         c[hf_field] = HF_ACTIVATIONS[value] if field == "activation" else value
+    if family.alibi:  # JinaBERT's form, as its Hub files (and its remote code) read it
+        gate = {v: k for k, v in JINA_FEED_FORWARD.items()}[config.activation]
+        c.update(model_type="bert", position_embedding_type="alibi", hidden_act="gelu",
+                 feed_forward_type=gate, architectures=["JinaBertModel"],
+                 auto_map=JINA_AUTO_MAP)  # fmt: skip
     c.update(
         layer_norm_eps=config.layer_norm_eps,
         vocab_size=config.vocab_size,
@@ -290,7 +348,7 @@ def hf_state(
     encoder: dict[str, Tensor], embeddings: dict[str, Tensor], config: TextEncoderConfig
 ) -> dict[str, Tensor]:
     """HF base-model weight names from the encoder (PyTorch names) and embeddings states."""
-    family, E = FAMILIES[config.model_type], config.d_model
+    family, E = family_of(config.model_type), config.d_model
     a = family.attention
     out = {f"embeddings.{k}": v for k, v in embeddings.items()}
     if family.relative_bias is not None:
@@ -309,5 +367,6 @@ def hf_state(
             ("norm2", family.norm2),
         ):
             for kind in ("weight", "bias"):
-                out[f"{dst}{theirs}.{kind}"] = encoder[f"{src}{ours}.{kind}"]
+                if f"{src}{ours}.{kind}" in encoder:  # a GLU's linear1 has no bias
+                    out[f"{dst}{theirs}.{kind}"] = encoder[f"{src}{ours}.{kind}"]
     return out

@@ -87,7 +87,9 @@ def engine_path(model: EngineModel) -> str:
         gemms = "fused in_proj GEMM"
     stack = getattr(model, "encoder", None)
     if getattr(stack, "position_bias", None) is not None:  # no kernel takes the bias
-        return f"{gemms} + scaled_dot_product_attention with MPNet's relative position bias"
+        alibi = getattr(stack.config, "alibi", False)
+        kind = "ALiBi" if alibi else "MPNet's relative position bias"
+        return f"{gemms} + scaled_dot_product_attention with {kind}"
     note = getattr(stack, "attention_note", None)  # ModernBERT's sliding-window layers
     if model.device.type != "cpu" or not cpu_varlen.max_len(model.dtype):
         return f"{gemms} + scaled_dot_product_attention" + (f"; {note}" if note else "")

@@ -1,10 +1,17 @@
-"""MPNet's relative position bias: one learned score per head and distance bucket, added to every
-layer's attention scores before the softmax (as T5's, bidirectional).
+"""Additive position biases on every layer's attention scores, before the softmax, computed once
+per forward and shared by the layers: MPNet's learned relative bias, and JinaBERT's ALiBi.
+
+MPNet: one learned score per head and distance bucket (as T5's, bidirectional).
 
 A key j seen from query i falls into a bucket of the distance j - i: 16 per direction, the 8
 nearest exact, the rest logarithmic up to 128 tokens and clamped beyond. Like transformers'
 MPNetEncoder, the bucket count is fixed at 32 and the bias is computed once per forward and
 shared by all layers; it depends only on (tgt_len, src_len), so sequences of one length share it.
+
+ALiBi (JinaBERT, jina-embeddings-v2): no table, no weights: head h adds -slope_h * |j - i|, the
+same in both directions, with the ALiBi paper's slopes (a geometric series from 2^(-8 / H); for a
+head count H that is not a power of two, those of the power of two below it, then every other
+slope of twice that power). Built in float32, then cast to the scores' dtype, as JinaBERT's code.
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ class RelativePositionBias(nn.Module):
         super().__init__()
         self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
 
-    def forward(self, tgt_len: int, src_len: int, dtype: torch.dtype) -> Tensor:
+    def forward(
+        self, tgt_len: int, src_len: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> Tensor:
+        """The bias on the table's device (`device` is AlibiBias's argument, unused here)."""
         device = self.relative_attention_bias.weight.device
         query = torch.arange(tgt_len, device=device)[:, None]  # (T, 1)
         key = torch.arange(src_len, device=device)[None, :]  # (1, S)
@@ -50,15 +60,47 @@ class RelativePositionBias(nn.Module):
         return bias.permute(2, 0, 1).unsqueeze(0).to(dtype).contiguous()  # (1, H, T, S)
 
 
+def alibi_slopes(num_heads: int) -> list[float]:
+    """Each head's ALiBi slope, in head order (the paper's and JinaBERT's)."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))  # 2^(-8 / n)
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_two(num_heads)
+    below = 2 ** math.floor(math.log2(num_heads))
+    return power_of_two(below) + alibi_slopes(2 * below)[0::2][: num_heads - below]
+
+
+class AlibiBias(nn.Module):
+    """ALiBi's additive (1, H, T, S) bias of one sequence length: -slope_h * |key - query|."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.slopes = tuple(alibi_slopes(num_heads))  # no tensor: nothing to load or move
+
+    def forward(
+        self, tgt_len: int, src_len: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> Tensor:
+        query = torch.arange(tgt_len, device=device)[:, None]  # (T, 1)
+        key = torch.arange(src_len, device=device)[None, :]  # (1, S)
+        distance = (key - query).abs()  # (T, S)
+        slopes = -torch.tensor(self.slopes, device=device)  # (H,) float32
+        return (slopes[:, None, None] * distance).unsqueeze(0).to(dtype)  # (1, H, T, S)
+
+
 class BiasCache:
     """The bias of each (tgt_len, src_len) one forward meets, computed once for all layers."""
 
-    def __init__(self, bias: RelativePositionBias, dtype: torch.dtype) -> None:
-        self._bias, self._dtype = bias, dtype
+    def __init__(
+        self, bias: RelativePositionBias | AlibiBias, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self._bias, self._dtype, self._device = bias, dtype, device
         self._seen: dict[tuple[int, int], Tensor] = {}
 
     def __call__(self, tgt_len: int, src_len: int) -> Tensor:
         key = (tgt_len, src_len)
         if key not in self._seen:
-            self._seen[key] = self._bias(tgt_len, src_len, self._dtype)  # (1, H, T, S)
+            self._seen[key] = self._bias(tgt_len, src_len, self._dtype, self._device)
         return self._seen[key]

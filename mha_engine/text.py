@@ -63,7 +63,7 @@ class TextEmbeddings(Float32Tables):
     The tables stay float32 whatever dtype the model is cast to: lookup and LayerNorm run in
     float32 and the caller casts the result once, so a bf16 model's first layer gets the fp32
     embeddings rounded once. A family whose positions come from RoPE sets `position_table`
-    False: no position embeddings (NomicBERT, GTE).
+    False: no position embeddings (NomicBERT, GTE); nor has a config with ALiBi (JinaBERT).
     """
 
     position_table = True
@@ -73,7 +73,9 @@ class TextEmbeddings(Float32Tables):
         D = config.d_model
         self.word_embeddings = nn.Embedding(config.vocab_size, D)
         self.position_embeddings = (
-            nn.Embedding(config.max_position_embeddings, D) if self.position_table else None
+            nn.Embedding(config.max_position_embeddings, D)
+            if self.position_table and not config.alibi
+            else None
         )
         self.token_type_embeddings = (
             nn.Embedding(config.type_vocab_size, D) if config.type_vocab_size > 0 else None

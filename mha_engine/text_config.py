@@ -84,14 +84,16 @@ class DenseConfig:
 class TextEncoderConfig(TransformerEncoderConfig):
     """A BERT-family text encoder: the post-norm encoder plus embeddings and pooling settings."""
 
-    model_type: str  # bert | roberta | xlm-roberta | camembert | distilbert | mpnet | modernbert
-    # | qwen3 | llama | mistral | qwen2 | gemma3_text
+    model_type: str  # bert | roberta | xlm-roberta | camembert | distilbert | mpnet | jina_bert
+    # | modernbert | qwen3 | llama | mistral | qwen2 | gemma3_text | nomic_bert | gte
     vocab_size: int
     max_position_embeddings: int
     type_vocab_size: int = 0  # 0: no token-type table (DistilBERT, MPNet)
     pad_token_id: int | None = None
     position_offset: int = 0  # RoBERTa-like (positions from padding): pad_token_id + 1
     relative_attention_num_buckets: int = 0  # MPNet: 32 (a relative position bias)
+    alibi: bool = False  # JinaBERT: ALiBi score biases instead of a position table
+    gated_ffn: bool = False  # JinaBERT: a GLU feed-forward (linear1 gives [gate; up])
     pooling: str = "mean"  # mean | cls | last_token
     normalize: bool = False
     max_seq_len: int = 0  # 0: as many tokens as the position table holds
@@ -107,6 +109,10 @@ class TextEncoderConfig(TransformerEncoderConfig):
             raise CheckpointError(
                 f"config.pad_token_id is needed for {self.model_type} position ids"
             )
+        check_flag("alibi", self.alibi)
+        check_flag("gated_ffn", self.gated_ffn)
+        if self.alibi and self.relative_attention_num_buckets:
+            raise CheckpointError("alibi and a relative position bias exclude each other")
         if self.relative_attention_num_buckets not in RELATIVE_BUCKETS:
             raise CheckpointError(
                 "relative_attention_num_buckets must be 32 (MPNet's) or 0 (none), got "

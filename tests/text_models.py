@@ -152,6 +152,17 @@ def sentence_transformer(
     lasttoken), optional Normalize, and prompts in config_sentence_transformers.json."""
     model = build(model_type)
     save(model, directory)
+    write_st_modules(directory, pooling, normalize, prompts)
+    return model, directory
+
+
+def write_st_modules(
+    directory: Path,
+    pooling: str = "mean",
+    normalize: bool = True,
+    prompts: dict[str, str] | None = None,
+) -> None:
+    """sentence-transformers' files beside a saved model (see sentence_transformer)."""
     parts = [("", "Transformer"), ("1_Pooling", "Pooling")]
     if normalize:
         parts.append(("2_Normalize", "Normalize"))
@@ -167,7 +178,6 @@ def sentence_transformer(
     if prompts is not None:
         config = {"prompts": prompts, "default_prompt_name": None}
         (directory / "config_sentence_transformers.json").write_text(json.dumps(config))
-    return model, directory
 
 
 def add_dense(

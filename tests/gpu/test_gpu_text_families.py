@@ -1,9 +1,10 @@
-"""MPNet, ModernBERT, Qwen3, Gemma 3, NomicBERT and GTE on a real GPU (skipped without one): token
-states against transformers' own modules on the CPU, and a sentence's states alone against the
-same sentence among others. MPNet, ModernBERT and Gemma 3 take the grouped SDPA path on CUDA for
-their biased layers (relative positions, sliding window), Qwen3 in fp32 (flash's GQA is half
-precision only), counted in cuda_grouped_calls; NomicBERT and GTE the varlen kernels. Not yet
-run on a GPU when written."""
+"""MPNet, ModernBERT, Qwen3, Gemma 3, NomicBERT, GTE and JinaBERT on a real GPU (skipped without
+one): token states against transformers' own modules on the CPU (JinaBERT: the BertModel-built
+reference of tests/jina_models.py), and a sentence's states alone against the same sentence
+among others. MPNet, ModernBERT, Gemma 3 and JinaBERT take the grouped SDPA path on CUDA for
+their biased layers (relative positions, sliding window, ALiBi), Qwen3 in fp32 (flash's GQA is
+half precision only), counted in cuda_grouped_calls; NomicBERT and GTE the varlen kernels. Not
+yet run on a GPU when written."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytestmark = [
 ]
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
+from tests import jina_models as jm  # noqa: E402
 from tests import text_models as tm  # noqa: E402
 
 TEXTS = tm.LONG_AND_SHORT
@@ -79,6 +81,28 @@ def test_qwen3_reranker_scores_equal_the_cpu_and_never_depend_on_the_batch(tmp_p
     torch.testing.assert_close(together.cpu(), want, atol=atol, rtol=1.3e-6)
     for one, got in zip(seqs, together, strict=True):
         alone = model.classify_varlen([one])[0]
+        if dtype == torch.float32:
+            torch.testing.assert_close(alone, got, atol=FP32_DRIFT, rtol=0)
+        else:
+            assert torch.equal(alone, got)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_jina_bert_equals_the_reference_and_never_depends_on_the_batch(tmp_path, dtype):
+    reference = jm.reference(heads=6)
+    path = jm.hub_form(reference, tmp_path / "hub")
+    model = mha_engine.load_model(path, device="cuda", dtype=dtype)
+    encoded = tm.tokenize(path, TEXTS)
+    seqs = [ids for ids, _ in encoded]
+    ids, mask, _ = tm.padded(encoded)
+    want = jm.run(reference, ids, mask).last_hidden_state
+    together = model.encode_varlen(seqs)
+    atol, rtol = TOLERANCES[dtype]
+    for got, w, m in zip(together, want, mask.bool(), strict=True):
+        torch.testing.assert_close(got.float().cpu(), w[m], atol=atol, rtol=rtol)
+    assert model.cuda_grouped_calls > 0  # ALiBi: no varlen kernel takes the bias
+    for one, got in zip(seqs, together, strict=True):
+        alone = model.encode_varlen([one])[0]
         if dtype == torch.float32:
             torch.testing.assert_close(alone, got, atol=FP32_DRIFT, rtol=0)
         else:

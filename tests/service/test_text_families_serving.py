@@ -19,6 +19,7 @@ from tests.support import FP32_TOL
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
+from tests import jina_models as jm
 from tests import text_models as tm
 
 NAME = "mpnet"
@@ -221,6 +222,47 @@ def test_rotary_bert_embedders_equal_transformers(tmp_path, family) -> None:
             tei = await client.post("/embed", json=body)
             assert tei.status_code == 200, tei.text
             np.testing.assert_allclose(np.array(tei.json()), queried, **FP32_TOL)
+
+    asyncio.run(main())
+
+
+def test_jina_bert_embedders_and_rerankers_equal_the_reference(tmp_path) -> None:
+    """jina-embeddings-v2's layout (JinaBERT: ALiBi, a GLU; mean pooling, Normalize) on
+    /v1/embeddings and /embed, and jina-reranker-v1's (one label) on /rerank, equal to the
+    reference tests/jina_models.py builds from transformers' BertModel."""
+    embedder = jm.reference(heads=6)
+    directory = jm.hub_form(embedder, tmp_path / "jina")
+    tm.write_st_modules(directory, "mean", normalize=True)
+    ids, mask, types = tm.padded(tm.tokenize(directory, TEXTS))
+    states = jm.run(embedder, ids, mask, token_type_ids=types).last_hidden_state
+    m = mask[..., None].float()
+    want = torch.nn.functional.normalize((states * m).sum(1) / m.sum(1), dim=-1).numpy()
+
+    labels = {"id2label": {0: "score"}, "label2id": {"score": 0}}
+    reranker = jm.reference("ForSequenceClassification", num_labels=1, **labels)
+    ranker_dir = jm.hub_form(
+        reranker, tmp_path / "jina-r", architectures=["JinaBertForSequenceClassification"]
+    )
+    query, passages = TEXTS[1], [TEXTS[0], TEXTS[2], TEXTS[3]]
+    pairs = tm.padded(tm.tokenize(ranker_dir, [(query, p) for p in passages], pairs=True))
+    logits = jm.run(reranker, pairs[0], pairs[1], token_type_ids=pairs[2]).logits[:, 0]
+    scores = torch.sigmoid(logits.double()).numpy()
+
+    async def main() -> None:
+        async with asgi_client(model_dir=directory, model_name="jina") as client:
+            openai = await client.post("/v1/embeddings", json={"model": "jina", "input": TEXTS})
+            assert openai.status_code == 200, openai.text
+            got = np.array([d["embedding"] for d in openai.json()["data"]])
+            np.testing.assert_allclose(got, want, **FP32_TOL)
+            tei = await client.post("/embed", json={"inputs": TEXTS})
+            np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
+        async with asgi_client(model_dir=ranker_dir, model_name="jina-r") as client:
+            ranked = await client.post("/rerank", json={"query": query, "texts": passages})
+            assert ranked.status_code == 200, ranked.text
+            order = np.argsort(-scores)
+            assert [r["index"] for r in ranked.json()] == order.tolist()
+            got = [r["score"] for r in ranked.json()]
+            np.testing.assert_allclose(got, scores[order], rtol=1e-5, atol=1e-6)
 
     asyncio.run(main())
 
