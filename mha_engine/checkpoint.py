@@ -25,6 +25,7 @@ from . import (
     heads,
     hf_bert,
     hf_gemma3,
+    hf_jina,
     hf_llama,
     hf_modernbert,
     hf_qwen3,
@@ -267,8 +268,14 @@ def load_model(
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    config = hf_jina.with_model_type(config)  # Jina's XLM-RoBERTa names none
     if hf_bert.is_hf_config(config):
         return text_model_from_directory(directory, config, device, dtype)
+    if isinstance(config, dict) and "architectures" in config and "architecture" not in config:
+        raise CheckpointError(
+            f"{config_path} names no model_type: a Hugging Face config needs one (one of "
+            f"{list(SUPPORTED_MODEL_TYPES)}), or Jina's XLM-RoBERTa code in its auto_map"
+        )
     parse_config(config)  # fail on config errors before reading weights
     return model_from_state_dict(config, _read_weights(directory), device, dtype)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
+from . import hf_jina
 from .config import MultiheadAttentionConfig
 from .errors import CheckpointError, check_state, positive_int
 from .layouts import AttentionKeys, to_pytorch_names
@@ -118,17 +119,7 @@ FAMILIES = {  # by config.json's model_type
     "distilbert": DISTILBERT,
     "mpnet": MPNET,
 }
-JINA = "jina_bert"  # the engine's model_type for JinaBERT (its config.json says `bert`)
-# JinaBERT's feed_forward_type -> the activation on the gate (its code: nn.GELU(), exact; ReLU)
-JINA_FEED_FORWARD = {"geglu": "gelu", "reglu": "relu"}
-# its remote code, named in config.json's auto_map and written back by save_model
-JINA_CODE = "jinaai/jina-bert-implementation--"
-JINA_AUTO_MAP = {
-    "AutoConfig": JINA_CODE + "configuration_bert.JinaBertConfig",
-    "AutoModel": JINA_CODE + "modeling_bert.JinaBertModel",
-    "AutoModelForSequenceClassification": JINA_CODE
-    + "modeling_bert.JinaBertForSequenceClassification",
-}
+JINA = hf_jina.JINA_BERT
 BUFFERS = ("position_ids", "token_type_ids", "alibi")  # non-persistent buffers some files carry
 BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name for MPNet's table
 
@@ -136,25 +127,6 @@ BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name
 def family_of(model_type: str) -> Family:
     """The Family of an engine model_type (config.json's, or `jina_bert`)."""
     return JINA_BERT if model_type == JINA else FAMILIES[model_type]
-
-
-def _jina(config: dict) -> dict:
-    """JinaBERT's engine fields, its variants refused naming the field."""
-    auto_map = config.get("auto_map")
-    names = [str(config.get("_name_or_path", ""))]
-    names += map(str, auto_map.values()) if isinstance(auto_map, dict) else []
-    if any("qk-post-norm" in name for name in names):
-        raise CheckpointError(
-            "jina-bert-v2-qk-post-norm (jina-embeddings-v2-base-code) is not supported: its "
-            "layers add LayerNorms on queries and keys and a second residual"
-        )
-    kind = config.get("feed_forward_type", "original")
-    if kind not in JINA_FEED_FORWARD:
-        raise CheckpointError(
-            f"config.feed_forward_type {kind!r} is not supported with ALiBi (JinaBERT's "
-            f"{list(JINA_FEED_FORWARD)})"
-        )
-    return {"activation": JINA_FEED_FORWARD[kind], "alibi": True, "gated_ffn": True}
 
 
 def is_hf_config(config: object) -> bool:
@@ -182,7 +154,7 @@ def engine_config(config: dict) -> TextEncoderConfig:
             f"config.position_embedding_type {position_type!r} is not supported (absolute; "
             "alibi for JinaBERT's bert configs)"
         )
-    c: dict = {"model_type": model_type, **(_jina(config) if jina else {})}
+    c: dict = {"model_type": model_type, **(hf_jina.jina_bert_fields(config) if jina else {})}
     for field, hf_field in family.fields.items():
         if field in c:  # JinaBERT's activation comes from feed_forward_type
             continue
@@ -283,12 +255,11 @@ def engine_state(
     family = family_of(config.model_type)
     prefix = base_prefix(state)
     section = family.layers.split(".", 1)[0] + "."  # 'encoder.' or 'transformer.'
+    ours = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     base = {
-        legacy_names(k[len(prefix) :]): v
-        for k, v in state.items()
-        if k.startswith(prefix)
-        and k[len(prefix) :].startswith(("embeddings.", section))
-        and k.rsplit(".", 1)[-1] not in BUFFERS
+        legacy_names(k): v
+        for k, v in hf_jina.flash_names(ours).items()  # Jina's XLM-RoBERTa names, if any
+        if k.startswith(("embeddings.", section)) and k.rsplit(".", 1)[-1] not in BUFFERS
     }
     check_state(base, expected_shapes(config), f"{config.model_type} config")
 
@@ -326,11 +297,8 @@ def hf_config(config: TextEncoderConfig) -> dict:
     for field, hf_field in family.fields.items():
         value = getattr(config, field)
         c[hf_field] = HF_ACTIVATIONS[value] if field == "activation" else value
-    if family.alibi:  # JinaBERT's form, as its Hub files (and its remote code) read it
-        gate = {v: k for k, v in JINA_FEED_FORWARD.items()}[config.activation]
-        c.update(model_type="bert", position_embedding_type="alibi", hidden_act="gelu",
-                 feed_forward_type=gate, architectures=["JinaBertModel"],
-                 auto_map=JINA_AUTO_MAP)  # fmt: skip
+    if family.alibi:  # JinaBERT's own form
+        c.update(hf_jina.jina_bert_config(config.activation))
     c.update(
         layer_norm_eps=config.layer_norm_eps,
         vocab_size=config.vocab_size,

@@ -3,7 +3,8 @@ BertModel with its position table zeroed (JinaBERT has none), ALiBi given as a f
 mask from the ALiBi paper's slopes written out here (not the engine's function), and each layer's
 `intermediate` a GLU, so BertOutput is JinaBERT's `mlp.wo` + `mlp.layernorm`; and the Hub's files
 for it (a `bert` config with position_embedding_type `alibi`, `mlp.gated_layers`/`wo`/
-`layernorm`, under `bert.`)."""
+`layernorm`, under `bert.`). Also the files Jina's XLM-RoBERTa code writes (jina-reranker-v2)
+for a transformers XLM-RoBERTa model."""
 
 from __future__ import annotations
 
@@ -99,4 +100,52 @@ def hub_form(reference, directory: Path, feed_forward: str = "geglu", **config) 
     }  # fmt: skip
     (directory / "config.json").write_text(json.dumps(written))
     tm.write_tokenizer(directory)
+    return directory
+
+
+CODE = "modeling_xlm_roberta."
+FLASH_AUTO_MAP = {
+    "AutoConfig": "configuration_xlm_roberta.XLMRobertaFlashConfig",
+    "AutoModel": CODE + "XLMRobertaModel",
+    "AutoModelForSequenceClassification": CODE + "XLMRobertaForSequenceClassification",
+}
+# transformers' names inside layer i -> Jina's flash ones
+LAYER_NAMES = {
+    "attention.output.dense.": "mixer.out_proj.",
+    "attention.output.LayerNorm.": "norm1.",
+    "intermediate.dense.": "mlp.fc1.",
+    "output.dense.": "mlp.fc2.",
+    "output.LayerNorm.": "norm2.",
+}
+
+
+def xlmr_flash_form(reference, directory: Path, **config) -> Path:
+    """The files Jina's XLM-RoBERTa code writes for `reference` (its state renamed, Q/K/V fused
+    into Wqkv, no pooler, no model_type in config.json)."""
+    directory.mkdir()
+    state = reference.state_dict()
+    out = {}
+    for key, value in state.items():
+        prefix = "roberta." if key.startswith("roberta.") else ""
+        inner = key[len(prefix) :]
+        if inner.startswith("pooler."):
+            continue  # Jina's XLMRobertaModel is built without one
+        layer = re.match(r"encoder\.layer\.(\d+)\.(.*)", inner)
+        if layer is None:
+            out[prefix + inner.replace("embeddings.LayerNorm.", "emb_ln.")] = value
+            continue
+        i, rest = layer.groups()
+        p = f"{prefix}encoder.layers.{i}."
+        if rest.startswith("attention.self.query."):
+            leaf = rest.rsplit(".", 1)[1]
+            parts = [state[key.replace(".query.", f".{n}.")] for n in ("query", "key", "value")]
+            out[f"{p}mixer.Wqkv.{leaf}"] = torch.cat(parts)  # rows [q; k; v]
+        for theirs, flash in LAYER_NAMES.items():
+            if rest.startswith(theirs):
+                out[p + flash + rest[len(theirs) :]] = value
+    save_file({k: v.contiguous() for k, v in out.items()}, directory / "model.safetensors")
+    written = {k: v for k, v in reference.config.to_dict().items() if k != "model_type"}
+    written.update({"auto_map": FLASH_AUTO_MAP, "use_flash_attn": True, **config})
+    (directory / "config.json").write_text(json.dumps(written))
+    tm.write_tokenizer(directory, 0)
     return directory

@@ -267,6 +267,32 @@ def test_jina_bert_embedders_and_rerankers_equal_the_reference(tmp_path) -> None
     asyncio.run(main())
 
 
+def test_jina_reranker_v2_reranks_as_transformers(tmp_path) -> None:
+    """jina-reranker-v2-base-multilingual's form (Jina's XLM-RoBERTa code: no model_type, flash
+    weight names) on /rerank: sigmoid of transformers' XLMRobertaForSequenceClassification."""
+    labels = {"id2label": {0: "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    reference = tm.build("xlm-roberta", "ForSequenceClassification", num_labels=1, **labels)
+    path = jm.xlmr_flash_form(
+        reference, tmp_path / "jina-r2", architectures=["XLMRobertaForSequenceClassification"]
+    )
+    query, passages = TEXTS[1], [TEXTS[0], TEXTS[2], TEXTS[3]]
+    ids, mask, _ = tm.padded(tm.tokenize(path, [(query, p) for p in passages], pairs=True))
+    with torch.no_grad():
+        logits = reference(input_ids=ids, attention_mask=mask).logits[:, 0]
+    scores = torch.sigmoid(logits.double()).numpy()
+
+    async def main() -> None:
+        async with asgi_client(model_dir=path, model_name="jina-r2") as client:
+            ranked = await client.post("/rerank", json={"query": query, "texts": passages})
+            assert ranked.status_code == 200, ranked.text
+            order = np.argsort(-scores)
+            assert [r["index"] for r in ranked.json()] == order.tolist()
+            got = [r["score"] for r in ranked.json()]
+            np.testing.assert_allclose(got, scores[order], rtol=1e-5, atol=1e-6)
+
+    asyncio.run(main())
+
+
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 1000.0,
