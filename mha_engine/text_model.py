@@ -8,6 +8,7 @@ pooling and normalisation behind, as sentence-transformers configures them for t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +17,7 @@ from .devices import upload
 from .fused import linear
 from .models import TransformerEncoderModel
 from .text import TextEmbeddings, normalize, pool_packed, pool_padded
-from .text_config import DenseConfig, TextEncoderConfig
+from .text_config import POOLING_MODES, DenseConfig, TextEncoderConfig
 from .varlen import cumulative, lengths
 
 DENSE_FUNCTIONS = {  # text_config.DENSE_ACTIVATIONS -> the function
@@ -47,6 +48,13 @@ class TextEncoderModel(TransformerEncoderModel):
     embedding_dim = property(
         lambda self: self.config.embedding_dim, doc="a sentence vector's width"
     )
+
+    def set_pooling(self, mode: str) -> None:
+        """Pool sentence vectors this way (mean | cls | last_token) from now on, instead of as
+        the directory's 1_Pooling says (TEI's --pooling)."""
+        if mode not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
+        self.config = replace(self.config, pooling=mode)
 
     def _check_ids(self, ids: Tensor, what: str) -> Tensor:
         if ids.dtype not in (torch.int64, torch.int32):

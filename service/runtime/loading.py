@@ -26,7 +26,7 @@ from service.runtime.state import ModelEntry
 from service.runtime.statistics import ModelStats, Observers
 from service.runtime.work import Work
 from service.text.st_config import matryoshka, read_prompts
-from service.text.tokenizer import CharLimits, load_tokenizer
+from service.text.tokenizer import CharLimits, load_tokenizer, text_kind
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
         model = mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
     else:
         model = mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
+    if settings.pooling is not None:  # TEI's --pooling: embedding models only
+        if text_kind(model) == "embedding":
+            model.set_pooling(settings.pooling)
+        else:
+            log.info("--pooling not applied to %s: not an embedding model", path)
     if settings.cuda_graphs and model.device.type == "cuda":
         _enable_cuda_graphs(model, settings)
     return model
@@ -162,6 +167,22 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     return entry
 
 
+def default_prompt(settings: Settings, entry: ModelEntry, name: str | None) -> str | None:
+    """The text put before a request's inputs when it names no prompt: the model's default
+    prompt (config_sentence_transformers.json's `name`), or for an embedding model TEI's
+    --default-prompt (literal) or --default-prompt-name (ValueError for an unknown name)."""
+    if text_kind(entry.model) not in ("embedding", "sparse"):
+        return entry.prompts.get(name) if name else None
+    if settings.default_prompt is not None:
+        return settings.default_prompt
+    if settings.default_prompt_name is not None:
+        name = settings.default_prompt_name
+        if name not in entry.prompts:
+            have = sorted(entry.prompts) or "none (no config_sentence_transformers.json prompts)"
+            raise ValueError(f"--default-prompt-name {name!r} is not one of its prompts: {have}")
+    return entry.prompts.get(name) if name else None
+
+
 def cache_token(settings: Settings) -> int | None:
     """A new model copy's token in the response cache; None when its outputs are not cached
     (`settings` are the model's own: mha-serve.json or a load's config may turn it off)."""
@@ -185,7 +206,8 @@ def add_text_parts(entry: ModelEntry, settings: Settings, source: ModelSource) -
     model's own (model_settings)."""
     entry.tokenizer = load_tokenizer(source.path, entry.model, settings.max_seq_len)
     entry.matryoshka = matryoshka(source.path)
-    entry.prompts, entry.default_prompt = read_prompts(source.path)
+    entry.prompts, name = read_prompts(source.path)
+    entry.default_prompt = default_prompt(settings, entry, name)
     if entry.tokenizer is not None:
         entry.char_limits = CharLimits.resolve(
             settings.max_input_chars, settings.max_request_chars, entry.tokenizer.max_length

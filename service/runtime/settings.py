@@ -196,6 +196,22 @@ class Settings(BaseSettings):
         "than the model's max length cut (at its truncation_direction) instead of refused with "
         "413. TEI's flag of the same name.",
     )
+    pooling: Literal["mean", "cls", "last_token", "last-token"] | None = Field(
+        None,
+        description="Embedding models pool this way instead of as 1_Pooling/config.json says "
+        "(TEI's flag; last-token is its spelling of last_token).",
+    )
+    default_prompt_name: str | None = Field(
+        None,
+        description="Embedding models: the prompt (a name in config_sentence_transformers.json's "
+        "prompts) put before inputs that name none, instead of its default_prompt_name "
+        "(TEI's flag).",
+    )
+    default_prompt: str | None = Field(
+        None,
+        description="Embedding models: this text put before inputs that name no prompt (TEI's "
+        "flag); not with --default-prompt-name.",
+    )
     # -- connections (service/http/connections.py, service/http/flow.py; uvicorn's keep-alive) --
     header_timeout_s: float = Field(
         10.0,
@@ -371,6 +387,10 @@ class Settings(BaseSettings):
             raise ValueError("--trace-level TIMESTAMPS needs --otlp-endpoint (where the spans go)")
         if self.otlp_endpoint:
             traces_url(self.otlp_endpoint, self.otlp_protocol)  # ValueError saying what is wrong
+        if self.default_prompt is not None and self.default_prompt_name is not None:
+            raise ValueError("--default-prompt and --default-prompt-name exclude each other")
+        if self.pooling == "last-token":
+            self.pooling = "last_token"  # TEI's spelling
         if self.max_queue < self.max_batch_size:
             raise ValueError(
                 f"max_queue ({self.max_queue}) must be >= max_batch_size "

@@ -44,7 +44,7 @@ class ModelEntry:
     char_limits: CharLimits | None = None  # set with the tokenizer
     matryoshka: bool = False  # vectors may be cut short (`dimensions`)
     prompts: dict[str, str] = field(default_factory=dict)  # sentence-transformers' prompts
-    default_prompt: str | None = None  # the prompt applied when a request names none
+    default_prompt: str | None = None  # the prompt's text applied when a request names none
     version: str = MODEL_VERSION
     metrics: Metrics | None = None  # its labels' view of the shared metrics (None: the default)
     version_policy: dict[str, Any] = field(default_factory=lambda: {"latest": {"num_versions": 1}})

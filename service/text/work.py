@@ -36,6 +36,13 @@ TOKENIZE_CHUNK_CHARS = 64 * 1024  # ~40 ms of tokenizing; deadline and client ch
 INLINE_TOKENIZE_CHARS = 512  # ~0.3 ms: tokenized on the event loop, cheaper than a thread hop
 
 
+def with_default_prompt(entry: ModelEntry, texts: list[str]) -> list[str]:
+    """Texts with the model's default prompt (its own, or --default-prompt[-name]) before each,
+    for a request that names none."""
+    prompt = entry.default_prompt
+    return [prompt + text for text in texts] if prompt else texts
+
+
 def _chars(text: Text) -> int:
     return len(text) if isinstance(text, str) else sum(map(len, text))
 

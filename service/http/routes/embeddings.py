@@ -35,7 +35,13 @@ from service.text.tokenizer import (
     Encoded,
     model_kind,
 )
-from service.text.work import TOKENIZE_CHUNK_CHARS, check_chars, run_parts, tokenize
+from service.text.work import (
+    TOKENIZE_CHUNK_CHARS,
+    check_chars,
+    run_parts,
+    tokenize,
+    with_default_prompt,
+)
 
 if TYPE_CHECKING:
     from service.runtime.state import ModelEntry, ServiceState
@@ -310,6 +316,7 @@ async def _embed(
     if isinstance(texts[0], np.ndarray):  # token ids, already bounded by parse_request
         encoded = [Encoded(ids, truncated=False) for ids in texts]
     else:
+        texts = with_default_prompt(entry, texts)
         check_chars(texts, entry.char_limits)
         async with entry.batcher.reserve(len(texts)):  # tokenizing is queued work: 429 when full
             with client_gone(request) as gone:

@@ -44,7 +44,7 @@ from service.text.tokenizer import (
     tei_model_type,
     token_runner,
 )
-from service.text.work import check_chars, run_parts, tokenize
+from service.text.work import check_chars, run_parts, tokenize, with_default_prompt
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
 
@@ -115,15 +115,13 @@ def _texts(state: ServiceState, inputs: str | list[str]) -> list[str]:
 
 def with_prompt(entry: ModelEntry, texts: list[str], prompt_name: str | None) -> list[str]:
     """Texts with the named sentence-transformers prompt of `entry` prepended (None: its
-    default prompt, if it declares one); 400 naming the available prompts for an unknown name."""
-    prompts, default = entry.prompts, entry.default_prompt
-    name = prompt_name if prompt_name is not None else default
-    if name is None:
-        return texts
-    if name not in prompts:
-        available = sorted(prompts) or "none (no prompts in config_sentence_transformers.json)"
-        raise BadInput(f"unknown prompt_name {name!r}; this model's prompts: {available}")
-    return [prompts[name] + text for text in texts]
+    default prompt, if it has one); 400 naming the available prompts for an unknown name."""
+    if prompt_name is None:
+        return with_default_prompt(entry, texts)
+    if prompt_name not in entry.prompts:
+        available = sorted(entry.prompts) or "none (config_sentence_transformers.json has none)"
+        raise BadInput(f"unknown prompt_name {prompt_name!r}; this model's prompts: {available}")
+    return [entry.prompts[prompt_name] + text for text in texts]
 
 
 async def _run(

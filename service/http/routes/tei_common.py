@@ -190,4 +190,4 @@ def instruction(entry: ModelEntry, given: str | None) -> str | None:
     one (config_sentence_transformers.json)."""
     if given is not None:
         return given or None
-    return entry.prompts.get(entry.default_prompt) if entry.default_prompt else None
+    return entry.default_prompt
