@@ -299,7 +299,7 @@ def text_model_from_directory(
     bert = (hf_bert, TextEncoderModel, TextClassifierModel)
     family, encoder_class, classifier_class = own or bert
     config = family.engine_config(hf_config)  # fail on config errors before reading weights
-    # the engine runs JinaBERT's own code; other auto_maps name code it does not run
+    # the engine implements JinaBERT's code; other auto_maps name code it does not run
     if hf_config.get("auto_map") and config.model_type != hf_bert.JINA:
         log.warning(
             "%s: config.json names the model's own code (auto_map); the engine runs the "

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from .errors import CheckpointError
 
-JINA_BERT = "jina_bert"  # the engine's model_type for JinaBERT (its config.json says `bert`)
 # JinaBERT's feed_forward_type -> the activation on the gate (its code: nn.GELU(), exact; ReLU)
 FEED_FORWARD = {"geglu": "gelu", "reglu": "relu"}
 CODE = "jinaai/jina-bert-implementation--"  # JinaBERT's remote code, as its auto_map names it

@@ -80,6 +80,11 @@ def entry(
             raise CheckpointError(
                 f"config.{where}.mixed_b (mixed NTK) is not supported: only fixed NTK scaling"
             )
+        if isinstance(factor, int | float) and not isinstance(factor, bool) and factor < 1:
+            raise CheckpointError(  # GTE's code scales only past max_position_embeddings then
+                f"config.{where}.factor {factor!r} < 1: GTE's NTK scaling then depends on the "
+                "input's length (a sequence's numbers would depend on its batch-mates)"
+            )
         return base, RopeScaling(kind, factor)
     if kind == "llama3":
         return base, RopeScaling(
@@ -160,8 +165,7 @@ def hf_entry(theta: float, scaling: RopeScaling | None) -> dict:
     if scaling is None:
         return {"rope_type": DEFAULT, "rope_theta": theta}
     keep = {
-        "linear": ("factor",),
-        NTK: ("factor",),
+        "linear": ("factor",),  # fixed NTK is written in this form (rope.transformers_form)
         "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
                    "high_freq_factor"),
         "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",

@@ -35,7 +35,7 @@ MODEL_TYPES = ("nomic_bert", "gte", "new")  # new: GTE as its Hub checkpoints na
 ARCHITECTURES = {"nomic_bert": "NomicBertModel", "gte": "GteModel"}
 TOKENS = "embeddings.word_embeddings.weight"
 # RoPE scalings per family: GTE's remote code also defines fixed NTK (gte-*-en-v1.5)
-KINDS = {
+ROPE_KINDS = {
     "nomic_bert": hf_rope.TRANSFORMERS_KINDS,
     "gte": (*hf_rope.TRANSFORMERS_KINDS, hf_rope.NTK),
 }
@@ -128,7 +128,7 @@ def engine_config(config: dict) -> RotaryBertConfig:
             f"config.hidden_act {act!r} is not supported; use one of {list(HIDDEN_ACT)}"
         )
     theta, scaling = hf_rope.single(
-        {**config, "rope_theta": fields["rope_theta"]}, 0.0, KINDS[kind]
+        {**config, "rope_theta": fields["rope_theta"]}, 0.0, ROPE_KINDS[kind]
     )
     heads = positive_int(fields, "num_attention_heads")
     hidden = positive_int(fields, "hidden_size")

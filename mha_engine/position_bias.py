@@ -21,6 +21,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .devices import upload
+
 NUM_BUCKETS = 32  # transformers' MPNet always buckets into 32, whatever its config says
 MAX_DISTANCE = 128
 
@@ -52,9 +54,9 @@ class RelativePositionBias(nn.Module):
         self, tgt_len: int, src_len: int, dtype: torch.dtype, device: torch.device | None = None
     ) -> Tensor:
         """The bias on the table's device (`device` is AlibiBias's argument, unused here)."""
-        device = self.relative_attention_bias.weight.device
-        query = torch.arange(tgt_len, device=device)[:, None]  # (T, 1)
-        key = torch.arange(src_len, device=device)[None, :]  # (1, S)
+        on = self.relative_attention_bias.weight.device
+        query = torch.arange(tgt_len, device=on)[:, None]  # (T, 1)
+        key = torch.arange(src_len, device=on)[None, :]  # (1, S)
         buckets = relative_position_bucket(key - query)  # (T, S)
         bias = self.relative_attention_bias(buckets)  # (T, S, H)
         return bias.permute(2, 0, 1).unsqueeze(0).to(dtype).contiguous()  # (1, H, T, S)
@@ -78,15 +80,19 @@ class AlibiBias(nn.Module):
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()
-        self.slopes = tuple(alibi_slopes(num_heads))  # no tensor: nothing to load or move
+        # not a buffer (nothing to load): on the host, explicitly (models are built on the meta
+        # device), uploaded without blocking where a forward runs
+        self.slopes = torch.tensor(alibi_slopes(num_heads), device="cpu")  # (H,) float32
 
     def forward(
         self, tgt_len: int, src_len: int, dtype: torch.dtype, device: torch.device | None = None
     ) -> Tensor:
+        """The bias on `device` (the host when None), built in float32, cast to `dtype`."""
+        device = torch.device("cpu") if device is None else torch.device(device)
         query = torch.arange(tgt_len, device=device)[:, None]  # (T, 1)
         key = torch.arange(src_len, device=device)[None, :]  # (1, S)
         distance = (key - query).abs()  # (T, S)
-        slopes = -torch.tensor(self.slopes, device=device)  # (H,) float32
+        slopes = -upload(self.slopes, device)  # (H,)
         return (slopes[:, None, None] * distance).unsqueeze(0).to(dtype)  # (1, H, T, S)
 
 

@@ -1,8 +1,8 @@
 """Rotary position embeddings (RoPE) as transformers computes them, shared by the rotary text
-families (ModernBERT, Qwen3, the Llama family, Gemma 3): cos/sin of position * 1 / theta^(2i /
-head_dim), the frequencies rescaled by a static RopeScaling where the config has one (GTE's
-fixed NTK as the linear scaling it equals), applied to
-queries and keys with rotate_half (the first half of each head's dims paired with the second).
+families (ModernBERT, Qwen3, the Llama family, Gemma 3, NomicBERT, GTE): cos/sin of position *
+1 / theta^(2i / head_dim), the frequencies rescaled by a static RopeScaling where the config has
+one (GTE's fixed NTK as the linear scaling it equals), applied to queries and keys with
+rotate_half (the first half of each head's dims paired with the second).
 """
 
 from __future__ import annotations

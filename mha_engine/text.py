@@ -62,8 +62,9 @@ class TextEmbeddings(Float32Tables):
     token_type_embeddings, LayerNorm), so an HF `embeddings.` state dict loads as it is.
     The tables stay float32 whatever dtype the model is cast to: lookup and LayerNorm run in
     float32 and the caller casts the result once, so a bf16 model's first layer gets the fp32
-    embeddings rounded once. A family whose positions come from RoPE sets `position_table`
-    False: no position embeddings (NomicBERT, GTE); nor has a config with ALiBi (JinaBERT).
+    embeddings rounded once. No position embeddings where positions come from elsewhere: a
+    RoPE family sets `position_table` False (NomicBERT, GTE); an ALiBi config has none
+    (JinaBERT).
     """
 
     position_table = True

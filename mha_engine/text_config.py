@@ -16,6 +16,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # attention per layer (Mo
 # Relative position buckets the engine runs (MPNet's, mha_engine.position_bias); 0: none.
 RELATIVE_BUCKETS = (0, 32)
 DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "gelu", "sigmoid")  # after a Dense module
+JINA_BERT = "jina_bert"  # the engine's model_type for JinaBERT (ALiBi and a GLU; hf_jina.py)
 # RoPE scalings the engine runs (rope_parameters' rope_type besides "default"): the static ones;
 # ntk only where a family's own code defines it (GTE's gte-*-en-v1.5)
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "ntk")
@@ -111,8 +112,13 @@ class TextEncoderConfig(TransformerEncoderConfig):
             )
         check_flag("alibi", self.alibi)
         check_flag("gated_ffn", self.gated_ffn)
-        if self.alibi and self.relative_attention_num_buckets:
-            raise CheckpointError("alibi and a relative position bias exclude each other")
+        jina = self.model_type == JINA_BERT  # hf_bert reads JinaBERT's weight names by it
+        if self.alibi != jina or self.gated_ffn != jina:
+            raise CheckpointError(
+                f"alibi and gated_ffn are JinaBERT's (model_type {JINA_BERT!r}) and go together; "
+                f"got model_type {self.model_type!r}, alibi {self.alibi}, gated_ffn "
+                f"{self.gated_ffn}"
+            )
         if self.relative_attention_num_buckets not in RELATIVE_BUCKETS:
             raise CheckpointError(
                 "relative_attention_num_buckets must be 32 (MPNet's) or 0 (none), got "

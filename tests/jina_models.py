@@ -26,7 +26,6 @@ SLOPES = {
     8: [2.0**-k for k in range(1, 9)],
     12: [*(2.0**-k for k in range(1, 9)), 2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5],
 }
-SPARSE = "sentence_transformers.sparse_encoder.models."
 JINA_AUTO_MAP = {
     "AutoConfig": "jinaai/jina-bert-implementation--configuration_bert.JinaBertConfig",
     "AutoModel": "jinaai/jina-bert-implementation--modeling_bert.JinaBertModel",

@@ -22,6 +22,7 @@ VOCAB = [*SPECIALS, *string.ascii_lowercase, *(f"##{c}" for c in string.ascii_lo
 PAD, CLS, SEP = 1, 2, 3
 D, HEADS, LAYERS, FFN, POSITIONS = 32, 4, 2, 48, 40
 LABELS3 = {0: "negative", 1: "neutral", 2: "positive"}
+SPARSE_MODULES = "sentence_transformers.sparse_encoder.models."  # SparseEncoder's module types
 # 3 to 21 tokens: shorter and longer than the ModernBERT test model's window (4 each way)
 LONG_AND_SHORT = [
     "the cat sat on the mat",
@@ -228,7 +229,7 @@ def splade(directory: Path, model_type: str = "bert", seed: int = 2, **overrides
             "idx": i,
             "name": str(i),
             "path": p,
-            "type": f"sentence_transformers.sparse_encoder.models.{k}",
+            "type": SPARSE_MODULES + k,
         }
         for i, (p, k) in enumerate((("", kinds[0]), ("1_SpladePooling", kinds[1])))
     ]

@@ -189,10 +189,12 @@ def test_gte_en_v15s_fixed_ntk_scaling_equals_transformers_linear_form(tmp_path)
     assert (c.type_vocab_size, c.rope_theta, c.rope_scaling.rope_type) == (0, 1000.0, "ntk")
     assert "embeddings.token_type_embeddings.weight" not in model.state_dict()
     head_dim = tm.D // tm.HEADS  # the frequencies are transformers' linear ones, bit for bit
-    assert torch.equal(
-        rope.inverse_frequencies(head_dim, c.rope_theta, c.rope_scaling),
-        reference.rotary_emb.inv_freq,
-    )
+    ours = rope.inverse_frequencies(head_dim, c.rope_theta, c.rope_scaling)
+    assert torch.equal(ours, reference.rotary_emb.inv_freq)
+    # and GTE's remote code's expression, written out: 1 / (theta * s)^(2i / d) / s^(2 / d)
+    base, s = 1000.0 * 2.0, 2.0
+    literal = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim) / s ** (2 / head_dim)
+    assert torch.equal(ours, literal)
     _check_states(model, reference)
     # unscaled RoPE on the same weights is not close: the check above exercises the scaling
     (path / "config.json").write_text(
@@ -279,6 +281,7 @@ def test_save_model_round_trips_through_transformers(built, tmp_path) -> None:
         ("nomic_bert", {"rotary_emb_scale_base": 512}, "rotary_emb_scale_base"),
         ("nomic_bert", {"scale_attn_weights": False}, "scale_attn_weights"),
         ("gte", {"rope_scaling": {"type": "ntk", "factor": 2.0, "mixed_b": 0.6}}, "mixed_b"),
+        ("gte", {"rope_scaling": {"type": "ntk", "factor": 0.5}}, "factor 0.5 < 1"),
         ("nomic_bert", {"rope_scaling": {"type": "ntk", "factor": 2.0}}, "'ntk' is not"),
         ("gte", {"logn_attention_scale": True}, "logn_attention_scale"),
         ("gte", {"layer_norm_type": "rms_norm"}, "layer_norm_type"),
