@@ -191,10 +191,10 @@ class Settings(BaseSettings):
         "queue slot: a request with more inputs than the model's --max-queue gets 429.",
     )
     auto_truncate: bool = Field(
-        False,
+        True,
         description="TEI routes: a request that does not set 'truncate' has its inputs longer "
-        "than the model's max length cut (at its truncation_direction) instead of refused with "
-        "413. TEI's flag of the same name.",
+        "than the model's max length cut (at its truncation_direction); off, they are refused "
+        "with 413. TEI's flag of the same name and default (TEI 1.9's).",
     )
     pooling: Literal["mean", "cls", "last_token", "last-token"] | None = Field(
         None,

@@ -157,9 +157,10 @@ def test_a_pair_over_the_maximum_is_truncated_longest_first(models):
         body = got.json()
         np.testing.assert_allclose(body["results"][0]["relevance_score"], sigmoid(want)[0], **TOL)
         assert body["usage"]["total_tokens"] == max_length
-        # TEI's /rerank, by contrast, refuses it unless asked to truncate.
+        # TEI's /rerank, by contrast, refuses it when asked not to truncate.
         tei = await client.post(
-            "/models/rr/rerank", json={"query": QUERY, "texts": [long_document]}
+            "/models/rr/rerank",
+            json={"query": QUERY, "texts": [long_document], "truncate": False},
         )
         assert tei.status_code == 413
 

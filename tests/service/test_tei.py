@@ -41,9 +41,11 @@ def test_embed_equals_v1_embeddings_and_normalize(server):
     np.testing.assert_allclose(raw / norms[:, None], want, atol=1e-6)
 
 
-def test_too_long_is_413_unless_truncate(server):
+def test_too_long_is_cut_unless_truncate_is_false(server):
+    """--auto-truncate is on by default (TEI's default): an over-long input is cut unless the
+    request sets 'truncate': false."""
     long = " ".join(["tokenization"] * 400) + " the end"
-    refused = post(server, "/embed", {"inputs": [TEXTS[0], long]})
+    refused = post(server, "/embed", {"inputs": [TEXTS[0], long], "truncate": False})
     assert refused.status_code == 413
     body = refused.json()
     assert body["error_type"] == "Validation"
@@ -51,6 +53,7 @@ def test_too_long_is_413_unless_truncate(server):
     assert "'truncate': true" in body["error"]
     cut = post(server, "/embed", {"inputs": [TEXTS[0], long], "truncate": True})
     assert cut.status_code == 200 and len(cut.json()) == 2
+    assert post(server, "/embed", {"inputs": [TEXTS[0], long]}).json() == cut.json()
     # Left truncation keeps the end: the vector of [CLS] + the last 254 tokens + [SEP].
     left = {"inputs": long, "truncate": True, "truncation_direction": "Left"}
     (got,) = post(server, "/embed", left).json()
@@ -64,6 +67,21 @@ def test_too_long_is_413_unless_truncate(server):
     assert np.dot(got, cut.json()[1]) < 0.9999  # not the right-truncated vector
     states = post(server, "/embed_all", left).json()
     assert np.array(states).shape == (1, 256, 384)
+
+
+def test_dimensions_cut_the_vector_then_normalize(server):
+    """TEI 1.9's `dimensions` on /embed: the first n values of the raw vector, then unit length
+    when `normalize` (the default); bounded by the embedding size."""
+    raw = np.array(post(server, "/embed", {"inputs": TEXTS, "normalize": False}).json())
+    cut = np.array(post(server, "/embed", {"inputs": TEXTS, "dimensions": 16}).json())
+    want = raw[:, :16] / np.linalg.norm(raw[:, :16], axis=1, keepdims=True)
+    np.testing.assert_allclose(cut, want, atol=1e-6)
+    body = {"inputs": TEXTS, "dimensions": 16, "normalize": False}
+    np.testing.assert_allclose(post(server, "/embed", body).json(), raw[:, :16], atol=1e-7)
+    too_wide = "'dimensions' 385 exceeds the embedding size 384"
+    for dims, words in ((0, "dimensions"), (385, too_wide)):
+        refused = post(server, "/embed", {"inputs": TEXTS, "dimensions": dims})
+        assert refused.status_code == 400 and words in refused.json()["error"], refused.text
 
 
 BAD = [

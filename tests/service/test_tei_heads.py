@@ -172,7 +172,7 @@ BAD = [
     ("/rerank", {"texts": ["b"]}, 400, "query"),
     ("/rerank", {"query": "a", "texts": "b"}, 400, "texts"),
     ("/rerank", {"query": "a", "texts": ["b"], "truncation_direction": "Up"}, 400, "'Left'"),
-    ("/rerank", {"query": "a " * 30, "texts": ["b " * 30]}, 413,
+    ("/rerank", {"query": "a " * 30, "texts": ["b " * 30], "truncate": False}, 413,
      "texts[0] is longer than the model's 40 tokens; send less text or set 'truncate': true"),
     ("/rerank", {"query": "a", "texts": ["x" * 3000]}, 413, "(--max-input-chars)"),
 ]  # fmt: skip
@@ -198,9 +198,9 @@ def test_bad_input_on_rerank_and_predict(models):
 
 
 def test_client_batch_size_and_auto_truncate_follow_the_flags(models):
-    """--max-client-batch-size bounds every TEI route and shows in /info; --auto-truncate cuts
-    over-long inputs of requests that do not set 'truncate' (as TEI's flags do), and a request
-    that sets it still decides."""
+    """--max-client-batch-size bounds every TEI route and shows in /info; --auto-truncate (on
+    by default, as TEI's) cuts over-long inputs of requests that do not set 'truncate', a
+    request that sets it still decides, and --no-auto-truncate refuses them."""
     _, reranker = models["bert-reranker"]
     long = {"query": "a " * 30, "texts": ["b " * 30]}
 
@@ -225,15 +225,15 @@ def test_client_batch_size_and_auto_truncate_follow_the_flags(models):
         refused = await client.post("/rerank", json={**long, "truncate": False})
         assert refused.status_code == 413, refused.text
 
-    async def default(client: httpx.AsyncClient) -> None:
+    async def disabled(client: httpx.AsyncClient) -> None:
         info = (await client.get("/info")).json()
         assert (info["max_client_batch_size"], info["auto_truncate"]) == (32, False)
         refused = await client.post("/rerank", json=long)
         assert refused.status_code == 413
         assert "or start the server with --auto-truncate" in refused.json()["error"]
 
-    serve(reranker, flagged, max_client_batch_size=3, auto_truncate=True)
-    serve(reranker, default)
+    serve(reranker, flagged, max_client_batch_size=3)
+    serve(reranker, disabled, auto_truncate=False)
     # A model's own settings with a queue shorter than the default bound still load (a
     # request with more inputs than the queue gets 429, as before the flag).
     small = ModelSource("m", None, overrides={"max_queue": 16, "max_batch_size": 8})

@@ -59,6 +59,10 @@ class EmbedRequest(BaseModel):
         None, description="A key of config_sentence_transformers.json's prompts: its text is "
         "prepended to every input"
     )  # fmt: skip
+    dimensions: int | None = Field(
+        None, ge=1, description="Keep each vector's first `dimensions` values (Matryoshka), "
+        "then normalize if asked; at most the model's embedding size"
+    )  # fmt: skip
 
 
 class EmbedAllRequest(BaseModel):
@@ -181,10 +185,15 @@ async def embed_body(body: EmbedRequest, request: Request) -> Response:
     state = get_state(request)
     with text_route(request, state, "embed", "/embed", "embedding") as entry:
         ensure_serving(state)
+        width = entry.model.embedding_dim
+        if body.dimensions is not None and body.dimensions > width:
+            raise BadInput(f"'dimensions' {body.dimensions} exceeds the embedding size {width}")
         texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
         vectors = await _run(
             request, entry, texts, body.truncate, body.truncation_direction, raw_embed_runner
         )
+        if body.dimensions is not None:  # as TEI: cut the raw vector, then normalize
+            vectors = [v[: body.dimensions] for v in vectors]
         if body.normalize:
             vectors = _normalized(vectors)
         vectors = [np.asarray(v, dtype=np.float32) for v in vectors]
