@@ -255,10 +255,13 @@ def load_model(
     path: str | Path,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    dense_path: str | None = None,
 ) -> EngineModel:
     """Load a model directory (config.json + weights) into a fused EngineModel.
 
     dtype: float32 (default), bfloat16, float16, or "int8" (int8 Linears, the rest float32).
+    dense_path: a text model's folder holding the Dense module to run instead of the one its
+    modules.json lists (TEI's --dense-path).
     """
     directory = Path(path)
     config_path = directory / "config.json"
@@ -270,7 +273,9 @@ def load_model(
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
     config = hf_jina.with_model_type(config)  # Jina's XLM-RoBERTa names none
     if hf_bert.is_hf_config(config):
-        return text_model_from_directory(directory, config, device, dtype)
+        return text_model_from_directory(directory, config, device, dtype, dense_path)
+    if dense_path is not None:
+        raise CheckpointError(f"dense_path {dense_path!r}: {directory} is not a text model")
     if isinstance(config, dict) and "architectures" in config and "architecture" not in config:
         raise CheckpointError(
             f"{config_path} names no model_type: a Hugging Face config needs one (one of "
@@ -285,6 +290,7 @@ def text_model_from_directory(
     hf_config: dict,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    dense_path: str | None = None,
 ) -> TextEncoderModel:
     """A Hugging Face BERT-family directory as a TextEncoderModel (encoder + embeddings), a
     TextClassifierModel when config.architectures names a `...ForSequenceClassification`, or a
@@ -310,7 +316,7 @@ def text_model_from_directory(
             directory,
             config.model_type,
         )
-    settings = read_text_settings(directory)
+    settings = read_text_settings(directory, dense_path)
     config = replace(
         config,
         pooling=settings.pooling,

@@ -75,9 +75,10 @@ def _json(path: Path) -> object:
         raise CheckpointError(f"{path} is not readable JSON: {exc}") from exc
 
 
-def read_text_settings(directory: Path) -> TextSettings:
+def read_text_settings(directory: Path, dense_path: str | None = None) -> TextSettings:
     """Pooling, Dense modules, normalisation and max length from sentence-transformers files,
-    if present.
+    if present. dense_path: a folder of the directory holding the Dense module to run instead of
+    the one modules.json lists (TEI's --dense-path: stella's 2_Dense_<dims> alternatives).
 
     A plain Hugging Face directory gets sentence-transformers' defaults for a bare model:
     mean pooling, no normalisation. Modules the engine does not run (WordWeights, LayerNorm,
@@ -126,6 +127,16 @@ def read_text_settings(directory: Path) -> TextSettings:
             f"{modules_path}: LogitScore scores a causal LM's logits; it takes no Pooling, "
             "Dense, Normalize or SPLADE module"
         )
+    if dense_path is not None:
+        if len(dense) != 1:
+            raise CheckpointError(
+                f"dense_path {dense_path!r} replaces the one Dense module modules.json lists; "
+                f"{directory} lists {len(dense)}"
+            )
+        where = _module_dir(directory, {"path": dense_path})
+        if not (where / "config.json").is_file():
+            raise CheckpointError(f"dense_path {dense_path!r}: no Dense module at {where}")
+        dense = [(_dense_config(where), where)]
     configs, dirs = tuple(c for c, _ in dense), tuple(d for _, d in dense)
     return TextSettings(pooling, norm, max_len, sparse, configs, dirs, logit_score)
 

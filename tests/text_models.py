@@ -218,6 +218,22 @@ def add_dense(
     return linears
 
 
+def write_dense(path: Path, folder: str, width: int, seed: int = 9) -> torch.nn.Linear:
+    """A Dense module folder (identity activation) that modules.json does not list, as
+    stella_en_400M_v5 ships 2_Dense_<dims> alternatives; its seeded Linear."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(D, width)
+    (path / folder).mkdir()
+    config = {"in_features": D, "out_features": width, "bias": True,
+              "activation_function": "torch.nn.modules.linear.Identity"}  # fmt: skip
+    (path / folder / "config.json").write_text(json.dumps(config))
+    state = {f"linear.{k}": v.detach().clone() for k, v in linear.state_dict().items()}
+    save_file(state, str(path / folder / "model.safetensors"))
+    return linear
+
+
 def splade(directory: Path, model_type: str = "bert", seed: int = 2, **overrides):
     """A `...ForMaskedLM` model saved as sentence-transformers' SparseEncoder saves one:
     modules.json with MLMTransformer and SpladePooling (max of log(1 + relu))."""

@@ -36,7 +36,9 @@ def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
     if path is None:
         model = mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
     else:
-        model = mha_engine.load_model(path, device=settings.device, dtype=settings.dtype)
+        model = mha_engine.load_model(
+            path, device=settings.device, dtype=settings.dtype, dense_path=settings.dense_path
+        )
     if settings.pooling is not None:  # TEI's --pooling: embedding models only
         if text_kind(model) == "embedding":
             model.set_pooling(settings.pooling)

@@ -26,7 +26,7 @@ SETTINGS_FILE = "mha-serve.json"
 MODEL_SETTINGS = frozenset(
     {"max_batch_size", "max_batch_tokens", "max_batch_delay_ms", "batch_delay_policy",
      "max_queue", "max_seq_len", "dtype", "device", "optional_inputs", "response_cache",
-     "pooling", "default_prompt_name", "default_prompt"}
+     "pooling", "default_prompt_name", "default_prompt", "dense_path"}
 )  # fmt: skip
 LATEST_ONE = {"latest": {"num_versions": 1}}
 POLICY_FORMS = '{"latest": {"num_versions": N}}, {"all": {}} or {"specific": {"versions": [1, 3]}}'

@@ -207,6 +207,11 @@ class Settings(BaseSettings):
         "prompts) put before inputs that name none, instead of its default_prompt_name "
         "(TEI's flag).",
     )
+    dense_path: str | None = Field(
+        None,
+        description="Text models: a folder of the model directory holding the Dense module to "
+        "run instead of the one modules.json lists, e.g. 2_Dense_256 (TEI's flag).",
+    )
     default_prompt: str | None = Field(
         None,
         description="Embedding models: this text put before inputs that name no prompt (TEI's "

@@ -61,6 +61,29 @@ def test_labse_vectors_equal_pooled_then_dense_then_normalized(labse) -> None:
     torch.testing.assert_close(model.embed(ids, mask), want, **FP32_TOL)
 
 
+def test_dense_path_runs_another_dense_module(tmp_path: Path) -> None:
+    """TEI's --dense-path: the named folder's Dense module instead of the one modules.json
+    lists."""
+    reference, path = tm.sentence_transformer(tmp_path / "m", "mean", normalize=True)
+    tm.add_dense(path, [(tm.D, 24, True, IDENTITY)])
+    other = tm.write_dense(path, "2_Dense_16", 16)
+    model = mha_engine.load_model(path, dense_path="2_Dense_16")
+    assert model.embedding_dim == 16 and mha_engine.load_model(path).embedding_dim == 24
+    with torch.no_grad():
+        want = torch.nn.functional.normalize(other(_pooled(reference, path, "mean")))
+    torch.testing.assert_close(model.embed_varlen(_seqs(path)), want, **FP32_TOL)
+    for bad, match in (("../m", "outside the model directory"), ("3_Dense", "no Dense module")):
+        with pytest.raises(CheckpointError, match=match):
+            mha_engine.load_model(path, dense_path=bad)
+    _, plain = tm.sentence_transformer(tmp_path / "plain", "mean")  # lists no Dense module
+    tm.write_dense(plain, "2_Dense_16", 16)
+    with pytest.raises(CheckpointError, match="replaces the one Dense module"):
+        mha_engine.load_model(plain, dense_path="2_Dense_16")
+    mha_engine.save_model(torch.nn.MultiheadAttention(8, 2, batch_first=True), tmp_path / "mha")
+    with pytest.raises(CheckpointError, match="is not a text model"):
+        mha_engine.load_model(tmp_path / "mha", dense_path="2_Dense_16")
+
+
 @pytest.mark.parametrize(
     ("model_type", "layers", "normalize"),
     [

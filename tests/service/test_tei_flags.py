@@ -149,3 +149,23 @@ def test_a_reranker_keeps_its_own_pooling_and_prompt(tmp_path) -> None:
     plain = asyncio.run(scores())
     flagged = asyncio.run(scores(pooling="cls", default_prompt_name="query"))
     assert flagged == plain
+
+
+def test_dense_path_serves_the_named_dense_module(tmp_path) -> None:
+    """--dense-path (TEI's flag): vectors of the named Dense module's width, as the engine
+    gives them with dense_path (tests/mha_engine/test_dense.py checks those against torch)."""
+    import mha_engine
+
+    _, path = tm.sentence_transformer(tmp_path / "m", "mean", normalize=True)
+    tm.add_dense(path, [(tm.D, 24, True, "linear.Identity")])
+    tm.write_dense(path, "2_Dense_16", 16)
+    model = mha_engine.load_model(path, dense_path="2_Dense_16")
+    want = model.embed_varlen([ids for ids, _ in tm.tokenize(path, TEXTS)]).numpy()
+
+    async def main() -> None:
+        async with asgi_client(model_dir=path, model_name="m", dense_path="2_Dense_16") as c:
+            for got in await _embed(c):
+                assert got.shape == (len(TEXTS), 16)
+                np.testing.assert_allclose(got, want, **FP32_TOL)
+
+    asyncio.run(main())
