@@ -23,7 +23,7 @@ from . import hf_jina
 from .config import MultiheadAttentionConfig
 from .errors import CheckpointError, check_state, positive_int
 from .layouts import AttentionKeys, to_pytorch_names
-from .text_config import JINA_BERT as JINA_BERT_TYPE
+from .text_config import JINA_BERT as JINA  # the engine's model_type for JinaBERT
 from .text_config import TextEncoderConfig
 
 # hidden_act -> the engine's activation; the tanh forms are the same function under two names.
@@ -120,7 +120,6 @@ FAMILIES = {  # by config.json's model_type
     "distilbert": DISTILBERT,
     "mpnet": MPNET,
 }
-JINA = JINA_BERT_TYPE  # the engine's model_type for JinaBERT (its config.json says `bert`)
 BUFFERS = ("position_ids", "token_type_ids", "alibi")  # non-persistent buffers some files carry
 BIAS_KEY = "position_bias.relative_attention_bias.weight"  # EncoderStack's name for MPNet's table
 

@@ -83,6 +83,7 @@ class AlibiBias(nn.Module):
         # not a buffer (nothing to load): on the host, explicitly (models are built on the meta
         # device), uploaded without blocking where a forward runs
         self.slopes = torch.tensor(alibi_slopes(num_heads), device="cpu")  # (H,) float32
+        self._on: dict[torch.device, Tensor] = {}  # -slopes, uploaded once per device
 
     def forward(
         self, tgt_len: int, src_len: int, dtype: torch.dtype, device: torch.device | None = None
@@ -92,7 +93,9 @@ class AlibiBias(nn.Module):
         query = torch.arange(tgt_len, device=device)[:, None]  # (T, 1)
         key = torch.arange(src_len, device=device)[None, :]  # (1, S)
         distance = (key - query).abs()  # (T, S)
-        slopes = -upload(self.slopes, device)  # (H,)
+        slopes = self._on.get(device)
+        if slopes is None:
+            slopes = self._on[device] = -upload(self.slopes, device)  # (H,)
         return (slopes[:, None, None] * distance).unsqueeze(0).to(dtype)  # (1, H, T, S)
 
 

@@ -133,7 +133,12 @@ def read_text_settings(directory: Path, dense_path: str | None = None) -> TextSe
                 f"dense_path {dense_path!r} replaces the one Dense module modules.json lists; "
                 f"{directory} lists {len(dense)}"
             )
-        where = _module_dir(directory, {"path": dense_path})
+        parts = os.path.normpath(dense_path).split(os.sep)
+        if not dense_path or os.path.isabs(dense_path) or parts[0] in (os.curdir, os.pardir):
+            raise CheckpointError(
+                f"dense_path {dense_path!r} must name a folder inside {directory}"
+            )
+        where = directory / dense_path
         if not (where / "config.json").is_file():
             raise CheckpointError(f"dense_path {dense_path!r}: no Dense module at {where}")
         dense = [(_dense_config(where), where)]

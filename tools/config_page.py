@@ -52,7 +52,7 @@ unless the name says `_ms`.
 
 Options checked together (start-up stops, naming both): `--max-batch-tokens` must be at least
 `--max-seq-len`; `--max-queue` at least `--max-batch-size`; `--model-control-mode explicit`
-needs `--workers 1`.
+needs `--workers 1`; `--default-prompt` and `--default-prompt-name` exclude each other.
 
 Per-model overrides ({model_settings}) go in a repository model's `mha-serve.json`: see
 [Models](models.md#repositories-and-versions). The environment variables mha-serve sets for

@@ -35,6 +35,8 @@ def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
     """The model in directory `path`, or the built-in demo model."""
     if path is None:
         model = mha_engine.build_demo_model(device=settings.device, dtype=settings.dtype)
+        if settings.dense_path is not None:
+            log.warning("dense_path %r not applied to the demo model", settings.dense_path)
     else:
         model = mha_engine.load_model(
             path, device=settings.device, dtype=settings.dtype, dense_path=settings.dense_path
@@ -43,7 +45,9 @@ def load_served_model(settings: Settings, path: Path | None) -> ServedModel:
         if text_kind(model) == "embedding":
             model.set_pooling(settings.pooling)
         else:
-            log.info("--pooling not applied to %s: not an embedding model", path)
+            where = path if path is not None else "the demo model"
+            log.warning("pooling %r not applied to %s: not an embedding model, it keeps its "
+                        "own", settings.pooling, where)  # fmt: skip
     if settings.cuda_graphs and model.device.type == "cuda":
         _enable_cuda_graphs(model, settings)
     return model
@@ -169,11 +173,15 @@ async def load_entry(settings: Settings, metrics: Metrics, source: ModelSource) 
     return entry
 
 
-def default_prompt(settings: Settings, entry: ModelEntry, name: str | None) -> str | None:
+def resolve_default_prompt(settings: Settings, entry: ModelEntry, name: str | None) -> str | None:
     """The text put before a request's inputs when it names no prompt: the model's default
-    prompt (config_sentence_transformers.json's `name`), or for an embedding model TEI's
-    --default-prompt (literal) or --default-prompt-name (ValueError for an unknown name)."""
+    prompt (config_sentence_transformers.json's `name`), or for an embedding (or SPLADE) model
+    TEI's --default-prompt (literal) or --default-prompt-name (ValueError for an unknown
+    name); a classifier or reranker keeps its own, which is logged."""
     if text_kind(entry.model) not in ("embedding", "sparse"):
+        if settings.default_prompt is not None or settings.default_prompt_name is not None:
+            log.warning("default prompt settings not applied to %s: a %s keeps its own",
+                        entry.name, text_kind(entry.model) or "tensor model")  # fmt: skip
         return entry.prompts.get(name) if name else None
     if settings.default_prompt is not None:
         return settings.default_prompt
@@ -209,7 +217,7 @@ def add_text_parts(entry: ModelEntry, settings: Settings, source: ModelSource) -
     entry.tokenizer = load_tokenizer(source.path, entry.model, settings.max_seq_len)
     entry.matryoshka = matryoshka(source.path)
     entry.prompts, name = read_prompts(source.path)
-    entry.default_prompt = default_prompt(settings, entry, name)
+    entry.default_prompt = resolve_default_prompt(settings, entry, name)
     if entry.tokenizer is not None:
         entry.char_limits = CharLimits.resolve(
             settings.max_input_chars, settings.max_request_chars, entry.tokenizer.max_length

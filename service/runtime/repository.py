@@ -28,6 +28,7 @@ MODEL_SETTINGS = frozenset(
      "max_queue", "max_seq_len", "dtype", "device", "optional_inputs", "response_cache",
      "pooling", "default_prompt_name", "default_prompt", "dense_path"}
 )  # fmt: skip
+PROMPT_PAIR = ("default_prompt", "default_prompt_name")  # exclusive: one setting in two forms
 LATEST_ONE = {"latest": {"num_versions": 1}}
 POLICY_FORMS = '{"latest": {"num_versions": N}}, {"all": {}} or {"specific": {"versions": [1, 3]}}'
 
@@ -141,8 +142,12 @@ def model_settings(settings: Settings, source: ModelSource) -> Settings:
     """The server's settings with the model's own settings file applied (validated alike)."""
     if not source.overrides:
         return settings
+    values = settings.model_dump()
+    for one, other in PROMPT_PAIR, PROMPT_PAIR[::-1]:  # a model's own one replaces the server's
+        if one in source.overrides and other not in source.overrides:
+            values[other] = None
     try:
-        return type(settings)(**{**settings.model_dump(), **source.overrides})
+        return type(settings)(**{**values, **source.overrides})
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()

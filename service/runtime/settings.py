@@ -203,19 +203,19 @@ class Settings(BaseSettings):
     )
     default_prompt_name: str | None = Field(
         None,
-        description="Embedding models: the prompt (a name in config_sentence_transformers.json's "
-        "prompts) put before inputs that name none, instead of its default_prompt_name "
-        "(TEI's flag).",
+        description="Embedding and SPLADE models: the prompt (a name in "
+        "config_sentence_transformers.json's prompts) put before inputs that name none, "
+        "instead of its default_prompt_name (TEI's flag).",
+    )
+    default_prompt: str | None = Field(
+        None,
+        description="Embedding and SPLADE models: this text put before inputs that name no "
+        "prompt (TEI's flag); not with --default-prompt-name.",
     )
     dense_path: str | None = Field(
         None,
         description="Text models: a folder of the model directory holding the Dense module to "
         "run instead of the one modules.json lists, e.g. 2_Dense_256 (TEI's flag).",
-    )
-    default_prompt: str | None = Field(
-        None,
-        description="Embedding models: this text put before inputs that name no prompt (TEI's "
-        "flag); not with --default-prompt-name.",
     )
     # -- connections (service/http/connections.py, service/http/flow.py; uvicorn's keep-alive) --
     header_timeout_s: float = Field(

@@ -72,7 +72,9 @@ def test_dense_path_runs_another_dense_module(tmp_path: Path) -> None:
     with torch.no_grad():
         want = torch.nn.functional.normalize(other(_pooled(reference, path, "mean")))
     torch.testing.assert_close(model.embed_varlen(_seqs(path)), want, **FP32_TOL)
-    for bad, match in (("../m", "outside the model directory"), ("3_Dense", "no Dense module")):
+    inside = "must name a folder inside"
+    for bad, match in (("../m", inside), ("", inside), (".", inside), ("/tmp", inside),
+                       ("3_Dense", "no Dense module")):  # fmt: skip
         with pytest.raises(CheckpointError, match=match):
             mha_engine.load_model(path, dense_path=bad)
     _, plain = tm.sentence_transformer(tmp_path / "plain", "mean")  # lists no Dense module

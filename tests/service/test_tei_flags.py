@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.inprocess import asgi_client
-from tests.support import FP32_TOL
+from tests.support import FP32_TOL, run_server
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -24,6 +24,7 @@ from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 
 from service.runtime.settings import Settings
+from service.runtime.startup import StartupError
 from tests import text_models as tm
 
 TEXTS = tm.LONG_AND_SHORT
@@ -86,6 +87,20 @@ def test_pooling_and_default_prompt_per_model_in_mha_serve_json(base, tmp_path) 
     asyncio.run(main())
 
 
+def test_a_models_own_prompt_setting_replaces_the_servers_other_form(base, tmp_path) -> None:
+    _saved(_st(base), tmp_path / "repo" / "m" / "1")
+    (tmp_path / "repo" / "m" / "mha-serve.json").write_text('{"default_prompt_name": "query"}')
+    want = _st(base).encode(TEXTS, prompt_name="query")
+
+    async def main() -> None:
+        flags = {"model_repository": tmp_path / "repo", "default_prompt": "search: "}
+        async with asgi_client(**flags) as client:
+            for got in await _embed(client):
+                np.testing.assert_allclose(got, want, **FP32_TOL)
+
+    asyncio.run(main())
+
+
 def test_default_prompt_name_and_default_prompt(base, tmp_path) -> None:
     path = _saved(_st(base), tmp_path / "m")
     st = _st(base)
@@ -101,6 +116,19 @@ def test_default_prompt_name_and_default_prompt(base, tmp_path) -> None:
         async with asgi_client(model_dir=path, model_name="m", default_prompt="search: ") as c:
             for got in await _embed(c):
                 np.testing.assert_allclose(got, literal, **FP32_TOL)
+            # the other routes that take prompt_name put it in front too (TEI's /similarity)
+            for route, body in (
+                ("/embed_all", {"inputs": TEXTS[0]}),
+                ("/tokenize", {"inputs": TEXTS[0]}),
+                ("/similarity", {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS}}),
+            ):
+                got = (await c.post(route, json=body)).json()
+                if route == "/similarity":
+                    unit = literal / np.linalg.norm(literal, axis=1, keepdims=True)
+                    np.testing.assert_allclose(got, unit @ unit[0], atol=1e-5)
+                    continue
+                plain = (await c.post(route, json={**body, "prompt_name": "doc"})).json()
+                assert got != plain  # "search: " in front, not "passage: "
 
     asyncio.run(main())
 
@@ -132,11 +160,23 @@ def test_what_is_refused(base, tmp_path) -> None:
         async with asgi_client(model_dir=path, model_name="m", default_prompt_name="nope"):
             pass
 
-    with pytest.raises(Exception, match=r"--default-prompt-name 'nope' is not one of its prompts"):
+    with pytest.raises(StartupError, match=r"--default-prompt-name 'nope' is not one of its"):
         asyncio.run(main())
 
 
-def test_a_reranker_keeps_its_own_pooling_and_prompt(tmp_path) -> None:
+def test_a_splade_model_keeps_its_own_pooling(tmp_path) -> None:
+    _, path = tm.splade(tmp_path / "sp")
+    body = {"inputs": TEXTS}
+
+    async def answers(**flags) -> tuple:
+        async with asgi_client(model_dir=path, model_name="sp", **flags) as client:
+            info = (await client.get("/info")).json()
+            return info["model_type"], (await client.post("/embed_sparse", json=body)).json()
+
+    assert asyncio.run(answers(pooling="cls")) == asyncio.run(answers())
+
+
+def test_a_reranker_keeps_its_own_prompt(tmp_path) -> None:
     _, path = tm.classifier("bert", tmp_path / "rr", {0: "score"})
     body = {"query": "what is deep learning?", "texts": ["a cat", "deep learning is a model"]}
 
@@ -147,7 +187,7 @@ def test_a_reranker_keeps_its_own_pooling_and_prompt(tmp_path) -> None:
             return [r["score"] for r in sorted(ranked.json(), key=lambda r: r["index"])]
 
     plain = asyncio.run(scores())
-    flagged = asyncio.run(scores(pooling="cls", default_prompt_name="query"))
+    flagged = asyncio.run(scores(default_prompt="search: ", default_prompt_name=None))
     assert flagged == plain
 
 
@@ -169,3 +209,23 @@ def test_dense_path_serves_the_named_dense_module(tmp_path) -> None:
                 np.testing.assert_allclose(got, want, **FP32_TOL)
 
     asyncio.run(main())
+
+
+def test_the_flags_reach_the_engine_processes_with_workers(base, tmp_path) -> None:
+    """--workers 2: the engine process loads the model with --pooling, the front-ends apply the
+    default prompt; the same vectors as sentence-transformers' encode."""
+    import httpx
+
+    path = _saved(_st(base, "mean"), tmp_path / "m")
+    want = _st(base, "cls").encode(TEXTS, prompt_name="query")
+    flags = ("--pooling", "cls", "--default-prompt-name", "query", "--workers", "2")
+    with run_server(tmp_path, "--model-dir", str(path), "--model-name", "m", *flags) as server:
+        info = httpx.get(f"{server.url}/info", timeout=10).json()
+        tei = httpx.post(f"{server.url}/embed", json={"inputs": TEXTS}, timeout=30)
+        body = {"model": "m", "input": TEXTS}
+        openai = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+    assert info["model_type"] == {"embedding": {"pooling": "cls"}}
+    assert tei.status_code == openai.status_code == 200, (tei.text, openai.text)
+    np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
+    got = np.array([d["embedding"] for d in openai.json()["data"]])
+    np.testing.assert_allclose(got, want, **FP32_TOL)

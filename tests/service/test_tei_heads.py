@@ -230,7 +230,7 @@ def test_client_batch_size_and_auto_truncate_follow_the_flags(models):
         assert (info["max_client_batch_size"], info["auto_truncate"]) == (32, False)
         refused = await client.post("/rerank", json=long)
         assert refused.status_code == 413
-        assert "or start the server with --auto-truncate" in refused.json()["error"]
+        assert "(the server runs with --no-auto-truncate)" in refused.json()["error"]
 
     serve(reranker, flagged, max_client_batch_size=3)
     serve(reranker, disabled, auto_truncate=False)

@@ -226,6 +226,17 @@ def test_rotary_bert_embedders_equal_transformers(tmp_path, family) -> None:
     asyncio.run(main())
 
 
+async def _check_rerank(path: Path, query: str, passages: list[str], scores: np.ndarray) -> None:
+    """/rerank of the reranker at `path` ranks the passages by `scores` and answers them."""
+    async with asgi_client(model_dir=path, model_name="reranker") as client:
+        ranked = await client.post("/rerank", json={"query": query, "texts": passages})
+        assert ranked.status_code == 200, ranked.text
+        order = np.argsort(-scores)
+        assert [r["index"] for r in ranked.json()] == order.tolist()
+        got = [r["score"] for r in ranked.json()]
+        np.testing.assert_allclose(got, scores[order], rtol=1e-5, atol=1e-6)
+
+
 def test_jina_bert_embedders_and_rerankers_equal_the_reference(tmp_path) -> None:
     """jina-embeddings-v2's layout (JinaBERT: ALiBi, a GLU; mean pooling, Normalize) on
     /v1/embeddings and /embed, and jina-reranker-v1's (one label) on /rerank, equal to the
@@ -256,13 +267,7 @@ def test_jina_bert_embedders_and_rerankers_equal_the_reference(tmp_path) -> None
             np.testing.assert_allclose(got, want, **FP32_TOL)
             tei = await client.post("/embed", json={"inputs": TEXTS})
             np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)
-        async with asgi_client(model_dir=ranker_dir, model_name="jina-r") as client:
-            ranked = await client.post("/rerank", json={"query": query, "texts": passages})
-            assert ranked.status_code == 200, ranked.text
-            order = np.argsort(-scores)
-            assert [r["index"] for r in ranked.json()] == order.tolist()
-            got = [r["score"] for r in ranked.json()]
-            np.testing.assert_allclose(got, scores[order], rtol=1e-5, atol=1e-6)
+        await _check_rerank(ranker_dir, query, passages, scores)
 
     asyncio.run(main())
 
@@ -281,16 +286,7 @@ def test_jina_reranker_v2_reranks_as_transformers(tmp_path) -> None:
         logits = reference(input_ids=ids, attention_mask=mask).logits[:, 0]
     scores = torch.sigmoid(logits.double()).numpy()
 
-    async def main() -> None:
-        async with asgi_client(model_dir=path, model_name="jina-r2") as client:
-            ranked = await client.post("/rerank", json={"query": query, "texts": passages})
-            assert ranked.status_code == 200, ranked.text
-            order = np.argsort(-scores)
-            assert [r["index"] for r in ranked.json()] == order.tolist()
-            got = [r["score"] for r in ranked.json()]
-            np.testing.assert_allclose(got, scores[order], rtol=1e-5, atol=1e-6)
-
-    asyncio.run(main())
+    asyncio.run(_check_rerank(path, query, passages, scores))
 
 
 YARN = {

@@ -174,6 +174,7 @@ async def similarity(request: Request) -> list[float]:
         if not body.inputs.sentences:
             raise BadInput("'inputs.sentences' is empty; send at least one sentence")
         texts = _texts(state, [body.inputs.source_sentence, *body.inputs.sentences])
+        texts = with_default_prompt(entry, texts)
         vectors = await _run(request, entry, texts, body.truncate, "Right", raw_embed_runner)
         source, *others = _normalized(vectors)
         return [float(np.dot(source, v)) for v in others]

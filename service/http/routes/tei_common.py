@@ -136,6 +136,7 @@ async def encode_texts(
     reranker's instruction (TextTokenizer.encode), counted in every input's characters;
     `doc_tokens`: each pair's document first cut to that many tokens (Cohere's
     max_tokens_per_doc)."""
+    asked = truncate is not None  # the request said; else --auto-truncate decides
     if truncate is None:
         truncate = state.settings.auto_truncate
     tokenizer = entry.tokenizer
@@ -158,10 +159,14 @@ async def encode_texts(
         encoded = await tokenize(state, entry, gone, texts, deadline, encode)
     cut = [i for i, e in enumerate(encoded) if e.truncated]
     if cut and not truncate:
+        how = (
+            "or set 'truncate': true"
+            if asked
+            else ("or set 'truncate': true (the server runs with --no-auto-truncate)")
+        )
         raise PayloadTooLarge(
             f"Input validation error: {field}[{cut[0]}] is longer than the model's "
-            f"{tokenizer.max_length} tokens; send less text or set 'truncate': true (or "
-            "start the server with --auto-truncate)"
+            f"{tokenizer.max_length} tokens; send less text {how}"
         )
     return encoded  # run_parts answers 504 if tokenizing used the deadline up
 
