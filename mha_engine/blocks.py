@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .attention import FusedAttention
 from .config import TransformerEncoderConfig
-from .fused import ACTIVATIONS, linear
+from .fused import ACTIVATIONS, gated_linear, linear
 from .position_bias import AlibiBias, BiasCache, RelativePositionBias
 from .varlen import AttnBias, Plan
 
@@ -62,9 +62,8 @@ class EncoderLayer(nn.Module):
         """[residual +] linear2(activation(linear1(x))), activation and add fused on CPU; gated:
         linear2(activation(gate) * up)."""
         if self.gated:
-            gate, up = linear(self.linear1, x).chunk(2, dim=-1)  # (..., F) each
-            h = ACTIVATIONS[self.activation_name](gate) * up
-            return linear(self.linear2, h, residual=residual)  # (..., E)
+            act = ACTIVATIONS[self.activation_name]
+            return gated_linear(self.linear1, self.linear2, x, act, residual)  # (..., E)
         h = linear(self.linear1, x, self.activation_name)  # (..., F)
         return linear(self.linear2, h, residual=residual)  # (..., E)
 

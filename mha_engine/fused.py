@@ -273,3 +273,17 @@ def _rows(fn: Callable[[Tensor, Tensor | None], Tensor], x2: Tensor, r2: Tensor 
         rb = None if r2 is None else pad_rows(r2[start : start + block], block)
         out.append(fn(xb, rb)[: min(block, n - start)])
     return out[0] if len(out) == 1 else torch.cat(out)  # (N, M)
+
+
+def gated_linear(
+    gate_up: nn.Module,
+    down: nn.Module,
+    x: Tensor,
+    act: Callable[[Tensor], Tensor],
+    residual: Tensor | None = None,
+) -> Tensor:
+    """A gated feed-forward, down(act(gate) * up) [+ residual], with [gate; up] = gate_up(x)
+    (rows stacked in that order): Qwen3, the Llama family, Gemma 3, ModernBERT, NomicBERT/GTE
+    and JinaBERT."""
+    gate, up = linear(gate_up, x).chunk(2, dim=-1)  # (..., F) each
+    return linear(down, act(gate) * up, residual=residual)

@@ -16,7 +16,7 @@ import math
 
 from torch import Tensor, nn
 
-from .fused import ACTIVATIONS, linear
+from .fused import ACTIVATIONS, gated_linear, linear
 from .grouped_attention import GemmaRMSNorm, GroupedRotaryAttention, GroupedRotaryModel
 from .rope import run_windowed_layers
 from .text import TokenEmbeddings
@@ -69,8 +69,8 @@ class Gemma3Layer(nn.Module):
             self.input_layernorm(x), cos_sin, plan, key_padding_mask, False, need_weights, window
         )  # packed (N, E) or dense (B, T, E); on packed rows the band per sequence length
         x = x + self.post_attention_layernorm(linear(attn.out_proj, merged))  # (..., D)
-        gate, up = linear(self.gate_up, self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
-        return x + self.post_feedforward_layernorm(linear(self.down, self.act(gate) * up)), weights
+        h = gated_linear(self.gate_up, self.down, self.pre_feedforward_layernorm(x), self.act)
+        return x + self.post_feedforward_layernorm(h), weights
 
 
 class Gemma3Stack(nn.Module):

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .attention import FusedAttention
 from .config import MultiheadAttentionConfig
-from .fused import ACTIVATIONS, linear
+from .fused import ACTIVATIONS, gated_linear, linear
 from .heads import TextClassifierModel
 from .rope import rotate, run_windowed_layers
 from .text import RotaryTables
@@ -82,8 +82,8 @@ class ModernBertLayer(nn.Module):
             q, k, v, plan, key_padding_mask, need_weights=need_weights, attn_bias=window
         )  # packed (N, E) or dense (B, T, E); on packed rows the band per sequence length
         x = linear(attn.out_proj, merged, residual=x)
-        hidden, gate = linear(self.Wi, self.mlp_norm(x)).chunk(2, dim=-1)  # (..., F) each
-        return linear(self.Wo, self.act(hidden) * gate, residual=x), weights
+        # Wi's rows [input; gate]: the first half activated, as gated_linear's [gate; up]
+        return gated_linear(self.Wi, self.Wo, self.mlp_norm(x), self.act, x), weights
 
 
 class ModernBertStack(nn.Module):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .fused import linear
+from .fused import gated_linear, linear
 from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel, RMSNorm
 from .rope import rotary, token_positions
 from .score_head import ScoreClassifierModel
@@ -59,8 +59,8 @@ class Qwen3Layer(nn.Module):
             h, cos_sin, plan, key_padding_mask, causal, need_weights
         )
         x = linear(attn.out_proj, merged, residual=x)  # (..., D)
-        gate, up = linear(self.gate_up, self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return linear(self.down, F.silu(gate) * up, residual=x), weights
+        h = self.post_attention_layernorm(x)
+        return gated_linear(self.gate_up, self.down, h, F.silu, x), weights
 
 
 class Qwen3Stack(nn.Module):

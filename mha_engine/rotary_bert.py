@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .fused import ACTIVATIONS, linear
+from .fused import ACTIVATIONS, gated_linear, linear
 from .grouped_attention import GroupedRotaryAttention, GroupedRotaryModel
 from .heads import TextClassifierModel
 from .rope import rotary, token_positions
@@ -58,8 +58,8 @@ class RotaryBertLayer(nn.Module):
             x, cos_sin, plan, key_padding_mask, False, need_weights
         )
         x = self.post_attention_layernorm(linear(attn.out_proj, merged, residual=x))  # (..., D)
-        gate, up = linear(self.gate_up, x).chunk(2, dim=-1)
-        return self.post_mlp_layernorm(linear(self.down, self.act(gate) * up, residual=x)), weights
+        h = gated_linear(self.gate_up, self.down, x, self.act, x)
+        return self.post_mlp_layernorm(h), weights
 
 
 class RotaryBertStack(nn.Module):
