@@ -16,7 +16,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = "service/grpc"
-PROTOS = ("model_config.proto", "grpc_service.proto", "log_settings.proto", "trace_settings.proto")
+PROTOS = (
+    "model_config.proto",
+    "grpc_service.proto",
+    "log_settings.proto",
+    "trace_settings.proto",
+    "tei.proto",
+    "health.proto",
+)
 # messages only: their _pb2_grpc.py is empty
 NO_SERVICE = ("model_config", "log_settings", "trace_settings")
 

@@ -57,8 +57,13 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
                     request_deserializer=_lenient(handler.request_deserializer),
                 )
                 self._handlers[method] = handler
-            elif handler is not None and handler.stream_stream and handler.request_deserializer:
-                # a stream answers each undecodable message with its error (service.grpc.streaming)
+            elif (
+                handler is not None
+                and (handler.stream_stream or handler.stream_unary)
+                and handler.request_deserializer
+            ):
+                # a stream's handler answers an undecodable message with its error
+                # (service.grpc.streaming, service.grpc.tei_servicer)
                 handler = handler._replace(
                     request_deserializer=_lenient(handler.request_deserializer)
                 )

@@ -8,9 +8,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
+from service.grpc import health_pb2_grpc as health_grpc
 from service.grpc import log_settings, trace_settings
+from service.grpc import tei_pb2_grpc as tei_grpc
 from service.grpc.decode_errors import DecodeErrors
+from service.grpc.health import HealthServicer
 from service.grpc.servicer import InferenceServicer
+from service.grpc.tei_servicer import TeiServicer
 from service.runtime.startup import EXIT_PORT, GRPC_FLAGS, StartupError, check_grpc_port
 
 if TYPE_CHECKING:
@@ -42,6 +46,16 @@ class GrpcListener:
         )
         servicer = InferenceServicer(state, control)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self.server)
+        tei = TeiServicer(state)  # TEI's gRPC API (tei.v1), for text models
+        for add in (
+            tei_grpc.add_InfoServicer_to_server,
+            tei_grpc.add_EmbedServicer_to_server,
+            tei_grpc.add_PredictServicer_to_server,
+            tei_grpc.add_RerankServicer_to_server,
+            tei_grpc.add_TokenizeServicer_to_server,
+        ):
+            add(tei, self.server)
+        health_grpc.add_HealthServicer_to_server(HealthServicer(state), self.server)
         self.server.add_generic_rpc_handlers(
             (log_settings.handler(servicer), trace_settings.handler(servicer))
         )

@@ -1,20 +1,12 @@
 """The GRPCInferenceService handlers: the HTTP routes' checks, batcher and codecs behind gRPC.
 
-Every call: the API key from `authorization: Bearer <key>` metadata, a request id (the client's
-`x-request-id`, else a new one) sent back in the initial metadata, one access-log line, and the
-request metrics with protocol="grpc". A ServiceError ends the call with its status code
-(service.grpc.status); a cancelled call leaves the queue like a disconnected HTTP client.
+Every call goes through service.grpc.calls (API key, request id, access log, metrics, status
+codes); a cancelled call leaves the queue like a disconnected HTTP client.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import logging
-import secrets
-import time
-from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -23,8 +15,8 @@ from google.protobuf import json_format
 from service import __version__
 from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
+from service.grpc.calls import Calls
 from service.grpc.shared_memory import SharedMemoryServicer
-from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.grpc.streaming import stream_infer
 from service.grpc.tensors import (
     decode_infer_request,
@@ -32,38 +24,18 @@ from service.grpc.tensors import (
     in_shared_memory,
     shared_inputs,
 )
-from service.http.middleware import bearer_credential, keeps_access_line, log_safe, request_id
 from service.oip.codecs import OFFLOAD_BYTES, OutputTensor
 from service.oip.inputs import OUTPUT_NAME
 from service.oip.model_config import extensions, model_config, model_metadata
-from service.pipeline.errors import ServiceError, Unauthorized
 from service.pipeline.models import admit
 from service.pipeline.tensors import TensorRequest, TensorResult, infer
 from service.runtime.load_config import parse_load_config
 from service.runtime.model_control import LOAD_PARAMETERS, UNLOAD_PARAMETERS, check_parameters
-from service.runtime.tracing import TRACED
 from service.shm.tensors import SharedMemoryIO, write_outputs
 
 if TYPE_CHECKING:
     from service.runtime.model_control import ModelControl
     from service.runtime.state import ModelEntry, ServiceState
-
-access_log = logging.getLogger("service.access")
-log = logging.getLogger("service.grpc")
-
-# Open without the API key when --open-health-metrics is on (as /v2/health/* over HTTP).
-OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
-
-
-class Call:
-    """One RPC's bookkeeping: its id and the HTTP-equivalent status the metrics record."""
-
-    def __init__(self, method: str, rid: str) -> None:
-        self.method = method
-        self.request_id = rid
-        self.started = time.perf_counter()
-        self.status = 200
-        self.reason: str | None = None
 
 
 async def _encode(raw: bool, shm: SharedMemoryIO, result: TensorResult) -> pb.ModelInferResponse:
@@ -79,107 +51,12 @@ async def _encode(raw: bool, shm: SharedMemoryIO, result: TensorResult) -> pb.Mo
     )
 
 
-class InferenceServicer(SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer(Calls, SharedMemoryServicer, pb_grpc.GRPCInferenceServiceServicer):
     """Handlers over the lifespan's ServiceState."""
 
     def __init__(self, state: ServiceState, control: ModelControl) -> None:
-        self.state = state
+        super().__init__(state)
         self.control = control
-        key = state.settings.api_key
-        self.api_key = None if key is None else key.get_secret_value().encode()
-
-    # -- per-call plumbing --------------------------------------------------------------------
-    def _check_key(self, method: str, metadata: dict[str, str]) -> None:
-        if self.api_key is None:
-            return
-        if method in OPEN_METHODS and self.state.settings.open_health_metrics:
-            return
-        given = metadata.get("authorization")
-        credential = bearer_credential(given)
-        if given is None:
-            raise Unauthorized("missing 'authorization: Bearer <api key>' call metadata")
-        if credential is None:
-            raise Unauthorized("the authorization metadata must be 'Bearer <api key>'")
-        if not secrets.compare_digest(credential.encode(), self.api_key):
-            raise Unauthorized("wrong API key")
-
-    @contextlib.contextmanager
-    def observed(
-        self,
-        method: str,
-        rid: str,
-        endpoint: str | None = None,
-        model: str | None = None,
-        version: str = "",
-    ) -> Iterator[Call]:
-        """One request's access-log line and (for `endpoint`) in-flight gauge and metrics, with
-        the status the caller sets on the Call (a cancelled one records 499)."""
-        call = Call(method, rid)
-        metrics = self.state.metrics_for(model, version)
-        gauge = metrics.in_flight_child if endpoint else None
-        TRACED.set(None)  # a trace begun for this request (tracing.begin) sets it
-        if gauge is not None:
-            gauge.inc()
-        try:
-            yield call
-        except asyncio.CancelledError:
-            call.status, call.reason = CANCELLED_STATUS, "client_disconnected"
-            raise
-        finally:
-            seconds = time.perf_counter() - call.started
-            trace = TRACED.get()
-            trace_id = None if trace is None else trace.hex_id
-            if gauge is not None:
-                gauge.dec()
-                metrics.request_done(endpoint, call.status, seconds, call.reason, "grpc", trace_id)
-            self._access_line(call, seconds, trace_id)
-
-    def _access_line(self, call: Call, seconds: float, trace_id: str | None) -> None:
-        """As over HTTP: every failed or traced call's line, successful ones at the live
-        --access-log-sample-rate."""
-        control = self.state.log_control
-        rate = 1.0 if control is None else control.access_log_sample_rate
-        if not keeps_access_line(call.status, trace_id is not None, rate):
-            return
-        extra = {
-            "request_id": call.request_id,
-            "status": call.status,
-            "duration_ms": round(seconds * 1000, 3),
-            "method": "GRPC",
-            "path": log_safe(call.method),
-        }
-        if trace_id is not None:
-            extra["trace_id"] = trace_id
-        access_log.info("GRPC %s %d", call.method, call.status, extra=extra)
-
-    @contextlib.asynccontextmanager
-    async def _call(
-        self,
-        method: str,
-        context: grpc.aio.ServicerContext,
-        endpoint: str | None = None,
-        model: str | None = None,
-        version: str = "",
-    ) -> AsyncIterator[Call]:
-        """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics."""
-        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        rid = request_id(metadata.get("x-request-id"))
-        with self.observed(method, rid, endpoint, model, version) as call:
-            try:
-                await context.send_initial_metadata((("x-request-id", call.request_id),))
-                self._check_key(method, metadata)
-                yield call
-            except ServiceError as exc:
-                call.status, call.reason = exc.status, exc.reason
-                await context.abort(grpc_code(exc), exc.message, trailing_metadata(exc))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if isinstance(exc, grpc.aio.AbortError):
-                    raise
-                call.status, call.reason = 500, "inference_error"
-                log.exception("unhandled error in gRPC %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
 
     def _ready(self, name: str, version: str) -> bool:
         """Triton's answer: false for a model it knows but cannot serve now (loading, unloading,

@@ -40,6 +40,7 @@ class WrongModelKind(BadInput):
 
     status = 424
     reason = "wrong_model_kind"
+    grpc_status = "FAILED_PRECONDITION"  # as TEI's gRPC API answers it
 
 
 class ModelNotFound(ServiceError):

@@ -23,6 +23,19 @@ class Gone(Protocol):
     def discard(self, callback: Callable[[], None]) -> None: ...
 
 
+class Stays:
+    """A client that is never seen to go: a gRPC call's (a cancelled call cancels the task
+    awaiting its work instead)."""
+
+    happened = False
+
+    def add(self, callback: Callable[[], None]) -> None:
+        pass
+
+    def discard(self, callback: Callable[[], None]) -> None:
+        pass
+
+
 class Queue(Protocol):
     """What waiting needs of a batcher (local or remote)."""
 

@@ -55,8 +55,9 @@ class ServingSettings(BaseSettings):
         64,
         ge=1,
         le=4096,
-        description="Requests of one gRPC ModelStreamInfer stream in progress at once; past "
-        "it the server reads no more of that stream until one is answered.",
+        description="Requests of one gRPC stream (ModelStreamInfer, TEI's *Stream calls) in "
+        "progress at once; past it the server reads no more of that stream until one is "
+        "answered.",
     )
     shm_max_regions: int = Field(
         64,

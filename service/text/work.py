@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +35,22 @@ if TYPE_CHECKING:
 
 TOKENIZE_CHUNK_CHARS = 64 * 1024  # ~40 ms of tokenizing; deadline and client checked between
 INLINE_TOKENIZE_CHARS = 512  # ~0.3 ms: tokenized on the event loop, cheaper than a thread hop
+
+
+@dataclass
+class Timings:
+    """Where a text request's time went, for TEI's response metadata: seconds tokenizing (the
+    caller's), and its parts' mean wait in the queue and mean forward (none for cache hits)."""
+
+    tokenize_s: float = 0.0
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+    def add(self, works: list[Work]) -> None:
+        started = [w for w in works if w.started_at is not None]
+        if started:
+            self.queue_s = sum(w.queue_s for w in started) / len(started)
+            self.inference_s = sum(w.infer_s for w in started) / len(started)
 
 
 def with_default_prompt(entry: ModelEntry, texts: list[str]) -> list[str]:
@@ -164,14 +181,17 @@ async def run_parts(
     deadline: float,
     runner: Runner = embed_runner,
     payload_of: Callable[[list[Encoded]], Payload] | None = None,
+    timings: Timings | None = None,
 ) -> list[np.ndarray]:
     """One result per input, in order: what `runner` makes of it. With the response cache on
-    for `entry`, inputs it holds (or that repeat in the request) are not computed again."""
+    for `entry`, inputs it holds (or that repeat in the request) are not computed again.
+    `timings`, if given, gets the parts' queue and forward times."""
     cache = state.response_cache
     if cache is not None:  # a hit is answered as the current copy (after a reload) would be
         entry = state.find(entry.name, entry.version)
     if cache is None or entry.cache_token is None:
-        return (await _run_parts(state, entry, gone, encoded, deadline, runner, payload_of))[1]
+        ran = await _run_parts(state, entry, gone, encoded, deadline, runner, payload_of, timings)
+        return ran[1]
     name = getattr(runner, "__qualname__", repr(runner))
     keys = [text_key(entry.cache_token, name, enc) for enc in encoded]
     found = [cache.get(key) for key in keys]
@@ -186,8 +206,9 @@ async def run_parts(
         trace.attributes["mha.response_cache_hits"] = hits
     if not todo:
         return found  # type: ignore[return-value]  # every one a hit
+    todo_encoded = [encoded[i] for i in todo.values()]
     ran, computed = await _run_parts(
-        state, entry, gone, [encoded[i] for i in todo.values()], deadline, runner, payload_of
+        state, entry, gone, todo_encoded, deadline, runner, payload_of, timings
     )
     kept = dict(zip(todo, computed, strict=True))
     if ran.cache_token is not None:  # under the copy that computed them (a reload between)
@@ -204,6 +225,7 @@ async def _run_parts(
     deadline: float,
     runner: Runner,
     payload_of: Callable[[list[Encoded]], Payload] | None,
+    timings: Timings | None = None,
 ) -> tuple[ModelEntry, list[np.ndarray]]:
     """Queue every part on the batcher of `entry`'s current copy, await all; on timeout or
     disconnect drop the parts not yet started. payload_of builds a part's payload (default: its
@@ -233,6 +255,8 @@ async def _run_parts(
             entry.batcher.cancel(work)
         raise
     finally:
+        if timings is not None:
+            timings.add(works)
         trace = CURRENT.get()
         if trace is not None:
             for work in works:

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.inprocess import asgi_client
-from tests.support import FP32_TOL, run_server
+from tests.support import FP32_TOL, free_port, run_server
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -213,17 +213,28 @@ def test_dense_path_serves_the_named_dense_module(tmp_path) -> None:
 
 def test_the_flags_reach_the_engine_processes_with_workers(base, tmp_path) -> None:
     """--workers 2: the engine process loads the model with --pooling, the front-ends apply the
-    default prompt; the same vectors as sentence-transformers' encode."""
+    default prompt; the same vectors as sentence-transformers' encode, over HTTP and over TEI's
+    gRPC API."""
+    import grpc
     import httpx
+
+    from service.grpc import tei_pb2, tei_pb2_grpc
 
     path = _saved(_st(base, "mean"), tmp_path / "m")
     want = _st(base, "cls").encode(TEXTS, prompt_name="query")
-    flags = ("--pooling", "cls", "--default-prompt-name", "query", "--workers", "2")
+    port = free_port()
+    flags = ("--pooling", "cls", "--default-prompt-name", "query", "--workers", "2",
+             "--grpc-port", str(port))  # fmt: skip
     with run_server(tmp_path, "--model-dir", str(path), "--model-name", "m", *flags) as server:
         info = httpx.get(f"{server.url}/info", timeout=10).json()
         tei = httpx.post(f"{server.url}/embed", json={"inputs": TEXTS}, timeout=30)
         body = {"model": "m", "input": TEXTS}
         openai = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = tei_pb2_grpc.EmbedStub(channel)
+            answers = [stub.Embed(tei_pb2.EmbedRequest(inputs=text), timeout=30) for text in TEXTS]
+    got = np.array([list(a.embeddings) for a in answers], np.float32)
+    np.testing.assert_allclose(got, want, **FP32_TOL)
     assert info["model_type"] == {"embedding": {"pooling": "cls"}}
     assert tei.status_code == openai.status_code == 200, (tei.text, openai.text)
     np.testing.assert_allclose(np.array(tei.json()), want, **FP32_TOL)

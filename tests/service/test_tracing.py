@@ -233,6 +233,29 @@ def test_text_routes_trace_tokenize_queue_and_compute(served, collector):
     assert settle(server, collector) == []
 
 
+def test_teis_grpc_calls_trace_each_request(served, collector):
+    """TEI's gRPC Embed: a span under the caller's traceparent metadata with the text steps; a
+    stream's requests one trace each."""
+    import grpc
+
+    from service.grpc import tei_pb2, tei_pb2_grpc
+
+    server, address = served
+    settle(server, collector)
+    with grpc.insecure_channel(address) as channel:
+        stub = tei_pb2_grpc.EmbedStub(channel)
+        stub.Embed(tei_pb2.EmbedRequest(inputs="a few words"), metadata=(("traceparent", SAMPLED),))
+        (spans,) = collector.trace("embed emb", 1).values()
+        assert spans[0].parent_span_id.hex() == PARENT
+        assert attributes(spans[0])["mha.protocol"] == "grpc"
+        assert {s.name for s in spans[1:]} == {"tokenize", "queue", "compute"}
+        requests = (tei_pb2.EmbedRequest(inputs=t) for t in ("one", "two"))
+        assert len(list(stub.EmbedStream(requests))) == 2
+    traces = collector.trace("embed emb", 2)
+    ids = sorted(attributes(spans[0])["mha.request_id"] for spans in traces.values())
+    assert len(set(ids)) == 2 and ids[0].endswith("-0") and ids[1].endswith("-1")
+
+
 def test_trace_extension_over_http_and_grpc(served, clients, collector):
     server, _ = served
     h, g = clients

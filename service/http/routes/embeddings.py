@@ -25,12 +25,12 @@ from service.http.body import parse_json, read_body
 from service.http.deps import get_state, traced
 from service.http.openapi import OPENAI_ERROR_RESPONSES, schema_body
 from service.http.routes.common import LeanRoute, Observation, client_gone, observed
-from service.http.routes.tei_common import ROUTES_OF
 from service.pipeline.errors import (
     BadInput,
     ModelNotFound,
 )
 from service.pipeline.models import ensure_serving
+from service.text.tei_ops import ROUTES_OF
 from service.text.tokenizer import (
     Encoded,
     model_kind,

@@ -25,10 +25,11 @@ from service.http.deps import get_state, traced
 from service.http.openapi import ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, json_body
 from service.http.routes.common import client_gone, observed
 from service.http.routes.embeddings import max_inputs
-from service.http.routes.tei_common import encode_texts, instruction, parse_body, text_entry
-from service.http.routes.tei_rank import check_query, json_response, ranked
+from service.http.routes.tei_common import parse_body
+from service.http.routes.tei_rank import json_response
 from service.pipeline.errors import BadInput, PayloadTooLarge, WrongModelKind
 from service.pipeline.models import ensure_serving
+from service.text.tei_ops import check_query, encode_texts, instruction, ranked, text_entry
 from service.text.tokenizer import Text, classify_runner, typed_payload
 from service.text.work import run_parts
 

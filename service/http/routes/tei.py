@@ -24,19 +24,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body, number_arrays
 from service.http.routes.common import client_gone
-from service.http.routes.tei_common import (
-    Direction,
-    check_batch,
-    encode_texts,
-    parse_body,
-    routed_model,
-    text_entry,
-    text_route,
-)
+from service.http.routes.tei_common import parse_body, routed_model, text_route
 from service.http.routes.tei_rank import HubPredictRequest, hub_predict
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
 from service.runtime.state import ModelEntry, ServiceState
+from service.text.tei_ops import (
+    Direction,
+    check_batch,
+    encode_texts,
+    info_fields,
+    normalized,
+    text_entry,
+    with_prompt,
+)
 from service.text.tokenizer import (
     model_kind,
     raw_embed_runner,
@@ -117,17 +118,6 @@ def _texts(state: ServiceState, inputs: str | list[str]) -> list[str]:
     return texts
 
 
-def with_prompt(entry: ModelEntry, texts: list[str], prompt_name: str | None) -> list[str]:
-    """Texts with the named sentence-transformers prompt of `entry` prepended (None: its
-    default prompt, if it has one); 400 naming the available prompts for an unknown name."""
-    if prompt_name is None:
-        return with_default_prompt(entry, texts)
-    if prompt_name not in entry.prompts:
-        available = sorted(entry.prompts) or "none (config_sentence_transformers.json has none)"
-        raise BadInput(f"unknown prompt_name {prompt_name!r}; this model's prompts: {available}")
-    return [entry.prompts[prompt_name] + text for text in texts]
-
-
 async def _run(
     request: Request,
     entry: ModelEntry,
@@ -143,10 +133,6 @@ async def _run(
     with client_gone(request) as gone:
         encoded = await encode_texts(gone, state, entry, texts, truncate, direction, deadline)
         return await run_parts(state, entry, gone, encoded, deadline, runner)
-
-
-def _normalized(vectors: list[np.ndarray]) -> list[np.ndarray]:
-    return [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
 
 
 class SimilarityInputs(BaseModel):
@@ -176,7 +162,7 @@ async def similarity(request: Request) -> list[float]:
         texts = _texts(state, [body.inputs.source_sentence, *body.inputs.sentences])
         texts = with_default_prompt(entry, texts)
         vectors = await _run(request, entry, texts, body.truncate, "Right", raw_embed_runner)
-        source, *others = _normalized(vectors)
+        source, *others = normalized(vectors)
         return [float(np.dot(source, v)) for v in others]
 
 
@@ -196,7 +182,7 @@ async def embed_body(body: EmbedRequest, request: Request) -> Response:
         if body.dimensions is not None:  # as TEI: cut the raw vector, then normalize
             vectors = [v[: body.dimensions] for v in vectors]
         if body.normalize:
-            vectors = _normalized(vectors)
+            vectors = normalized(vectors)
         vectors = [np.asarray(v, dtype=np.float32) for v in vectors]
         content = orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(content, media_type="application/json")
@@ -367,20 +353,4 @@ async def decode(request: Request) -> list[str]:
 async def info(request: Request) -> Info:
     state = get_state(request)
     entry = text_entry(state, "/info", model=routed_model(request))
-    tokenizer = entry.tokenizer
-    assert tokenizer is not None  # text_entry chose a text model
-    from service import __version__
-
-    return Info(
-        model_id=entry.name,
-        model_dtype=str(entry.model.dtype).removeprefix("torch."),
-        model_type=tei_model_type(entry.model),
-        max_input_length=tokenizer.max_length,
-        max_batch_tokens=entry.limits.max_tokens,  # the model's own (mha-serve.json, a load's
-        max_batch_requests=entry.batcher.max_batch_size,  # config), not the server's flags
-        max_client_batch_size=state.settings.max_client_batch_size,
-        auto_truncate=state.settings.auto_truncate,
-        max_concurrent_requests=entry.batcher.max_queue,
-        prompts=entry.prompts,
-        version=__version__,
-    )
+    return Info(**info_fields(state, entry), model_type=tei_model_type(entry.model))

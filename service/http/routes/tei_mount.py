@@ -19,9 +19,10 @@ from service.http.routes.tei import (
     embed_sparse,
     root,
 )
-from service.http.routes.tei_common import parse_body, routed_model, text_entry
+from service.http.routes.tei_common import parse_body, routed_model
 from service.http.routes.tei_rank import PredictRequest, RerankRequest, predict, rerank
 from service.pipeline.errors import NotReady
+from service.text.tei_ops import text_entry
 from service.text.tokenizer import model_kind
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)

@@ -22,17 +22,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
 from service.http.routes.common import client_gone
-from service.http.routes.tei_common import (
-    Direction,
-    check_batch,
-    encode_texts,
-    instruction,
-    parse_body,
-    text_route,
-)
+from service.http.routes.tei_common import parse_body, text_route
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
-from service.text.tokenizer import Text, classify_runner, scores, typed_payload
+from service.text.tei_ops import (
+    Direction,
+    check_batch,
+    check_query,
+    encode_texts,
+    instruction,
+    predictions,
+    ranked,
+)
+from service.text.tokenizer import Text, classify_runner, typed_payload
 from service.text.work import run_parts
 
 if TYPE_CHECKING:
@@ -102,7 +104,7 @@ async def _logits(
     given: str | None = None,
 ) -> list[np.ndarray]:
     """Texts or pairs -> logits (num_labels,) each, through `entry`'s batcher; `given`: the
-    request's instruction (tei_common.instruction)."""
+    request's instruction (tei_ops.instruction)."""
     deadline = time.monotonic() + state.settings.request_timeout_s
     prompt = instruction(entry, given)
     with client_gone(request) as gone:
@@ -118,33 +120,6 @@ def json_response(content: object) -> Response:
     """`content` (lists and dicts of plain values) as JSON, written by orjson: the same text a
     response model would give, without validating every item on the way out."""
     return Response(orjson.dumps(content), media_type="application/json")
-
-
-def check_query(query: str) -> None:
-    """A reranker's query must hold text (400); /rerank and /v1/rerank alike."""
-    if not query:
-        raise BadInput("'query' is an empty string; send the text to rank against")
-
-
-def ranked(logits: list[np.ndarray], raw: bool) -> tuple[list[float], list[int]]:
-    """A reranker's score per pair (sigmoid of its one logit; the logit when `raw`) and the
-    pairs' indices best first, ties by index."""
-    values = [float(scores(x, None, raw)[0]) for x in logits]
-    return values, sorted(range(len(values)), key=lambda i: -values[i])  # stable
-
-
-def _predictions(entry: ModelEntry, logits: np.ndarray, how: str | None) -> list[dict]:
-    """Every label with its score ({"label", "score"}, a Prediction), best first; how: None
-    (the model's problem type), "none" (raw logits), "sigmoid" or "softmax"."""
-    info = entry.model.info
-    if how in ("sigmoid", "softmax"):
-        values = scores(logits, "multi_label_classification" if how == "sigmoid" else None, False)
-        if how == "softmax" and len(values) == 1:
-            values = np.ones(1)  # softmax of one logit
-    else:
-        values = scores(logits, info.problem_type, raw=how == "none")
-    order = np.argsort(-values, kind="stable")
-    return [{"label": info.id2label[int(i)], "score": float(values[i])} for i in order]
 
 
 def _predict_inputs(
@@ -218,7 +193,7 @@ async def predict(request: Request) -> Response:
             request, state, entry, texts, body.truncate, body.truncation_direction, "inputs"
         )
         how = "none" if body.raw_scores else None
-        results = [_predictions(entry, x, how) for x in logits]
+        results = [predictions(entry, x, how) for x in logits]
         return json_response(results if batch else results[0])
 
 
@@ -232,5 +207,5 @@ async def hub_predict(body: HubPredictRequest, request: Request) -> Response:
         params = body.parameters or HubParameters()
         logits = await _logits(request, state, entry, texts, None, "Right", "inputs")
         return json_response(
-            [_predictions(entry, x, params.function_to_apply)[: params.top_k] for x in logits]
+            [predictions(entry, x, params.function_to_apply)[: params.top_k] for x in logits]
         )

@@ -1,0 +1,357 @@
+"""TEI's gRPC API (tei.v1) on a real gRPC listener, the app in process: an embedding model, a
+classifier, a reranker and a SPLADE model served together. Every call's numbers against
+transformers (or the same server's HTTP route, itself tested against transformers), streams
+in order and ending at the first failure, the `model` metadata, TEI's status codes and
+x-compute-* headers, the standard health service, the API key and the request metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import scrape
+from service.grpc import health_pb2, health_pb2_grpc
+from service.grpc import tei_pb2 as pb
+from service.grpc import tei_pb2_grpc as pb_grpc
+from tests.inprocess import asgi_client
+from tests.support import free_port
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from tests import text_models as tm
+from tests.service.test_text_routing import logits, mean_pooled
+
+QUERY = "what is deep learning"
+PASSAGES = ["deep learning is machine learning", "the cat sat on the mat", "paris"]
+TOL = {"atol": 1e-5, "rtol": 1.3e-6}  # fp32: engine against transformers
+KEY = "tei-grpc-key"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Served name -> (transformers model, directory), in serving order."""
+    root = tmp_path_factory.mktemp("tei-grpc")
+    return {
+        "emb": tm.sentence_transformer(root / "emb", pooling="mean", normalize=True),
+        "clf": tm.classifier("bert", root / "clf", seed=1),
+        "rr": tm.classifier("bert", root / "rr", {0: "score"}, seed=2),
+        "splade": tm.splade(root / "splade"),
+    }
+
+
+class Stubs:
+    """TEI's five stubs and the health stub on one channel, plus the app's HTTP client."""
+
+    def __init__(self, channel: grpc.aio.Channel, http) -> None:
+        self.info = pb_grpc.InfoStub(channel)
+        self.embed = pb_grpc.EmbedStub(channel)
+        self.predict = pb_grpc.PredictStub(channel)
+        self.rerank = pb_grpc.RerankStub(channel)
+        self.tokenize = pb_grpc.TokenizeStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.channel = channel
+        self.http = http
+
+
+def serve(dirs: list[Path], test: Callable, **settings: object) -> None:
+    async def main() -> None:
+        port = free_port()
+        async with (
+            asgi_client(model_dir=dirs, grpc_port=port, **settings) as http,
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            await test(Stubs(channel, http))
+
+    asyncio.run(main())
+
+
+def dirs_of(models: dict[str, tuple], *names: str) -> list[Path]:
+    return [models[name][1] for name in names or models]
+
+
+def f32(values) -> np.ndarray:
+    return np.asarray(list(values), np.float32)
+
+
+async def code_of(call) -> grpc.StatusCode:
+    """The status code a call ends with (it must fail)."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        if isinstance(call, grpc.aio.StreamStreamCall):
+            async for _ in call:
+                pass
+        else:
+            await call
+    return info.value.code()
+
+
+def test_embed_calls_equal_transformers_and_the_http_routes(models):
+    emb, emb_dir = models["emb"]
+    expected = mean_pooled(emb, emb_dir, PASSAGES)
+    with torch.no_grad():
+        ids, mask, _ = tm.padded(tm.tokenize(emb_dir, PASSAGES[:1]))
+        states = emb(input_ids=ids, attention_mask=mask).last_hidden_state[0].numpy()
+
+    async def test(s: Stubs) -> None:
+        for text, want in zip(PASSAGES, expected, strict=True):
+            call = s.embed.Embed(pb.EmbedRequest(inputs=text))
+            got = np.asarray((await call).embeddings, np.float32)
+            np.testing.assert_allclose(got, want, **TOL)
+            headers = dict(await call.initial_metadata())
+            assert headers["x-request-id"] and headers["x-compute-type"] == "cpu"
+            tokens = len(tm.tokenize(emb_dir, [text])[0][0])
+            assert headers["x-compute-tokens"] == str(tokens)
+            assert headers["x-compute-characters"] == str(len(text))
+            assert {
+                "x-total-time",
+                "x-tokenization-time",
+                "x-queue-time",
+                "x-inference-time",
+            } <= set(headers)
+            meta = (await call).metadata
+            assert meta.compute_tokens == tokens and meta.compute_chars == len(text)
+            assert meta.total_time_ns >= meta.inference_time_ns > 0
+        http = await s.http.post("/embed", json={"inputs": PASSAGES[0], "normalize": False})
+        raw = await s.embed.Embed(pb.EmbedRequest(inputs=PASSAGES[0], normalize=False))
+        assert f32(raw.embeddings).tobytes() == f32(http.json()[0]).tobytes()  # bit for bit
+        cut = await s.embed.Embed(pb.EmbedRequest(inputs=PASSAGES[0], dimensions=8))
+        http = await s.http.post("/embed", json={"inputs": PASSAGES[0], "dimensions": 8})
+        assert len(cut.embeddings) == 8
+        assert f32(cut.embeddings).tobytes() == f32(http.json()[0]).tobytes()
+        width = len(expected[0])
+        too_wide = s.embed.Embed(pb.EmbedRequest(inputs="x", dimensions=width + 1))
+        assert await code_of(too_wide) == grpc.StatusCode.INVALID_ARGUMENT
+
+        every = await s.embed.EmbedAll(pb.EmbedAllRequest(inputs=PASSAGES[0]))
+        got = np.asarray([list(t.embeddings) for t in every.token_embeddings], np.float32)
+        np.testing.assert_allclose(got, states, **TOL)
+
+        info = await s.info.Info(pb.InfoRequest())
+        assert (info.model_id, info.model_type) == ("emb", pb.MODEL_TYPE_EMBEDDING)
+        long = " ".join(["word"] * 300)  # over the tiny model's max length
+        refused = s.embed.Embed(pb.EmbedRequest(inputs=long))  # truncate: false, as in TEI
+        assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+        cut = await s.embed.Embed(pb.EmbedRequest(inputs=long, truncate=True))
+        assert cut.metadata.compute_tokens == info.max_input_length
+        empty = s.embed.Embed(pb.EmbedRequest(inputs=""))
+        assert await code_of(empty) == grpc.StatusCode.INVALID_ARGUMENT
+
+    serve(dirs_of(models), test)
+
+
+def test_streams_answer_in_order_and_end_at_the_first_failure(models):
+    emb, emb_dir = models["emb"]
+    expected = mean_pooled(emb, emb_dir, PASSAGES * 3)
+
+    async def test(s: Stubs) -> None:
+        texts = PASSAGES * 3
+        answers = [a async for a in s.embed.EmbedStream(pb.EmbedRequest(inputs=t) for t in texts)]
+        got = np.asarray([list(a.embeddings) for a in answers], np.float32)
+        np.testing.assert_allclose(got, expected, **TOL)  # in the order sent
+
+        requests = [pb.EmbedRequest(inputs=t) for t in ("one", "two", "", "four")]
+        call = s.embed.EmbedStream(iter(requests))
+        seen = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for answer in call:
+                seen.append(answer)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "empty" in info.value.details()
+        assert len(seen) == 2  # the two before the empty input, then the stream's end
+
+        raw = s.channel.stream_stream(
+            "/tei.v1.Embed/EmbedStream", lambda b: b, pb.EmbedResponse.FromString
+        )  # a message that is no protobuf after one that is
+        call = raw(iter([pb.EmbedRequest(inputs="one").SerializeToString(), b"\xff\xff"]))
+        seen = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for answer in call:
+                seen.append(answer)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(seen) == 1
+        assert "not a valid protobuf message" in info.value.details()
+
+        words = ["hello world", "paris"]
+        tokens = [
+            a async for a in s.tokenize.TokenizeStream(pb.EncodeRequest(inputs=w) for w in words)
+        ]
+        assert [[t.text for t in a.tokens] for a in tokens] == [["hello", "world"], ["paris"]]
+
+    serve(dirs_of(models, "emb"), test)
+
+
+def test_predict_rerank_and_sparse_reach_their_models(models):
+    (clf, clf_dir), (rr, rr_dir), (splade, splade_dir) = (
+        models[n] for n in ("clf", "rr", "splade")
+    )
+    pair_logits = logits(rr, rr_dir, [(QUERY, p) for p in PASSAGES], pairs=True)[:, 0]
+    rerank = 1 / (1 + np.exp(-pair_logits.astype(np.float64)))
+    single = logits(clf, clf_dir, ["good movie"], pairs=False)[0].astype(np.float64)
+    softmax = np.exp(single - single.max()) / np.exp(single - single.max()).sum()
+    pair = logits(clf, clf_dir, [("good", "movie")], pairs=True)[0].astype(np.float64)
+    weights = tm.splade_reference(splade, tm.tokenize(splade_dir, ["sparse words"]))[0].numpy()
+
+    async def test(s: Stubs) -> None:
+        predicted = await s.predict.Predict(pb.PredictRequest(inputs="good movie"))
+        labels = clf.config.id2label
+        order = np.argsort(-softmax, kind="stable")
+        assert [p.label for p in predicted.predictions] == [labels[int(i)] for i in order]
+        np.testing.assert_allclose(
+            [p.score for p in predicted.predictions], softmax[order], atol=1e-6
+        )
+        raw = await s.predict.PredictPair(
+            pb.PredictPairRequest(inputs=["good", "movie"], raw_scores=True)
+        )
+        got = {p.label: p.score for p in raw.predictions}
+        np.testing.assert_allclose([got[labels[i]] for i in range(len(pair))], pair, atol=1e-5)
+        three = s.predict.PredictPair(pb.PredictPairRequest(inputs=["a", "b", "c"]))
+        assert await code_of(three) == grpc.StatusCode.INVALID_ARGUMENT
+        streamed = [
+            a
+            async for a in s.predict.PredictStream(
+                pb.PredictRequest(inputs=t) for t in ("good movie", "good movie")
+            )
+        ]
+        assert streamed[0].predictions == streamed[1].predictions == predicted.predictions
+
+        ranked = await s.rerank.Rerank(
+            pb.RerankRequest(query=QUERY, texts=PASSAGES, return_text=True)
+        )
+        order = np.argsort(-rerank, kind="stable")
+        assert [r.index for r in ranked.ranks] == order.tolist()
+        assert [r.text for r in ranked.ranks] == [PASSAGES[i] for i in order]
+        np.testing.assert_allclose([r.score for r in ranked.ranks], rerank[order], atol=1e-6)
+        pairs = (pb.RerankStreamRequest(query=QUERY, text=p, return_text=True) for p in PASSAGES)
+        assert (await s.rerank.RerankStream(pairs)).ranks == ranked.ranks
+        for bad in (
+            pb.RerankRequest(query=QUERY, texts=[]),
+            pb.RerankRequest(query="", texts=["a"]),
+            pb.RerankRequest(query=QUERY, texts=["a"] * 33),  # --max-client-batch-size 32
+        ):
+            assert await code_of(s.rerank.Rerank(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await code_of(s.rerank.RerankStream(iter(()))) == grpc.StatusCode.INVALID_ARGUMENT
+
+        sparse = await s.embed.EmbedSparse(pb.EmbedSparseRequest(inputs="sparse words"))
+        nonzero = np.flatnonzero(weights)
+        assert [v.index for v in sparse.sparse_embeddings] == nonzero.tolist()
+        np.testing.assert_allclose(
+            [v.value for v in sparse.sparse_embeddings], weights[nonzero], **TOL
+        )
+
+        # The `model` metadata picks a model; one of the wrong kind is TEI's FAILED_PRECONDITION
+        as_rr = await s.predict.Predict(
+            pb.PredictRequest(inputs="good movie"), metadata=(("model", "rr"),)
+        )
+        assert [p.label for p in as_rr.predictions] == ["score"]
+        wrong = s.embed.Embed(pb.EmbedRequest(inputs="x"), metadata=(("model", "clf"),))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await wrong
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'clf' is a classifier model, which offers Predict" in info.value.details()
+        unknown = s.embed.Embed(pb.EmbedRequest(inputs="x"), metadata=(("model", "nope"),))
+        assert await code_of(unknown) == grpc.StatusCode.NOT_FOUND
+        infos = {
+            name: (await s.info.Info(pb.InfoRequest(), metadata=(("model", name),))).model_type
+            for name in models
+        }
+        assert infos == {
+            "emb": pb.MODEL_TYPE_EMBEDDING,
+            "clf": pb.MODEL_TYPE_CLASSIFIER,
+            "rr": pb.MODEL_TYPE_RERANKER,
+            "splade": pb.MODEL_TYPE_EMBEDDING,
+        }
+
+        text = (await s.http.get("/metrics")).text
+        for endpoint in ("predict", "rerank", "embed_sparse"):
+            assert (
+                scrape.value(
+                    text, "mha_requests_total", protocol="grpc", endpoint=endpoint, status="200"
+                )
+                > 0
+            )
+        assert (
+            scrape.value(
+                text, "mha_requests_total", protocol="grpc", endpoint="embed", status="424"
+            )
+            == 1
+        )
+
+    serve(dirs_of(models), test)
+
+
+def test_tokenize_and_decode_equal_the_http_routes(models):
+    async def test(s: Stubs) -> None:
+        text = "Hello, tiny world!"
+        for special in (True, False):
+            http = await s.http.post(
+                "/tokenize", json={"inputs": text, "add_special_tokens": special}
+            )
+            got = await s.tokenize.Tokenize(
+                pb.EncodeRequest(inputs=text, add_special_tokens=special)
+            )
+            fields = [(t.id, t.text, t.special, t.start, t.stop) for t in got.tokens]
+            assert fields == [tuple(t.values()) for t in http.json()[0]]
+        ids = [t.id for t in got.tokens]
+        for skip in (True, False):
+            http = await s.http.post("/decode", json={"ids": ids, "skip_special_tokens": skip})
+            got = await s.tokenize.Decode(pb.DecodeRequest(ids=ids, skip_special_tokens=skip))
+            assert got.text == http.json()[0]
+        out_of_vocab = s.tokenize.Decode(pb.DecodeRequest(ids=[10**6]))
+        assert await code_of(out_of_vocab) == grpc.StatusCode.INVALID_ARGUMENT
+
+    serve(dirs_of(models, "emb"), test)
+
+
+def test_health_service_and_the_api_key(models):
+    """One embedding model: TEI's Predict and Rerank are NOT_SERVING, as TEI reports them for
+    a model without that head; Check and Watch stay open without the key, TEI's calls do not."""
+    auth = (("authorization", f"Bearer {KEY}"),)
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+
+    async def test(s: Stubs) -> None:
+        statuses = {}
+        for service in (
+            "",
+            "inference.GRPCInferenceService",
+            "tei.v1.Info",
+            "tei.v1.Embed",
+            "tei.v1.Predict",
+            "tei.v1.Rerank",
+            "tei.v1.Tokenize",
+        ):
+            answer = await s.health.Check(health_pb2.HealthCheckRequest(service=service))
+            statuses[service] = answer.status
+        assert statuses == {
+            "": serving,
+            "inference.GRPCInferenceService": serving,
+            "tei.v1.Info": serving,
+            "tei.v1.Embed": serving,
+            "tei.v1.Predict": not_serving,
+            "tei.v1.Rerank": not_serving,
+            "tei.v1.Tokenize": serving,
+        }
+        unknown = s.health.Check(health_pb2.HealthCheckRequest(service="tei.v1.Nope"))
+        assert await code_of(unknown) == grpc.StatusCode.NOT_FOUND
+        watch = s.health.Watch(health_pb2.HealthCheckRequest(service="tei.v1.Embed"))
+        assert (await watch.read()).status == serving
+        s.http.app.state.service.draining = True  # as the drain on SIGTERM sets it
+        assert (await asyncio.wait_for(watch.read(), 5)).status == not_serving
+        s.http.app.state.service.draining = False
+        watch.cancel()
+
+        keyless = s.embed.Embed(pb.EmbedRequest(inputs="x"))
+        assert await code_of(keyless) == grpc.StatusCode.UNAUTHENTICATED
+        assert await code_of(s.info.Info(pb.InfoRequest())) == grpc.StatusCode.UNAUTHENTICATED
+        answer = await s.embed.Embed(pb.EmbedRequest(inputs="x"), metadata=auth)
+        assert len(answer.embeddings) > 0
+        streamed = s.embed.EmbedStream(iter([pb.EmbedRequest(inputs="x")]))
+        assert await code_of(streamed) == grpc.StatusCode.UNAUTHENTICATED
+
+    serve(dirs_of(models, "emb"), test, api_key=KEY)
