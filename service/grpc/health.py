@@ -62,7 +62,8 @@ class HealthServicer(Calls, pb_grpc.HealthServicer):
 
     async def Watch(self, request, context):
         """The status now and on each change (SERVICE_UNKNOWN for an unknown service, as the
-        protocol says), until the client cancels or the server stops."""
+        protocol says), until the client cancels; once draining, NOT_SERVING and the end (a
+        watch never holds the drain up)."""
         async with self._call("grpc.health.v1.Health/Watch", context):
             last = None
             while True:
@@ -72,4 +73,6 @@ class HealthServicer(Calls, pb_grpc.HealthServicer):
                 if status != last:
                     await context.write(pb.HealthCheckResponse(status=status))
                     last = status
+                if self.state.draining:
+                    return
                 await asyncio.sleep(WATCH_PERIOD_S)

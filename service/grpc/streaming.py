@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from service.grpc import grpc_service_pb2 as pb
+from service.grpc.calls import cancel_with_call
 from service.grpc.decode_errors import Undecodable
 from service.http.middleware import request_id
 from service.pipeline.errors import ServiceError
@@ -89,15 +90,7 @@ async def stream_infer(
             log.error("gRPC %s %s: a request's answer failed: %r", METHOD, stream_id,
                       task.exception())  # fmt: skip
 
-    # grpc ends the request iterator, without cancelling this handler, when the client cancels
-    # or the deadline passes: cancel it here, so every request of the stream is cancelled too.
-    handler = asyncio.current_task()
-
-    def ended(_: object) -> None:
-        if context.cancelled() and handler is not None:
-            handler.cancel()
-
-    context.add_done_callback(ended)
+    cancel_with_call(context)  # then every request of the stream is cancelled too
     try:
         async for request in requests:
             await in_flight.acquire()

@@ -1,7 +1,8 @@
 """What text-embeddings-inference's calls share, over HTTP (service/http/routes/tei*.py) and gRPC
 (service/grpc/tei_servicer.py): the served model a call uses, bounded and tokenized texts
 (truncated or 413), prompts, and the answers' arithmetic (normalizing, ranking, label scores).
-Nothing here knows the transport."""
+Nothing here knows the transport: errors are ServiceErrors with HTTP statuses (413 over a
+limit, 424 for a call the model's kind does not answer), which gRPC maps to its own codes."""
 
 from __future__ import annotations
 
@@ -42,11 +43,13 @@ def text_entry(
     model: str | None = None,
     offers: dict[str, str] = ROUTES_OF,
 ) -> ModelEntry:
-    """The served model a TEI route uses: `model` when the path names one (404 if not served),
+    """The served model a TEI call uses: `model` when the call names one (a mount's path, gRPC's
+    `model` metadata; 404 if not served),
     else (TEI's requests name none) the first served text model whose kind is one of `kinds`, or
     with no kinds the default model (the first text model when the default has no tokenizer).
     400 when the model (or every model) has no tokenizer; 424 (TEI's status) naming each
-    candidate's kind and the routes it offers (`offers`: per kind) when none fits."""
+    candidate's kind and the routes it offers (`offers`: per kind) when none fits. (The
+    statuses are HTTP's; gRPC maps them: service.grpc.status.)"""
     if model is not None:
         entry = state.find(model)
         if entry.tokenizer is None:
@@ -72,6 +75,27 @@ def text_entry(
             return entry
     served = "; ".join(_offers(e, offers) for e in texts)
     raise WrongModelKind(f"{route} needs {' or '.join(_a(k) for k in kinds)} model; {served}")
+
+
+def check_present(texts: list[Text], field: str = "inputs") -> None:
+    """400 for an empty text (or a pair holding one): it has no result."""
+    for i, text in enumerate(texts):
+        if isinstance(text, str) and not text:
+            raise BadInput(f"{field}[{i}] is an empty string; empty inputs have no result")
+        if not isinstance(text, str) and not all(text):
+            raise BadInput(f"{field}[{i}] holds an empty string; empty inputs have no result")
+
+
+def check_decode(entry: ModelEntry, ids: list[list[int]], field: str = "ids") -> None:
+    """400 unless each sequence holds 1 to the model's max length ids of its vocabulary."""
+    tokenizer = entry.tokenizer
+    assert tokenizer is not None  # text_entry() chose a text model
+    vocab = entry.model.vocab_size
+    for i, seq in enumerate(ids):
+        if not seq or len(seq) > tokenizer.max_length or any(not 0 <= t < vocab for t in seq):
+            raise BadInput(
+                f"{field}[{i}] must hold 1 to {tokenizer.max_length} ids in [0, {vocab})"
+            )
 
 
 def info_fields(state: ServiceState, entry: ModelEntry) -> dict[str, Any]:
@@ -131,11 +155,7 @@ async def encode_texts(
         truncate = state.settings.auto_truncate
     tokenizer = entry.tokenizer
     assert tokenizer is not None  # text_entry() chose a text model
-    for i, text in enumerate(texts):
-        if isinstance(text, str) and not text:
-            raise BadInput(f"{field}[{i}] is an empty string; empty inputs have no result")
-        if not isinstance(text, str) and not all(text):
-            raise BadInput(f"{field}[{i}] holds an empty string; empty inputs have no result")
+    check_present(texts, field)
     if tokenizer.chat is not None and any(isinstance(text, str) for text in texts):
         raise BadInput(
             f"'{field}' holds a single text; this reranker formats (query, document) pairs "

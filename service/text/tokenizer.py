@@ -134,12 +134,17 @@ class TextTokenizer:
         return self._tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
     def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
-        """TEI's /tokenize answer: each token's id, text, whether special, char span."""
+        """TEI's /tokenize answer: each token's id, text, whether special and span, as TEI
+        writes them: a special token its own text and no span; another the input's text it
+        covers and its UTF-8 byte span (TEI's offsets are Rust's, in bytes)."""
         out = []
-        for enc in self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens):
+        encoded = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        for text, enc in zip(texts, encoded, strict=True):
+            at = _byte_offsets(text)
             out.append([
-                {"id": i, "text": t, "special": bool(sp), "start": a, "stop": b}
-                for i, t, sp, (a, b) in zip(
+                {"id": i, "text": t, "special": True, "start": None, "stop": None} if special
+                else {"id": i, "text": text[a:b], "special": False, "start": at[a], "stop": at[b]}
+                for i, t, special, (a, b) in zip(
                     enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
                 )
             ])  # fmt: skip
@@ -150,6 +155,14 @@ class TextTokenizer:
         them are special ([CLS], [SEP], ...): the axis labels of the attention debug view."""
         (enc,) = self._tokenizer.encode_batch([text])
         return Labelled(_encoded(enc), list(enc.tokens), np.asarray(enc.special_tokens_mask, bool))
+
+
+def _byte_offsets(text: str) -> list[int] | range:
+    """The UTF-8 byte offset of each character offset 0..len(text) of `text`."""
+    if text.isascii():
+        return range(len(text) + 1)
+    sizes = np.fromiter((len(c.encode()) for c in text), np.int64, len(text))
+    return [0, *np.cumsum(sizes).tolist()]
 
 
 @dataclass

@@ -96,7 +96,7 @@ BAD = [
     ("/rerank", {"query": "a", "texts": ["b"]}, 424, "'all-MiniLM-L6-v2' is an embedding model"),
     ("/predict", {"inputs": "a"}, 424, "/predict needs a classifier or a reranker model"),
     ("/tokenize", {"inputs": []}, 400, "empty list"),
-    ("/decode", {"ids": [101, 40000]}, 400, "ids[0] must hold at most 256 ids in [0, 30522)"),
+    ("/decode", {"ids": [101, 40000]}, 400, "ids[0] must hold 1 to 256 ids in [0, 30522)"),
 ]
 
 
@@ -111,9 +111,21 @@ def test_bad_input_in_tei_error_shape(server, case):
 
 def test_tokenize_decode_info(server):
     tokens = post(server, "/tokenize", {"inputs": "Hello world"}).json()
-    assert [t["text"] for t in tokens[0]] == ["[CLS]", "hello", "world", "[SEP]"]
+    # TEI's form: a special token its own text and no span, another the input's text it covers
+    assert [t["text"] for t in tokens[0]] == ["[CLS]", "Hello", "world", "[SEP]"]
     assert [t["special"] for t in tokens[0]] == [True, False, False, True]
-    assert tokens[0][1]["start"] == 0 and tokens[0][1]["stop"] == 5
+    assert [(t["start"], t["stop"]) for t in tokens[0]] == [
+        (None, None),
+        (0, 5),
+        (6, 11),
+        (None, None),
+    ]
+    accented = post(server, "/tokenize", {"inputs": "né world"}).json()[0]  # UTF-8 byte spans
+    assert [(t["text"], t["start"], t["stop"]) for t in accented[1:-1]] == [
+        ("né", 0, 3), ("world", 4, 9)
+    ]  # fmt: skip
+    assert post(server, "/tokenize", {"inputs": ""}).status_code == 400
+    assert post(server, "/decode", {"ids": []}).status_code == 400
     ids = [t["id"] for t in tokens[0]]
     assert post(server, "/decode", {"ids": ids}).json() == ["hello world"]
     assert post(server, "/decode", {"ids": [ids], "skip_special_tokens": False}).json() == [

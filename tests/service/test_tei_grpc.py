@@ -293,15 +293,27 @@ def test_tokenize_and_decode_equal_the_http_routes(models):
             got = await s.tokenize.Tokenize(
                 pb.EncodeRequest(inputs=text, add_special_tokens=special)
             )
-            fields = [(t.id, t.text, t.special, t.start, t.stop) for t in got.tokens]
+            fields = [
+                (
+                    t.id,
+                    t.text,
+                    t.special,
+                    *((t.start, t.stop) if t.HasField("start") else (None, None)),
+                )
+                for t in got.tokens
+            ]
             assert fields == [tuple(t.values()) for t in http.json()[0]]
         ids = [t.id for t in got.tokens]
         for skip in (True, False):
             http = await s.http.post("/decode", json={"ids": ids, "skip_special_tokens": skip})
             got = await s.tokenize.Decode(pb.DecodeRequest(ids=ids, skip_special_tokens=skip))
             assert got.text == http.json()[0]
-        out_of_vocab = s.tokenize.Decode(pb.DecodeRequest(ids=[10**6]))
-        assert await code_of(out_of_vocab) == grpc.StatusCode.INVALID_ARGUMENT
+        for bad in (pb.DecodeRequest(ids=[10**6]), pb.DecodeRequest(ids=[])):
+            assert await code_of(s.tokenize.Decode(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+        empty = s.tokenize.Tokenize(pb.EncodeRequest(inputs=""))
+        assert await code_of(empty) == grpc.StatusCode.INVALID_ARGUMENT
+        decoded = s.tokenize.DecodeStream(pb.DecodeRequest(ids=ids) for _ in range(2))
+        assert [a.text async for a in decoded] == [got.text] * 2
 
     serve(dirs_of(models, "emb"), test)
 
@@ -355,3 +367,124 @@ def test_health_service_and_the_api_key(models):
         assert await code_of(streamed) == grpc.StatusCode.UNAUTHENTICATED
 
     serve(dirs_of(models, "emb"), test, api_key=KEY)
+
+
+def test_every_stream_call_the_model_prompt_and_the_request_id(models, tmp_path):
+    """Each *Stream call answers as its unary call; a reranker's default prompt applies to
+    gRPC Predict as to HTTP /predict; x-request-id comes back, on a refusal too; a bad enum or
+    prompt name is INVALID_ARGUMENT; RerankStream takes its options from its first message."""
+    import json
+    import shutil
+
+    prompted = tmp_path / "rrp"  # the reranker with a default prompt (an instruction)
+    shutil.copytree(models["rr"][1], prompted)
+    config = {"prompts": {"judge": "Is it relevant? "}, "default_prompt_name": "judge"}
+    (prompted / "config_sentence_transformers.json").write_text(json.dumps(config))
+    rrp = (("model", "rrp"),)
+
+    async def test(s: Stubs) -> None:
+        text = PASSAGES[0]
+        unary = await s.embed.EmbedAll(pb.EmbedAllRequest(inputs=text))
+        streamed = [
+            a async for a in s.embed.EmbedAllStream(iter([pb.EmbedAllRequest(inputs=text)]))
+        ]
+        assert [a.token_embeddings for a in streamed] == [unary.token_embeddings]
+        unary = await s.embed.EmbedSparse(pb.EmbedSparseRequest(inputs=text))
+        sparse = s.embed.EmbedSparseStream(iter([pb.EmbedSparseRequest(inputs=text)] * 2))
+        assert [a.sparse_embeddings async for a in sparse] == [unary.sparse_embeddings] * 2
+        pair = pb.PredictPairRequest(inputs=[QUERY, text])
+        unary = await s.predict.PredictPair(pair, metadata=rrp)
+        streamed = [a async for a in s.predict.PredictPairStream(iter([pair]), metadata=rrp)]
+        assert [a.predictions for a in streamed] == [unary.predictions]
+
+        http = await s.http.post("/models/rrp/predict", json={"inputs": [QUERY, text]})
+        assert http.status_code == 200, http.text
+        assert f32([unary.predictions[0].score]) == f32([http.json()[0]["score"]])
+        plain = await s.predict.PredictPair(pair, metadata=(("model", "rr"),))
+        assert plain.predictions[0].score != unary.predictions[0].score  # the prompt counted
+
+        call = s.embed.Embed(pb.EmbedRequest(inputs="x"), metadata=(("x-request-id", "abc-1"),))
+        await call
+        assert dict(await call.initial_metadata())["x-request-id"] == "abc-1"
+        call = s.embed.Embed(pb.EmbedRequest(inputs=""), metadata=(("x-request-id", "abc-2"),))
+        assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(await call.initial_metadata())["x-request-id"] == "abc-2"
+        for bad in (
+            pb.EmbedRequest(inputs="x", truncation_direction=5),
+            pb.EmbedRequest(inputs="x", prompt_name="nope"),
+        ):
+            assert await code_of(s.embed.Embed(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+
+        first_says = [
+            pb.RerankStreamRequest(query=QUERY, text=PASSAGES[0], return_text=False),
+            pb.RerankStreamRequest(query=QUERY, text=PASSAGES[1], return_text=True),
+        ]
+        ranked = await s.rerank.RerankStream(iter(first_says))
+        assert len(ranked.ranks) == 2 and not any(r.HasField("text") for r in ranked.ranks)
+        many = (pb.RerankStreamRequest(query=QUERY, text="a") for _ in range(33))
+        assert await code_of(s.rerank.RerankStream(many)) == grpc.StatusCode.INVALID_ARGUMENT
+
+    serve([*dirs_of(models), prompted], test)
+
+
+def test_cancelling_a_stream_stops_its_work(models, caplog):
+    """RerankStream: the client sends pairs and cancels without closing its side; nothing is
+    ranked (counted 499), where a half-closed stream would have been. EmbedStream cancelled
+    after its first answer ends as cancelled (499), not as a stream the client closed. An
+    unknown service's Watch says SERVICE_UNKNOWN; a drain ends every Watch."""
+    unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    caplog.set_level("INFO", logger="service.access")
+
+    async def test(s: Stubs) -> None:
+        async def one_then_wait():
+            yield pb.EmbedRequest(inputs="one")
+            await asyncio.Event().wait()  # never closes its side
+
+        def stream_lines() -> list[int]:
+            line = "GRPC tei.v1.Embed/EmbedStream "
+            return [r.status for r in caplog.records if r.getMessage().startswith(line)]
+
+        stream = s.embed.EmbedStream(one_then_wait(), metadata=(("model", "emb"),))
+        assert len((await stream.read()).embeddings) > 0
+        stream.cancel()
+        for _ in range(50):
+            if stream_lines():
+                break
+            await asyncio.sleep(0.1)
+        assert stream_lines() == [499]
+
+        async def requests():
+            yield pb.RerankStreamRequest(query=QUERY, text=PASSAGES[0])
+            sent.set()
+            await asyncio.Event().wait()  # never closes its side
+
+        def counted(status: str) -> float:
+            try:
+                return scrape.value(metrics, "mha_requests_total", protocol="grpc",
+                                    endpoint="rerank", status=status)  # fmt: skip
+            except KeyError:
+                return 0.0
+
+        sent = asyncio.Event()
+        call = s.rerank.RerankStream(requests())
+        await sent.wait()
+        await asyncio.sleep(0.2)  # the server has read the pair
+        call.cancel()
+        for _ in range(50):
+            metrics = (await s.http.get("/metrics")).text
+            if counted("499"):
+                break
+            await asyncio.sleep(0.1)
+        assert counted("499") == 1 and counted("200") == 0
+
+        watch = s.health.Watch(health_pb2.HealthCheckRequest(service="tei.v1.Nope"))
+        assert (await watch.read()).status == unknown
+        watch.cancel()
+        watch = s.health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        s.http.app.state.service.draining = True
+        assert (await asyncio.wait_for(watch.read(), 5)).status != unknown
+        assert await asyncio.wait_for(watch.read(), 5) is grpc.aio.EOF  # the watch has ended
+        s.http.app.state.service.draining = False
+
+    serve(dirs_of(models, "rr", "emb"), test)

@@ -32,6 +32,8 @@ from service.runtime.state import ModelEntry, ServiceState
 from service.text.tei_ops import (
     Direction,
     check_batch,
+    check_decode,
+    check_present,
     encode_texts,
     info_fields,
     normalized,
@@ -316,6 +318,7 @@ async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
         body = await parse_body(request, state, TokenizeRequest)
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
+        check_present(_texts(state, body.inputs))
         texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
         check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
@@ -340,12 +343,7 @@ async def decode(request: Request) -> list[str]:
         assert tokenizer is not None  # text_route chose a text model
         ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
         check_batch(state, len(ids), "ids")
-        vocab = entry.model.vocab_size
-        for i, seq in enumerate(ids):
-            if len(seq) > tokenizer.max_length or any(not 0 <= t < vocab for t in seq):
-                raise BadInput(
-                    f"ids[{i}] must hold at most {tokenizer.max_length} ids in [0, {vocab})"
-                )
+        check_decode(entry, ids)
         return tokenizer.decode(ids, body.skip_special_tokens)
 
 
