@@ -23,6 +23,7 @@ PROTOS = (
     "trace_settings.proto",
     "tei.proto",
     "health.proto",
+    "reflection.proto",
 )
 # messages only: their _pb2_grpc.py is empty
 NO_SERVICE = ("model_config", "log_settings", "trace_settings")

@@ -9,10 +9,11 @@ import grpc
 
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc import health_pb2_grpc as health_grpc
-from service.grpc import log_settings, trace_settings
+from service.grpc import log_settings, reflection, trace_settings
 from service.grpc import tei_pb2_grpc as tei_grpc
 from service.grpc.decode_errors import DecodeErrors
 from service.grpc.health import HealthServicer
+from service.grpc.reflection import ReflectionServicer
 from service.grpc.servicer import InferenceServicer
 from service.grpc.tei_servicer import TeiServicer
 from service.runtime.startup import EXIT_PORT, GRPC_FLAGS, StartupError, check_grpc_port
@@ -56,6 +57,7 @@ class GrpcListener:
         ):
             add(tei, self.server)
         health_grpc.add_HealthServicer_to_server(HealthServicer(state), self.server)
+        reflection.add_to_server(ReflectionServicer(state), self.server)
         self.server.add_generic_rpc_handlers(
             (log_settings.handler(servicer), trace_settings.handler(servicer))
         )

@@ -181,3 +181,24 @@ def test_health_stubs_are_the_standard_protocol() -> None:
     assert {v.name: v.number for v in status.values} == {
         "UNKNOWN": 0, "SERVING": 1, "NOT_SERVING": 2, "SERVICE_UNKNOWN": 3,
     }  # fmt: skip
+
+
+def test_reflection_stubs_match_grpcs_own_definition() -> None:
+    """Our grpc.reflection.v1 messages against grpcio-reflection's v1alpha ones (the same on
+    the wire): every message, field name, number, type and label."""
+    theirs = pytest.importorskip("grpc_reflection.v1alpha.reflection_pb2")
+    from service.grpc import reflection_pb2 as ours
+
+    def shape(module) -> dict:
+        return {
+            name: [(f.name, f.number, f.type, f.is_repeated) for f in message.fields]
+            for name, message in module.DESCRIPTOR.message_types_by_name.items()
+        }
+
+    assert shape(ours) == shape(theirs)
+    (service,) = ours.DESCRIPTOR.services_by_name.values()
+    assert service.full_name == "grpc.reflection.v1.ServerReflection"
+    (method,) = service.methods
+    assert (method.name, method.client_streaming, method.server_streaming) == (
+        "ServerReflectionInfo", True, True,
+    )  # fmt: skip
