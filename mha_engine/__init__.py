@@ -7,7 +7,8 @@ attention-weights path for debugging, and packed varlen batches. Encoders, decod
 PyTorch state dicts.
 Hugging Face BERT-family directories load as TextEncoderModel (token ids in, sentence vectors out),
 TextClassifierModel for `...ForSequenceClassification` checkpoints (logits out), or
-SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out); ModernBERT
+SparseEncoderModel for SPLADE sparse encoders (a weight per vocabulary entry out), or
+LexicalEncoderModel for BGE-M3 (dense vectors and lexical weights from sparse_linear.pt); ModernBERT
 directories as ModernBertModel (a TextEncoderModel with rotary, sliding-window layers) or
 ModernBertClassifierModel (a TextClassifierModel) with a sequence-classification head; Qwen3
 directories (Qwen3-Embedding), and the Llama family's (Llama, Mistral, Qwen2), as Qwen3Model (a
@@ -37,6 +38,7 @@ from .engine_model import EngineModel
 from .errors import DeviceError
 from .gemma3 import Gemma3Model
 from .heads import ClassifierInfo, TextClassifierModel
+from .lexical import LexicalEncoderModel
 from .models import MultiheadAttentionModel, TransformerEncoderModel
 from .modernbert import ModernBertClassifierModel, ModernBertModel
 from .protocol import ServedClassifierModel, ServedModel, ServedSparseModel, ServedTextModel
@@ -75,6 +77,7 @@ __all__ = [
     "Gemma3Model",
     "Int8Linear",
     "Int8Unsupported",
+    "LexicalEncoderModel",
     "ModernBertClassifierModel",
     "ModernBertEncoderConfig",
     "ModernBertModel",

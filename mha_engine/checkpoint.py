@@ -31,6 +31,7 @@ from . import (
     hf_qwen3,
     hf_rotary_bert,
     layouts,
+    lexical,
     sparse,
 )
 from .config import (
@@ -295,7 +296,7 @@ def text_model_from_directory(
     """A Hugging Face BERT-family directory as a TextEncoderModel (encoder + embeddings), a
     TextClassifierModel when config.architectures names a `...ForSequenceClassification`, or a
     SparseEncoderModel when modules.json asks for SPLADE pooling (sentence-transformers'
-    SparseEncoder)."""
+    SparseEncoder), or a LexicalEncoderModel when BGE-M3's sparse_linear.pt lies beside it."""
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
@@ -366,6 +367,9 @@ def text_model_from_directory(
         )
     elif settings.sparse:
         head = sparse.mlm_head_state(weights, config)
+    lexical_head = None  # BGE-M3's sparse_linear.pt, for a plain BERT-family embedder
+    if info is None and not settings.sparse and encoder_class is TextEncoderModel:
+        lexical_head = lexical.read_head(directory, config)
     del weights
     dense = _dense_state(settings)
     device = resolve_device(device)
@@ -375,6 +379,8 @@ def text_model_from_directory(
             model = classifier_class(config, info, spec)
         elif settings.sparse:
             model = sparse.SparseEncoderModel(config)
+        elif lexical_head is not None:
+            model = lexical.LexicalEncoderModel(config, lexical.special_ids(directory, hf_config))
         else:
             model = encoder_class(config)
     _assign(model.encoder, encoder_state, device, dtype)
@@ -382,5 +388,7 @@ def text_model_from_directory(
         _assign(model.head, head, device, dtype)
     _assign(model.embeddings, embedding_state, device, torch.float32)  # see TextEmbeddings
     _assign(model.dense, dense, device, torch.float32)  # float32 vectors, as pooling gives
+    if lexical_head is not None:
+        _assign(model.lexical, lexical_head, device, torch.float32)
     model = model.requires_grad_(False).eval()
     return prepack(quantize_int8(model) if int8 else model)

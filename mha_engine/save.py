@@ -21,6 +21,7 @@ from .checkpoint import OWN_STACKS
 from .config import MultiheadAttentionConfig
 from .engine_model import EngineModel
 from .heads import SequenceClassifier
+from .lexical import LexicalEncoderModel
 from .sparse import SparseEncoderModel
 from .st_files import write_text_settings
 from .text_model import TextEncoderModel
@@ -150,14 +151,14 @@ def save_model(model: nn.Module, path: str | Path) -> None:
 
     `model` is an nn.MultiheadAttention, nn.TransformerEncoder(Layer),
     nn.TransformerDecoder(Layer), nn.Transformer or a model load_model returned (weights keep
-    its dtype), but for a text model with a task head (classifier, reranker, SPLADE: refused,
-    its head would be lost). A text model's tokenizer files are not part of the model: copy them
-    beside it to serve /v1/embeddings from the directory.
+    its dtype), but for a text model with a task head (classifier, reranker, SPLADE, BGE-M3's
+    sparse_linear: refused, its head would be lost). A text model's tokenizer files are not
+    part of the model: copy them beside it to serve /v1/embeddings from the directory.
     """
     from safetensors.torch import save_file
 
     if isinstance(model, EngineModel):
-        if isinstance(model, SequenceClassifier | SparseEncoderModel):
+        if isinstance(model, SequenceClassifier | SparseEncoderModel | LexicalEncoderModel):
             raise ValueError(
                 f"a {type(model).__name__} is not saved: its task head would be lost and the "
                 "directory would load as a plain encoder; keep the model's original directory "

@@ -13,7 +13,7 @@ from service.grpc import health_pb2 as pb
 from service.grpc import health_pb2_grpc as pb_grpc
 from service.grpc.calls import Calls
 from service.pipeline.errors import ServiceError
-from service.text.tokenizer import model_kind
+from service.text.tokenizer import offers
 
 SERVING = pb.HealthCheckResponse.SERVING
 NOT_SERVING = pb.HealthCheckResponse.NOT_SERVING
@@ -47,7 +47,7 @@ class HealthServicer(Calls, pb_grpc.HealthServicer):
             return SERVING
         kinds = TEI_KINDS[service]
         for entry in state.models.values():
-            fits = not kinds or model_kind(entry.model) in kinds
+            fits = not kinds or any(offers(entry.model, k) for k in kinds)
             if entry.tokenizer is not None and fits and state.model_ready(entry):
                 return SERVING
         return NOT_SERVING

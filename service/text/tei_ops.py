@@ -13,6 +13,7 @@ import numpy as np
 from service.pipeline.errors import BadInput, PayloadTooLarge, WrongModelKind
 from service.pipeline.waiting import Gone
 from service.text.tokenizer import Encoded, Text, model_kind, scores
+from service.text.tokenizer import offers as offers_kind
 from service.text.work import check_chars, tokenize, with_default_prompt
 
 if TYPE_CHECKING:
@@ -33,7 +34,9 @@ def _a(kind: str) -> str:
 
 def _offers(entry: ModelEntry, offers: dict[str, str]) -> str:
     kind = model_kind(entry.model)
-    return f"'{entry.name}' is {_a(kind)} model, which offers {offers[kind]}"
+    lexical = kind != "sparse" and offers_kind(entry.model, "sparse")  # BGE-M3
+    extra = f" and {offers['sparse']}" if lexical else ""
+    return f"'{entry.name}' is {_a(kind)} model, which offers {offers[kind]}{extra}"
 
 
 def text_entry(
@@ -57,7 +60,7 @@ def text_entry(
                 f"model '{model}' has no tokenizer.json: the text routes need a text model "
                 "directory; use /v2 for tensors"
             )
-        if kinds and model_kind(entry.model) not in kinds:
+        if kinds and not any(offers_kind(entry.model, k) for k in kinds):
             raise WrongModelKind(
                 f"{route} needs {' or '.join(_a(k) for k in kinds)} model; {_offers(entry, offers)}"
             )
@@ -71,7 +74,7 @@ def text_entry(
     if not kinds:
         return state.default if state.default.tokenizer is not None else texts[0]
     for entry in texts:
-        if model_kind(entry.model) in kinds:
+        if any(offers_kind(entry.model, k) for k in kinds):
             return entry
     served = "; ".join(_offers(e, offers) for e in texts)
     raise WrongModelKind(f"{route} needs {' or '.join(_a(k) for k in kinds)} model; {served}")

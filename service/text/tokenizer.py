@@ -327,6 +327,14 @@ def _text_kind(model: Any) -> str | None:
     return None
 
 
+def offers(model: ServedModel, kind: str) -> bool:
+    """Whether the (text) model answers the routes of `kind`: its own kind's, and /embed_sparse
+    too for an embedding model with lexical weights (BGE-M3: mha_engine.LexicalEncoderModel)."""
+    if model_kind(model) == kind:
+        return True
+    return kind == "sparse" and bool(getattr(model, "offers_sparse", False))
+
+
 def model_kind(model: ServedModel) -> str:
     """embedding | classifier | reranker | sparse: which text routes the (text) model
     answers."""

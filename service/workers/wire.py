@@ -85,7 +85,7 @@ def result_from_wire(slab: Slab | None, out: tuple[int, int] | None, reply: tupl
 VIEW_ATTRIBUTES = (
     "architecture", "config", "device", "dtype", "embed_dim", "kdim", "vdim", "num_heads",
     "num_layers", "precision", "is_cross_attention_capable", "max_seq_len", "vocab_size",
-    "pooling", "info", "embedding_dim",
+    "pooling", "info", "embedding_dim", "offers_sparse",
 )  # fmt: skip
 
 
