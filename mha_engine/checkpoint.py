@@ -370,6 +370,9 @@ def text_model_from_directory(
     lexical_head = None  # BGE-M3's sparse_linear.pt, for a plain BERT-family embedder
     if info is None and not settings.sparse and encoder_class is TextEncoderModel:
         lexical_head = lexical.read_head(directory, config)
+    elif (directory / lexical.FILE).exists():
+        log.warning("%s: %s is not used: lexical weights are served for BERT-family embedding "
+                    "models (BGE-M3's form) only", directory, lexical.FILE)  # fmt: skip
     del weights
     dense = _dense_state(settings)
     device = resolve_device(device)

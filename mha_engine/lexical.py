@@ -1,10 +1,10 @@
 """BGE-M3's lexical (sparse) weights beside its dense vector: the checkpoint's `sparse_linear.pt`
 (FlagEmbedding's file: a Linear(d_model, 1) state dict) scores every token as
 relu(w . h + b) on its last hidden state; a sequence's weight for a vocabulary id is the
-largest score among its tokens with that id, its special tokens ([CLS]/<s>, </s>, padding,
-unknown: the tokenizer's) left out, as FlagEmbedding's BGEM3FlagModel computes
-`lexical_weights`. One weight per vocabulary id present, the rest zero: what /embed_sparse
-answers, while the model's pooling still gives /embed its dense vector.
+largest score among its tokens with that id, the tokenizer's cls, eos, pad and unk tokens left
+out (<s>, </s>, <pad>, <unk> for XLM-R; others, such as <mask>, count), as FlagEmbedding's
+BGEM3FlagModel computes `lexical_weights`. One weight per vocabulary id present, the rest
+zero: what /embed_sparse answers, while the model's pooling still gives /embed its dense vector.
 """
 
 from __future__ import annotations
@@ -26,17 +26,39 @@ from .varlen import cumulative, lengths
 FILE = "sparse_linear.pt"
 
 
-def special_ids(directory: Path, hf_config: dict) -> tuple[int, ...]:
-    """The ids of the tokenizer's special tokens (tokenizer.json's added tokens marked special),
-    else of config.json's bos, eos, pad and unk ids."""
+UNUSED = ("cls_token", "eos_token", "pad_token", "unk_token")  # FlagEmbedding's unused_tokens
+
+
+def _token_ids(directory: Path) -> dict[str, int]:
+    """tokenizer.json's token -> id: its added tokens, and its model's vocabulary (WordPiece's
+    and BPE's a dict, Unigram's a list of [piece, score])."""
     path = directory / "tokenizer.json"
-    if path.exists():
-        added = json.loads(path.read_text()).get("added_tokens") or []
-        found = sorted({int(t["id"]) for t in added if t.get("special")})
-        if found:
-            return tuple(found)
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = dict(vocab) if isinstance(vocab, dict) else {p[0]: i for i, p in enumerate(vocab)}
+    ids.update({t["content"]: int(t["id"]) for t in data.get("added_tokens") or []})
+    return ids
+
+
+def special_ids(directory: Path, hf_config: dict) -> tuple[int, ...]:
+    """The ids FlagEmbedding leaves out: the tokenizer's cls, eos, pad and unk tokens, named in
+    special_tokens_map.json (or tokenizer_config.json) and looked up in tokenizer.json; without
+    those files, config.json's bos (XLM-R's cls), eos, pad and unk ids."""
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = directory / name
+        if not path.exists():
+            continue
+        named = json.loads(path.read_text())
+        tokens = [named.get(key) for key in UNUSED]
+        tokens = [t.get("content") if isinstance(t, dict) else t for t in tokens if t]
+        ids = _token_ids(directory)
+        if tokens and all(t in ids for t in tokens):
+            return tuple(sorted({ids[t] for t in tokens}))
     keys = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
-    return tuple(sorted({int(hf_config[k]) for k in keys if hf_config.get(k) is not None}))
+    found = {hf_config.get(k) for k in keys}
+    return tuple(sorted(i for i in found if isinstance(i, int)))
 
 
 def read_head(directory: Path, config: TextEncoderConfig) -> dict[str, Tensor] | None:
@@ -93,8 +115,9 @@ class LexicalEncoderModel(TextEncoderModel):
         exact in any order, so the weights never depend on the batch."""
         lens = lengths(cu_seqlens, input_ids.shape[0])  # host, before the forward is queued
         owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # (N,)
-        slot = owner * self.vocab_size + input_ids.cpu()  # (N,) index into (B * V)
-        keep = ~torch.isin(input_ids.cpu(), torch.tensor(self.specials, dtype=input_ids.dtype))
+        ids = input_ids.cpu()  # the batcher's are host tensors already
+        slot = owner * self.vocab_size + ids  # (N,) index into (B * V)
+        keep = ~torch.isin(ids, torch.tensor(self.specials, dtype=ids.dtype))
         states = self.encode_packed(input_ids, cu_seqlens)  # (N, D)
         scores = self.lexical(states) * upload(keep, states.device)  # (N,) 0 for specials
         best = torch.zeros(len(lens) * self.vocab_size, device=states.device)

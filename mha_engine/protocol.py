@@ -137,7 +137,8 @@ class ServedClassifierModel(ServedTextModel, Protocol):
 
 @runtime_checkable
 class ServedSparseModel(ServedTextModel, Protocol):
-    """A SPLADE sparse encoder (/embed_sparse): `text_kind` is "sparse"."""
+    """A sparse encoder (/embed_sparse): SPLADE (`text_kind` "sparse"), or an embedding model
+    with lexical weights (BGE-M3: `offers_sparse`)."""
 
     text_kind: str
 

@@ -35,8 +35,21 @@ def _error(request: object, code: grpc.StatusCode, message: str) -> pb.ServerRef
         error_response=pb.ErrorResponse(error_code=code.value[0], error_message=message)
     )
     if isinstance(request, pb.ServerReflectionRequest):
+        answer.valid_host = request.host
         answer.original_request.CopyFrom(request)
     return answer
+
+
+def _file_of(symbol: str):
+    """The file defining `symbol`: a service, message, enum or field, or a method
+    (`package.Service.Method`, which protobuf's pool does not look up itself)."""
+    try:
+        return POOL.FindFileContainingSymbol(symbol)
+    except KeyError:
+        service, _, method = symbol.rpartition(".")
+        if method in POOL.FindServiceByName(service).methods_by_name:  # KeyError if no service
+            return POOL.FindFileContainingSymbol(service)
+        raise
 
 
 class ReflectionServicer(Calls, pb_grpc.ServerReflectionServicer):
@@ -57,8 +70,7 @@ class ReflectionServicer(Calls, pb_grpc.ServerReflectionServicer):
             elif kind == "file_by_filename":
                 self._files(answer, POOL.FindFileByName(request.file_by_filename), sent)
             elif kind == "file_containing_symbol":
-                symbol = request.file_containing_symbol
-                self._files(answer, POOL.FindFileContainingSymbol(symbol), sent)
+                self._files(answer, _file_of(request.file_containing_symbol), sent)
             elif kind == "file_containing_extension":
                 wanted = request.file_containing_extension
                 message = POOL.FindMessageTypeByName(wanted.containing_type)
@@ -74,7 +86,9 @@ class ReflectionServicer(Calls, pb_grpc.ServerReflectionServicer):
             else:
                 return _error(request, grpc.StatusCode.INVALID_ARGUMENT, "no request was set")
         except KeyError:
-            return _error(request, grpc.StatusCode.NOT_FOUND, f"{kind}: not found")
+            asked = getattr(request, kind)
+            what = asked if isinstance(asked, str) else str(asked).replace("\n", " ").strip()
+            return _error(request, grpc.StatusCode.NOT_FOUND, f"{kind} {what!r}: not found")
         return answer
 
     @staticmethod

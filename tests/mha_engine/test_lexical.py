@@ -19,20 +19,32 @@ from tests.support import FP32_TOL
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-TEXTS = ["the cat sat on the mat", "what is deep learning?", "hello", "a dog . a cat . a mat"]
+TEXTS = ["the cat sat on the mat", "what is deep learning?", "hello", "a [MASK] . a cat . a mat"]
 SPECIAL_TOKENS = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]"]
+# special_tokens_map.json: XLM-R's names every one FlagEmbedding leaves out (cls, eos, pad,
+# unk); BERT's has no eos_token, so FlagEmbedding weighs its [SEP]. [MASK] counts in both.
+TOKEN_MAPS = {
+    "xlm-roberta": {"cls_token": "[CLS]", "eos_token": "[SEP]", "sep_token": "[SEP]",
+                    "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]"},
+    "bert": {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+             "unk_token": "[UNK]", "mask_token": {"content": "[MASK]", "special": True}},
+}  # fmt: skip
 
 
 def bge_m3(directory: Path, model_type: str = "xlm-roberta", seed: int = 4) -> tuple:
     """A BGE-M3-shaped directory: the encoder with CLS pooling and Normalize, its tokenizer's
-    special tokens marked special (as XLM-R's tokenizer.json marks them), and sparse_linear.pt.
-    Returns (transformers model, directory, sparse_linear state)."""
+    special tokens marked special (as XLM-R's tokenizer.json marks them) and named in
+    special_tokens_map.json, and sparse_linear.pt. Returns (transformers model, directory,
+    sparse_linear state)."""
+    import json
+
     from tokenizers import Tokenizer
 
     model, _ = tm.sentence_transformer(directory, pooling="cls", model_type=model_type)
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer.add_special_tokens(SPECIAL_TOKENS)  # the vocabulary's own ids
     tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "special_tokens_map.json").write_text(json.dumps(TOKEN_MAPS[model_type]))
     torch.manual_seed(seed)
     head = torch.nn.Linear(model.config.hidden_size, 1)
     state = {k: v.detach().clone() for k, v in head.state_dict().items()}
@@ -42,8 +54,10 @@ def bge_m3(directory: Path, model_type: str = "xlm-roberta", seed: int = 4) -> t
 
 def reference(model, directory: Path, texts: list[str], state: dict) -> torch.Tensor:
     """FlagEmbedding's lexical weights, dense (B, V): per token relu(w . h + b); per id the
-    largest, the tokenizer's cls, eos, pad and unk tokens (here: every special) skipped."""
-    specials = {tm.VOCAB.index(t) for t in SPECIAL_TOKENS}
+    largest, the tokenizer's cls, eos, pad and unk tokens (those its map names) skipped."""
+    names = TOKEN_MAPS[model.config.model_type]
+    specials = {tm.VOCAB.index(names[k]) for k in ("cls_token", "eos_token", "pad_token",
+                                                    "unk_token") if k in names}  # fmt: skip
     encoded = tm.tokenize(directory, texts)
     ids, mask, _ = tm.padded(encoded)
     with torch.no_grad():
@@ -71,6 +85,9 @@ def test_lexical_weights_equal_flagembeddings_formula(m3) -> None:
     want = reference(reference_model, path, TEXTS, state)
     torch.testing.assert_close(got, want, **FP32_TOL)
     assert (got > 0).sum() > len(TEXTS)  # not all zero: the check has teeth
+    left_out = {tm.VOCAB[i] for i in model.specials}  # FlagEmbedding's: [MASK] always counts
+    bert = reference_model.config.model_type == "bert"  # its map has no eos: [SEP] counts
+    assert left_out == {"[CLS]", "[PAD]", "[UNK]"} | (set() if bert else {"[SEP]"})
     for row, seq in zip(got, ids, strict=True):  # ids absent from the text weigh nothing
         absent = torch.ones(model.vocab_size, dtype=torch.bool)
         absent[seq] = False

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf import descriptor_pool, json_format, message_factory
+from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -78,14 +79,29 @@ def test_grpcurls_way_lists_describes_and_calls(tmp_path):
                     file_containing_symbol="inference.ModelConfig"  # sent already: not again
                 ),
                 reflection_pb2.ServerReflectionRequest(),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="tei.v1.Embed.Embed"),
+                reflection_pb2.ServerReflectionRequest(
+                    file_by_filename="service/grpc/health.proto"
+                ),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="tei.v1.Embed.Nope"),
             ]
-            listed, missing, triton_files, again, empty = v1.ServerReflectionInfo(iter(asks))
+            answers = list(v1.ServerReflectionInfo(iter(asks)))
+            listed, missing, triton_files, again, empty, method, health, no_method = answers
             assert [s.name for s in listed.list_services_response.service] == list(SERVICES)
             assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
             files = triton_files.file_descriptor_response.file_descriptor_proto
             assert len(files) == 2  # grpc_service.proto, then the model_config.proto it imports
             assert len(again.file_descriptor_response.file_descriptor_proto) == 1
             assert empty.error_response.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            names = [  # a method's file (grpcurl describe tei.v1.Embed.Embed), a file by name
+                FileDescriptorProto.FromString(
+                    a.file_descriptor_response.file_descriptor_proto[0]
+                ).name
+                for a in (method, health)
+            ]
+            assert names == ["service/grpc/tei.proto", "service/grpc/health.proto"]
+            assert no_method.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+            assert "tei.v1.Embed.Nope" in no_method.error_response.error_message
 
     serve(tmp_path, test)
 

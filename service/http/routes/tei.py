@@ -1,5 +1,6 @@
 """text-embeddings-inference's routes for embedding models and the model-neutral ones:
-/embed, /embed_all, /similarity, /embed_sparse (SPLADE models), /tokenize, /decode, /info, and
+/embed, /embed_all, /similarity, /embed_sparse (SPLADE models, BGE-M3's lexical weights), /tokenize,
+/decode, /info, and
 TEI's POST / (which
 huggingface_hub's InferenceClient calls: /embed for an embedding model, /predict otherwise).
 /rerank and /predict are in tei_rank.py; /health, /ping, /invocations and the mounts (at the
@@ -240,7 +241,7 @@ SPARSE_RESPONSES = {
 
 @router.post(
     "/embed_sparse",
-    summary="SPLADE sparse embeddings (TEI)",
+    summary="Sparse embeddings: SPLADE, or BGE-M3's lexical weights (TEI)",
     response_class=Response,
     responses=SPARSE_RESPONSES,
     openapi_extra=json_body(EmbedSparseRequest),
