@@ -27,6 +27,7 @@ from service.http.routes import (
     embeddings,
     health,
     infer,
+    infinity,
     logging_route,
     metrics_route,
     openai_models,
@@ -154,6 +155,7 @@ def create_app(settings: Settings | None = None, engine: EngineLink | None = Non
     docs.install(app)
     app.include_router(openai_models.router)
     app.include_router(rerank_api.router)
+    app.include_router(infinity.router)  # /embeddings, /classify, /models (infinity-emb's)
     tei_mount.install(app)  # TEI and SageMaker routes, at the root and under /models/{name}
     debug.install(app, settings)  # the debug routes exist only with --debug-endpoint
 

@@ -114,6 +114,7 @@ class ResponsesBacklogged(ServiceError):
 
 
 OPENAI_PREFIX = "/v1/"
+INFINITY_ROUTES = frozenset({"/embeddings", "/classify", "/models"})  # OpenAI's shape too
 OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 429: "rate_limit_error"}  # fmt: skip
 
@@ -133,12 +134,13 @@ def _tei_type(status: int) -> str:
 def error_body(
     path: str, status: int, message: str, code: str | None = None, param: str | None = None
 ) -> dict:
-    """The one place an error becomes JSON: OpenAI's shape on /v1/*, text-embeddings-inference's
+    """The one place an error becomes JSON: OpenAI's shape on /v1/* (and infinity-emb's routes,
+    whose errors are OpenAI's), text-embeddings-inference's
     `{"error", "error_type"}` on its routes, OIP's `{"error": message}` everywhere else.
     OpenAI clients read error.message / error.type / error.param / error.code."""
     if path in TEI_ROUTES or path.startswith(TEI_MODEL_PREFIX):
         return {"error": message, "error_type": _tei_type(status)}
-    if not path.startswith(OPENAI_PREFIX):
+    if not path.startswith(OPENAI_PREFIX) and path not in INFINITY_ROUTES:
         return {"error": message}
     kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

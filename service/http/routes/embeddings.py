@@ -162,6 +162,14 @@ def parse_request(
     request = parse_json(body)
     if not isinstance(request, dict):
         raise BadInput("body must be a JSON object with 'input' and 'model'")
+    return check_request(request, state)
+
+
+def check_request(
+    request: dict[str, Any], state: ServiceState
+) -> tuple[ModelEntry, list[str] | list[np.ndarray], str, int | None]:
+    """parse_request's checks on the parsed body (infinity-emb's /embeddings maps its own
+    fields onto these first)."""
     unknown = sorted(set(request) - FIELDS)
     if unknown:
         raise BadInput(f"unknown field(s) {unknown}; this endpoint takes {sorted(FIELDS)}")
@@ -297,10 +305,10 @@ async def _embeddings(state: ServiceState, request: Request, seen: Observation) 
     metrics = entry.metrics or state.metrics
     seen.label(metrics)  # counted under the model the body names
     with traced(state, request.scope, entry, "embeddings"):
-        return await _embed(state, request, entry, texts, fmt, dims, started, deadline)
+        return await embed_texts(state, request, entry, texts, fmt, dims, started, deadline)
 
 
-async def _embed(
+async def embed_texts(
     state: ServiceState,
     request: Request,
     entry: ModelEntry,

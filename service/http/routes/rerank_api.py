@@ -23,10 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import get_state, traced
 from service.http.openapi import ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, json_body
-from service.http.routes.common import client_gone, observed
+from service.http.routes.common import client_gone, json_response, observed
 from service.http.routes.embeddings import max_inputs
 from service.http.routes.tei_common import parse_body
-from service.http.routes.tei_rank import json_response
 from service.pipeline.errors import BadInput, PayloadTooLarge, WrongModelKind
 from service.pipeline.models import ensure_serving
 from service.text.tei_ops import check_query, encode_texts, instruction, ranked, text_entry
@@ -162,7 +161,30 @@ async def _rerank(request: Request, version: str) -> Response:
 async def _answer(
     request: Request, state: ServiceState, entry: ModelEntry, body: RerankApiRequest, version: str
 ) -> Response:
-    """The request once its body is parsed and its reranker chosen: tokenize, score, rank."""
+    """The request once its body is parsed and its reranker chosen: Cohere's answer."""
+    values, order, tokens = await score(request, state, entry, body)
+    results = []
+    for i in order[: body.top_n or None]:  # 0: all (vLLM's default)
+        result: dict[str, Any] = {"index": i, "relevance_score": values[i]}
+        if body.return_documents:
+            document = body.documents[i]
+            result["document"] = {"text": document} if isinstance(document, str) else document
+        results.append(result)
+    return json_response(
+        {
+            "id": request.scope["state"]["request_id"],
+            "model": entry.name,
+            "results": results,
+            "usage": {"total_tokens": tokens},
+            "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
+        }
+    )
+
+
+async def score(
+    request: Request, state: ServiceState, entry: ModelEntry, body: RerankApiRequest
+) -> tuple[list[float], list[int], int]:
+    """Tokenize and score every (query, document) pair: (scores, indices best first, tokens)."""
     ensure_serving(state)
     texts = _check(body, state, entry)
     pairs: list[Text] = [(body.query, text) for text in texts]
@@ -177,23 +199,7 @@ async def _answer(
             state, entry, gone, encoded, deadline, classify_runner, typed_payload
         )
     values, order = ranked(logits, body.raw_scores)
-    results = []
-    for i in order[: body.top_n or None]:  # 0: all (vLLM's default)
-        result: dict[str, Any] = {"index": i, "relevance_score": values[i]}
-        if body.return_documents:
-            document = body.documents[i]
-            result["document"] = {"text": document} if isinstance(document, str) else document
-        results.append(result)
-    tokens = sum(len(e.ids) for e in encoded)
-    return json_response(
-        {
-            "id": request.scope["state"]["request_id"],
-            "model": entry.name,
-            "results": results,
-            "usage": {"total_tokens": tokens},
-            "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
-        }
-    )
+    return values, order, sum(len(e.ids) for e in encoded)
 
 
 @router.post(

@@ -5,12 +5,15 @@ InferenceClient(base_url=".../models/NAME") reaches it; POST /models/NAME is its
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import Response
 
 from service.http.deps import get_state, loaded_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
 from service.http.routes import tei, tei_rank
+from service.http.routes.common import json_response
 from service.http.routes.tei import (
     ROOT_OPENAPI,
     EmbedRequest,
@@ -28,7 +31,10 @@ from service.text.tokenizer import model_kind
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
 
 HEALTH_RESPONSES = {
-    200: {"description": "Ready: every model warmed up, not draining (empty body)"},
+    200: {
+        "description": 'Ready: every model warmed up, not draining ({"unix": <time>}, the body '
+        "infinity-emb's /health answers; TEI's is empty and its clients read the status only)"
+    },
     503: TEI_ERROR_RESPONSES[503],
 }
 
@@ -50,7 +56,7 @@ async def health(request: Request) -> Response:
     ready = state.model_ready(state.find(name)) if name is not None else state.serving
     if not ready:
         raise NotReady("not ready: warming up, unloading or draining")
-    return Response(status_code=200)
+    return json_response({"unix": time.time()})
 
 
 @router.post(

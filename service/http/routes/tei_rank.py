@@ -14,15 +14,16 @@ import time
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.http.body import read_object
 from service.http.deps import get_state
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
-from service.http.routes.common import client_gone
-from service.http.routes.tei_common import parse_body, text_route
+from service.http.routes import infinity
+from service.http.routes.common import client_gone, json_response
+from service.http.routes.tei_common import parse_body, text_route, validate
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
 from service.text.tei_ops import (
@@ -116,12 +117,6 @@ async def _logits(
         )
 
 
-def json_response(content: object) -> Response:
-    """`content` (lists and dicts of plain values) as JSON, written by orjson: the same text a
-    response model would give, without validating every item on the way out."""
-    return Response(orjson.dumps(content), media_type="application/json")
-
-
 def _predict_inputs(
     state: ServiceState, inputs: str | list[str] | list[list[str]]
 ) -> tuple[list[Text], bool]:
@@ -154,7 +149,10 @@ def _predict_inputs(
 async def rerank(request: Request) -> Response:
     state = get_state(request)
     with text_route(request, state, "rerank", "/rerank", "reranker") as entry:
-        body = await parse_body(request, state, RerankRequest)
+        raw = await read_object(request, state.settings.max_body_bytes)
+        if "documents" in raw and "texts" not in raw:  # infinity-emb's body: its answer
+            return await infinity.infinity_rerank(request, raw, entry)
+        body = validate(RerankRequest, raw)
         ensure_serving(state)
         check_query(body.query)
         check_batch(state, len(body.texts), "texts")
