@@ -189,6 +189,23 @@ class TeiCalls(Calls):
         return await run_parts(state, entry, STAYS, encoded, until, runner, payload_of,
                                answer.timings)  # fmt: skip
 
+    async def unary(
+        self,
+        request: Any,
+        context: Any,
+        method: str,
+        endpoint: str,
+        kinds: tuple[str, ...],
+        handle: Handler,
+    ) -> Any:
+        """A unary call: `handle` under tei_call, its x-compute-* headers (where it computed)
+        sent with the answer."""
+        async with self.tei_call(context, method, endpoint, *kinds) as (call, entry):
+            response, answer = await handle(request, entry, context)
+            if answer is not None:
+                self.answered(call, answer)
+            return response
+
     async def stream(
         self,
         requests: AsyncIterator[Any],

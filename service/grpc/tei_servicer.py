@@ -48,6 +48,7 @@ from service.text.work import check_chars, tokenize
 if TYPE_CHECKING:
     from service.runtime.state import ModelEntry
 
+RANKS = ("classifier", "reranker")  # the kinds Predict answers
 MODEL_TYPES = {
     "embedding": pb.MODEL_TYPE_EMBEDDING,
     "sparse": pb.MODEL_TYPE_EMBEDDING,  # TEI serves SPLADE as an embedding model
@@ -130,35 +131,32 @@ class TeiServicer(
         return response, answer
 
     async def Embed(self, request, context):
-        async with self.tei_call(context, "tei.v1.Embed/Embed", "embed", "embedding") as (
-            call,
-            entry,
-        ):
-            response, answer = await self._embed(request, entry, context)
-            self.answered(call, answer)
-            return response
+        return await self.unary(
+            request, context, "tei.v1.Embed/Embed", "embed", ("embedding",), self._embed
+        )
 
     async def EmbedStream(self, request_iterator, context):
         await self.stream(request_iterator, context, "tei.v1.Embed/EmbedStream", "embed",
                            ("embedding",), self._embed)  # fmt: skip
 
     async def EmbedSparse(self, request, context):
-        method = "tei.v1.Embed/EmbedSparse"
-        async with self.tei_call(context, method, "embed_sparse", "sparse") as (call, entry):
-            response, answer = await self._embed_sparse(request, entry, context)
-            self.answered(call, answer)
-            return response
+        return await self.unary(
+            request,
+            context,
+            "tei.v1.Embed/EmbedSparse",
+            "embed_sparse",
+            ("sparse",),
+            self._embed_sparse,
+        )
 
     async def EmbedSparseStream(self, request_iterator, context):
         await self.stream(request_iterator, context, "tei.v1.Embed/EmbedSparseStream",
                            "embed_sparse", ("sparse",), self._embed_sparse)  # fmt: skip
 
     async def EmbedAll(self, request, context):
-        method = "tei.v1.Embed/EmbedAll"
-        async with self.tei_call(context, method, "embed_all", "embedding") as (call, entry):
-            response, answer = await self._embed_all(request, entry, context)
-            self.answered(call, answer)
-            return response
+        return await self.unary(
+            request, context, "tei.v1.Embed/EmbedAll", "embed_all", ("embedding",), self._embed_all
+        )
 
     async def EmbedAllStream(self, request_iterator, context):
         await self.stream(request_iterator, context, "tei.v1.Embed/EmbedAllStream",
@@ -187,29 +185,22 @@ class TeiServicer(
         return response, answer
 
     async def Predict(self, request, context):
-        kinds = ("classifier", "reranker")
-        async with self.tei_call(context, "tei.v1.Predict/Predict", "predict", *kinds) as (
-            call,
-            entry,
-        ):
-            response, answer = await self._predict(request, entry, context)
-            self.answered(call, answer)
-            return response
+        return await self.unary(
+            request, context, "tei.v1.Predict/Predict", "predict", RANKS, self._predict
+        )
 
     async def PredictPair(self, request, context):
-        method, kinds = "tei.v1.Predict/PredictPair", ("classifier", "reranker")
-        async with self.tei_call(context, method, "predict", *kinds) as (call, entry):
-            response, answer = await self._predict(request, entry, context)
-            self.answered(call, answer)
-            return response
+        return await self.unary(
+            request, context, "tei.v1.Predict/PredictPair", "predict", RANKS, self._predict
+        )
 
     async def PredictStream(self, request_iterator, context):
         await self.stream(request_iterator, context, "tei.v1.Predict/PredictStream", "predict",
-                           ("classifier", "reranker"), self._predict)  # fmt: skip
+                           RANKS, self._predict)  # fmt: skip
 
     async def PredictPairStream(self, request_iterator, context):
         await self.stream(request_iterator, context, "tei.v1.Predict/PredictPairStream",
-                           "predict", ("classifier", "reranker"), self._predict)  # fmt: skip
+                           "predict", RANKS, self._predict)  # fmt: skip
 
     # -- Rerank -------------------------------------------------------------------------------
     async def _rank(
@@ -239,17 +230,16 @@ class TeiServicer(
         return response, answer
 
     async def Rerank(self, request, context):
-        async with self.tei_call(context, "tei.v1.Rerank/Rerank", "rerank", "reranker") as (
-            call,
-            entry,
-        ):
-            pairs = [(request.query, text) for text in request.texts]
-            response, answer = await self._rank(
-                context, entry, pairs, request.truncate, request.truncation_direction,
-                request.raw_scores, request.return_text,
-            )  # fmt: skip
-            self.answered(call, answer)
-            return response
+        return await self.unary(
+            request, context, "tei.v1.Rerank/Rerank", "rerank", ("reranker",), self._rerank
+        )
+
+    async def _rerank(self, request: Any, entry: ModelEntry, context: Any) -> tuple[Any, Answer]:
+        pairs = [(request.query, text) for text in request.texts]
+        return await self._rank(
+            context, entry, pairs, request.truncate, request.truncation_direction,
+            request.raw_scores, request.return_text,
+        )  # fmt: skip
 
     async def RerankStream(self, request_iterator, context):
         """(query, text) pairs in, one ranking out once the client closes its side; the first
@@ -309,16 +299,18 @@ class TeiServicer(
         return pb.DecodeResponse(text=text), None
 
     async def Tokenize(self, request, context):
-        async with self.tei_call(context, "tei.v1.Tokenize/Tokenize", "tokenize") as (_, entry):
-            return (await self._tokenize(request, entry, context))[0]
+        return await self.unary(
+            request, context, "tei.v1.Tokenize/Tokenize", "tokenize", (), self._tokenize
+        )
 
     async def TokenizeStream(self, request_iterator, context):
         await self.stream(request_iterator, context, "tei.v1.Tokenize/TokenizeStream",
                            "tokenize", (), self._tokenize)  # fmt: skip
 
     async def Decode(self, request, context):
-        async with self.tei_call(context, "tei.v1.Tokenize/Decode", "decode") as (_, entry):
-            return (await self._decode(request, entry, context))[0]
+        return await self.unary(
+            request, context, "tei.v1.Tokenize/Decode", "decode", (), self._decode
+        )
 
     async def DecodeStream(self, request_iterator, context):
         await self.stream(request_iterator, context, "tei.v1.Tokenize/DecodeStream", "decode",

@@ -12,10 +12,12 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks import scrape
 from tests.inprocess import asgi_client
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
+pytest.importorskip("infinity_client", reason="the test command installs it (--no-deps)")
 from infinity_client import Client
 from infinity_client.api.default import classify, embeddings, health, rerank
 from infinity_client.api.default import models as models_api
@@ -65,8 +67,26 @@ def test_infinitys_client_embeds_reranks_and_classifies(models) -> None:
         )
         assert ranked.object_ == "rerank" and ranked.model == "rr"
         tei = await http.post("/rerank", json={"query": QUERY, "texts": PASSAGES})
-        assert [r["index"] for r in tei.json()][:2] == order.tolist()  # TEI's body: TEI's answer
+        full = np.argsort(-relevance, kind="stable").tolist()
+        assert [r["index"] for r in tei.json()] == full  # TEI's body: TEI's answer
+        body = RerankInput(query=QUERY, documents=PASSAGES, raw_scores=True)
+        raw = await rerank.asyncio(client=client, body=body)  # no documents, every result
+        assert [r.document for r in raw.results] == [None] * len(PASSAGES)
+        np.testing.assert_allclose(
+            [r.relevance_score for r in raw.results], rr_logits[full], atol=1e-5
+        )
+        mounted = await http.post("/models/rr/rerank", json=body.to_dict())
+        assert [r["index"] for r in mounted.json()["results"]] == full
+        clash = await http.post("/models/rr/rerank", json={**body.to_dict(), "model": "clf"})
+        assert clash.status_code == 400 and "the path names model 'rr'" in clash.json()["error"]
+        text = (await http.get("/metrics")).text
+        assert (
+            scrape.value(text, "mha_requests_total", endpoint="rerank", model="rr", status="200")
+            >= 3
+        )
 
+        many = await http.post("/classify", json={"input": ["good movie"] * 40})
+        assert many.status_code == 200 and len(many.json()["data"]) == 40  # past TEI's 32
         body = ClassifyInput(input_=["good movie", "bad film"])
         labelled = await classify.asyncio(client=client, body=body)
         labels = clf.config.id2label
@@ -111,7 +131,7 @@ def test_several_embedders_need_a_name(tmp_path) -> None:
         unnamed = await http.post("/embeddings", json={"input": ["x"]})
         assert unnamed.status_code == 400
         message = unnamed.json()["error"]["message"]
-        assert "name one of the embedding models: 'one', 'two'" in message
+        assert "name an embedding model: 'one', 'two'" in message
         named = await http.post("/embeddings", json={"input": ["x"], "model": "two"})
         assert named.status_code == 200 and named.json()["model"] == "two"
 

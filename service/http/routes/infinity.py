@@ -19,6 +19,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from service.http.body import parse_json, read_body
 from service.http.deps import get_state, traced
@@ -28,16 +29,16 @@ from service.http.routes.common import client_gone, json_response, observed
 from service.http.routes.tei_common import validate
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
-from service.text.tei_ops import check_batch, encode_texts, predictions
+from service.text.tei_ops import encode_texts, instruction, predictions, text_entry
 from service.text.tokenizer import Text, classify_runner, model_kind, offers, typed_payload
-from service.text.work import run_parts
+from service.text.work import TOKENIZE_CHUNK_CHARS, run_parts
 
 if TYPE_CHECKING:
     from service.runtime.state import ModelEntry, ServiceState
 
 router = APIRouter(tags=["infinity-emb"], responses=OPENAI_ERROR_RESPONSES)
 
-STARTED = time.time()  # infinity's `created`: when the server started
+STARTED = time.time()  # infinity's `created`: when this process loaded its routes
 CAPABILITIES = {  # infinity's names for what a model answers
     "embedding": ["embed"],
     "sparse": [],
@@ -60,17 +61,36 @@ def infinity_entry(state: ServiceState, name: str | None, *kinds: str) -> ModelE
         return first[0]
     what = " or ".join(kinds)
     names = ", ".join(repr(e.name) for e in first) or f"none (no {what} model is served)"
+    what = f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
     if entry is not None:
         raise BadInput(
-            f"model '{name}' is not a {what} model ({model_kind(entry.model)}); the models "
+            f"model '{name}' is not {what} model ({model_kind(entry.model)}); the models "
             f"it could be are {names}",
             param="model",
         )
-    raise BadInput(f"unknown model '{name}': name one of the {what} models: {names}", param="model")
+    raise BadInput(f"unknown model '{name}': name {what} model: {names}", param="model")
 
 
 def _ids() -> dict[str, Any]:
     return {"id": f"infinity-{uuid.uuid4()}", "created": int(time.time())}
+
+
+def _embeddings_request(body: bytes, state: ServiceState) -> tuple:
+    """infinity's fields mapped onto /v1/embeddings' (embeddings.check_request)."""
+    fields = parse_json(body)
+    if not isinstance(fields, dict):
+        raise BadInput("body must be a JSON object with 'input'")
+    modality = fields.pop("modality", "text")
+    if modality != "text":
+        raise BadInput(
+            f"modality {modality!r} is not served: only text models here", param="modality"
+        )
+    zero = fields.get("dimensions")
+    if type(zero) is int and zero == 0:
+        del fields["dimensions"]  # infinity's "the whole vector"
+    model = fields.get("model")
+    name = infinity_entry(state, model if isinstance(model, str) else None, "embedding").name
+    return embeddings.check_request({**fields, "model": name}, state)
 
 
 @router.post(
@@ -88,36 +108,36 @@ async def infinity_embeddings(request: Request) -> Response:
         body = await read_body(request, state.settings.max_body_bytes)
         started = time.perf_counter()
         deadline = time.monotonic() + state.settings.request_timeout_s
-        fields = parse_json(bytes(body))
-        if not isinstance(fields, dict):
-            raise BadInput("body must be a JSON object with 'input'")
-        modality = fields.pop("modality", "text")
-        if modality != "text":
-            raise BadInput(
-                f"modality {modality!r} is not served: only text models here", param="modality"
-            )
-        if fields.get("dimensions") == 0:
-            del fields["dimensions"]  # infinity's "the whole vector"
-        model = fields.get("model")
-        fields["model"] = infinity_entry(
-            state, model if isinstance(model, str) else None, "embedding"
-        ).name
-        entry, texts, fmt, dims = embeddings.check_request(fields, state)
+        if len(body) > TOKENIZE_CHUNK_CHARS:  # as /v1/embeddings: big bodies off the loop
+            parsed = await run_in_threadpool(_embeddings_request, bytes(body), state)
+        else:
+            parsed = _embeddings_request(bytes(body), state)
+        del body
+        entry, texts, fmt, dims = parsed
         seen.label(entry.metrics or state.metrics)
         with traced(state, request.scope, entry, "embeddings"):
             return await embeddings.embed_texts(state, request, entry, texts, fmt, dims, started,
                                           deadline)  # fmt: skip
 
 
-async def infinity_rerank(request: Request, raw: dict[str, Any], default: ModelEntry) -> Response:
+def rerank_entry(state: ServiceState, name: Any, mount: str | None) -> ModelEntry:
+    """The reranker of an infinity body on /rerank: the mount's (a body naming another served
+    model is refused), else as infinity_entry resolves the body's `model`."""
+    if mount is None:
+        return infinity_entry(state, name if isinstance(name, str) else None, "reranker")
+    entry = text_entry(state, "/rerank", "reranker", model=mount)
+    if isinstance(name, str) and name != mount and name in state.models:
+        raise BadInput(f"the path names model '{mount}' and the body '{name}'", param="model")
+    return entry
+
+
+async def infinity_rerank(request: Request, raw: dict[str, Any], entry: ModelEntry) -> Response:
     """POST /rerank with infinity's body (query, documents, return_documents, raw_scores,
-    top_n, model): Cohere's scoring (service/http/routes/rerank_api.py), infinity's answer:
-    results best first, each `document` the text itself (or null)."""
+    top_n, model) for `entry` (rerank_entry's): Cohere's scoring and limits
+    (service/http/routes/rerank_api.py), infinity's answer: results best first, each
+    `document` the text itself (or null)."""
     state = get_state(request)
     body = validate(rerank_api.RerankApiRequest, raw)
-    entry = default
-    if body.model is not None and body.model != default.name:
-        entry = infinity_entry(state, body.model, "reranker")
     values, order, tokens = await rerank_api.score(request, state, entry, body)
     results = []
     for i in order[: body.top_n or None]:
@@ -143,9 +163,11 @@ class ClassifyRequest(BaseModel):
     openapi_extra=json_body(ClassifyRequest),
 )
 async def classify(request: Request) -> Response:
-    """Every label with its score per text, best first (the /predict scores)."""
+    """Every label with its score per text, best first: /predict's scores (the model's default
+    prompt included), counted as /predict (endpoint "predict"); up to /v1/rerank's batch
+    bound, every text truncated to the model's length, as infinity does."""
     state = get_state(request)
-    with observed(state, "classify") as seen:
+    with observed(state, "predict") as seen:
         ensure_serving(state)
         raw = parse_json(bytes(await read_body(request, state.settings.max_body_bytes)))
         if not isinstance(raw, dict):
@@ -153,12 +175,15 @@ async def classify(request: Request) -> Response:
         body = validate(ClassifyRequest, raw)
         entry = infinity_entry(state, body.model, "classifier", "reranker")
         seen.label(entry.metrics or state.metrics)
-        check_batch(state, len(body.input), "input")
+        limit = embeddings.max_inputs(state)
+        if not body.input or len(body.input) > limit:
+            raise BadInput(f"'input' has {len(body.input)} texts; send 1 to {limit}", param="input")
         texts: list[Text] = list(body.input)
         deadline = time.monotonic() + state.settings.request_timeout_s
-        with traced(state, request.scope, entry, "classify"), client_gone(request) as gone:
-            encoded = await encode_texts(gone, state, entry, texts, None, "Right", deadline,
-                                         "input")  # fmt: skip
+        prompt = instruction(entry, None)
+        with traced(state, request.scope, entry, "predict"), client_gone(request) as gone:
+            encoded = await encode_texts(gone, state, entry, texts, True, "Right", deadline,
+                                         "input", prompt)  # fmt: skip
             logits = await run_parts(state, entry, gone, encoded, deadline, classify_runner,
                                      typed_payload)  # fmt: skip
         how = "none" if body.raw_scores else None

@@ -47,8 +47,9 @@ HEALTH_RESPONSES = {
     responses=HEALTH_RESPONSES,
 )
 async def health(request: Request) -> Response:
-    """200 with an empty body while ready (under /models/{name}: that model ready), else 503 in
-    TEI's error shape; probes use it, so it never runs the model."""
+    """200 with {"unix": <time>} (infinity-emb's body; TEI's clients read only the status) while
+    ready (under /models/{name}: that model ready), else 503 in TEI's error shape; probes use
+    it, so it never runs the model."""
     state = loaded_state(request)
     if state is None:
         raise NotReady("model is still loading")

@@ -19,11 +19,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.body import read_object
-from service.http.deps import get_state
+from service.http.deps import get_state, traced
 from service.http.openapi import TEI_ERROR_RESPONSES, json_body
 from service.http.routes import infinity
-from service.http.routes.common import client_gone, json_response
-from service.http.routes.tei_common import parse_body, text_route, validate
+from service.http.routes.common import client_gone, json_response, observed
+from service.http.routes.rerank_api import RerankApiRequest
+from service.http.routes.tei_common import parse_body, routed_model, text_route, validate
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
 from service.text.tei_ops import (
@@ -34,6 +35,7 @@ from service.text.tei_ops import (
     instruction,
     predictions,
     ranked,
+    text_entry,
 )
 from service.text.tokenizer import Text, classify_runner, typed_payload
 from service.text.work import run_parts
@@ -144,35 +146,50 @@ def _predict_inputs(
     summary="Texts ranked by relevance to a query (TEI)",
     response_model=list[Rank],
     response_model_exclude_none=True,
-    openapi_extra=json_body(RerankRequest),
+    openapi_extra=json_body(RerankRequest, RerankApiRequest),
 )
 async def rerank(request: Request) -> Response:
     state = get_state(request)
-    with text_route(request, state, "rerank", "/rerank", "reranker") as entry:
+    mount = routed_model(request)
+    with observed(state, "rerank") as seen:  # labelled once the model is known
         raw = await read_object(request, state.settings.max_body_bytes)
-        if "documents" in raw and "texts" not in raw:  # infinity-emb's body: its answer
-            return await infinity.infinity_rerank(request, raw, entry)
-        body = validate(RerankRequest, raw)
-        ensure_serving(state)
-        check_query(body.query)
-        check_batch(state, len(body.texts), "texts")
-        pairs: list[Text] = [(body.query, text) for text in body.texts]
-        logits = await _logits(
-            request,
-            state,
-            entry,
-            pairs,
-            body.truncate,
-            body.truncation_direction,
-            "texts",
-            body.instruction,
-        )
-        values, order = ranked(logits, body.raw_scores)
-        ranks = [{"index": i, "score": values[i]} for i in order]  # Rank, without a None text
-        if body.return_text:
-            for rank in ranks:
-                rank["text"] = body.texts[rank["index"]]
-        return json_response(ranks)
+        infinity_body = "documents" in raw and "texts" not in raw  # infinity-emb's: its answer
+        if infinity_body:
+            entry = infinity.rerank_entry(state, raw.get("model"), mount)
+        else:
+            entry = text_entry(state, "/rerank", "reranker", model=mount)
+        seen.label(entry.metrics or state.metrics)
+        with traced(state, request.scope, entry, "rerank"):
+            if infinity_body:
+                return await infinity.infinity_rerank(request, raw, entry)
+            return await _tei_rerank(request, state, entry, raw)
+
+
+async def _tei_rerank(
+    request: Request, state: ServiceState, entry: ModelEntry, raw: dict
+) -> Response:
+    """TEI's /rerank once its reranker is chosen."""
+    body = validate(RerankRequest, raw)
+    ensure_serving(state)
+    check_query(body.query)
+    check_batch(state, len(body.texts), "texts")
+    pairs: list[Text] = [(body.query, text) for text in body.texts]
+    logits = await _logits(
+        request,
+        state,
+        entry,
+        pairs,
+        body.truncate,
+        body.truncation_direction,
+        "texts",
+        body.instruction,
+    )
+    values, order = ranked(logits, body.raw_scores)
+    ranks = [{"index": i, "score": values[i]} for i in order]  # Rank, without a None text
+    if body.return_text:
+        for rank in ranks:
+            rank["text"] = body.texts[rank["index"]]
+    return json_response(ranks)
 
 
 @router.post(
