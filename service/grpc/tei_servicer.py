@@ -255,7 +255,8 @@ class TeiServicer(
             chars, limit = 0, entry.char_limits.per_request
             async for request in request_iterator:
                 request = decoded(request)
-                first = first or request
+                if first is None:
+                    first = request
                 pairs.append((request.query, request.text))
                 check_batch(self.state, len(pairs), "texts")  # stop reading past the limits
                 chars += len(request.query) + len(request.text)

@@ -45,8 +45,9 @@ class ServingSettings(BaseSettings):
         8001,
         ge=0,
         le=65535,
-        description="Port of the Open Inference Protocol's gRPC listener "
-        "(inference.GRPCInferenceService); 0 disables it.",
+        description="Port of the gRPC listener (the Open Inference Protocol's "
+        "inference.GRPCInferenceService, TEI's tei.v1 services, grpc.health.v1 and server "
+        "reflection); 0 disables it.",
     )
     grpc_host: str | None = Field(
         None, description="Address the gRPC listener binds. Default: the same as --host."

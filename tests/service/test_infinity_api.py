@@ -124,6 +124,14 @@ def test_infinitys_refusals_are_openai_shaped(models) -> None:
     serve([d for _, d in models.values()], test)
 
 
+def test_an_infinity_rerank_without_a_reranker_is_teis_424(models) -> None:
+    async def test(client: Client, http: httpx.AsyncClient) -> None:
+        answer = await http.post("/rerank", json={"query": "q", "documents": ["a"]})
+        assert answer.status_code == 424 and answer.json()["error_type"] == "Backend"
+
+    serve([models["emb"][1]], test)
+
+
 def test_several_embedders_need_a_name(tmp_path) -> None:
     dirs = [tm.sentence_transformer(tmp_path / n)[1] for n in ("one", "two")]
 

@@ -488,3 +488,24 @@ def test_cancelling_a_stream_stops_its_work(models, caplog):
         s.http.app.state.service.draining = False
 
     serve(dirs_of(models, "rr", "emb"), test)
+
+
+def test_health_watches_are_capped_and_name_every_tei_service(models):
+    """At most a quarter of --max-connections calls may be Watches (they need no key and last
+    as long as the client wants); the health service knows each of tei.v1's services."""
+    from service.grpc.health import TEI_KINDS
+
+    assert set(TEI_KINDS) == {s.full_name for s in pb.DESCRIPTOR.services_by_name.values()}
+
+    async def test(s: Stubs) -> None:
+        first = s.health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await first.read()).status == health_pb2.HealthCheckResponse.SERVING
+        second = s.health.Watch(health_pb2.HealthCheckRequest(service=""))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await second.read()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        first.cancel()
+        check = await s.health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+    serve(dirs_of(models, "emb"), test, max_connections=4)

@@ -124,6 +124,9 @@ def rerank_entry(state: ServiceState, name: Any, mount: str | None) -> ModelEntr
     """The reranker of an infinity body on /rerank: the mount's (a body naming another served
     model is refused), else as infinity_entry resolves the body's `model`."""
     if mount is None:
+        if not any(e.tokenizer is not None and offers(e.model, "reranker")
+                   for e in state.models.values()):  # fmt: skip
+            return text_entry(state, "/rerank", "reranker")  # 424 naming what is served
         return infinity_entry(state, name if isinstance(name, str) else None, "reranker")
     entry = text_entry(state, "/rerank", "reranker", model=mount)
     if isinstance(name, str) and name != mount and name in state.models:

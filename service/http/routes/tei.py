@@ -319,8 +319,9 @@ async def tokenize_route(request: Request) -> list[list[SimpleToken]]:
         body = await parse_body(request, state, TokenizeRequest)
         tokenizer = entry.tokenizer
         assert tokenizer is not None  # text_route chose a text model
-        check_present(_texts(state, body.inputs))
-        texts = with_prompt(entry, _texts(state, body.inputs), body.prompt_name)
+        texts = _texts(state, body.inputs)
+        check_present(texts)
+        texts = with_prompt(entry, texts, body.prompt_name)
         check_chars(texts, entry.char_limits)
         deadline = time.monotonic() + state.settings.request_timeout_s
         async with entry.batcher.reserve(len(texts)):  # off the loop, in chunks, like /embed
