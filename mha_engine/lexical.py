@@ -100,7 +100,7 @@ class LexicalEncoderModel(TextEncoderModel):
     sparse_linear head, lexical weights (/embed_sparse)."""
 
     text_kind = "embedding"
-    offers_sparse = True  # service.text.tokenizer.offers: /embed_sparse as well
+    offers_sparse = True  # service.text.kinds.offers: /embed_sparse as well
 
     def __init__(self, config: TextEncoderConfig, specials: Sequence[int]) -> None:
         super().__init__(config)

@@ -33,6 +33,11 @@ OPEN_METHODS = frozenset(
 )
 
 
+def call_metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The call's text metadata (binary `-bin` values left out)."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
 def cancel_with_call(context: grpc.aio.ServicerContext) -> None:
     """For a call whose client streams: grpc ends the request iterator, without cancelling the
     handler, when the client cancels or the deadline passes; cancel the handler's task then, so
@@ -144,7 +149,7 @@ class Calls:
         """Auth, request id, errors to status codes, access log and (for `endpoint`) metrics.
         The request id goes out in the initial metadata at once, or with `headers` (a unary
         call's) together with the handler's `call.headers` when it answers."""
-        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        metadata = call_metadata(context)
         rid = request_id(metadata.get("x-request-id"))
         with self.observed(method, rid, endpoint, model, version) as call:
             first = (("x-request-id", call.request_id),)

@@ -13,7 +13,7 @@ from service.grpc import health_pb2 as pb
 from service.grpc import health_pb2_grpc as pb_grpc
 from service.grpc.calls import Calls
 from service.pipeline.errors import Overloaded, ServiceError
-from service.text.tokenizer import offers
+from service.text.kinds import offers
 
 SERVING = pb.HealthCheckResponse.SERVING
 NOT_SERVING = pb.HealthCheckResponse.NOT_SERVING

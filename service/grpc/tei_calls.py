@@ -12,7 +12,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from service.grpc import tei_pb2 as pb
-from service.grpc.calls import Call, Calls, cancel_with_call
+from service.grpc.calls import Call, Calls, call_metadata, cancel_with_call
 from service.grpc.decode_errors import Undecodable
 from service.pipeline.errors import BadInput, ServiceError
 from service.pipeline.models import ensure_serving
@@ -93,10 +93,6 @@ def prompt_name(request: Any) -> str | None:
     return request.prompt_name if request.HasField("prompt_name") else None
 
 
-def _metadata(context: Any) -> dict[str, str]:
-    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-
-
 class TeiCalls(Calls):
     """The plumbing of TEI's handlers over the lifespan's ServiceState."""
 
@@ -113,7 +109,7 @@ class TeiCalls(Calls):
         """Calls._call under the model the call uses (a call no model can serve is counted
         under the default model's labels); a unary call traced when tracing picks it, its
         headers sent with its answer. A stream's messages are counted and traced one by one."""
-        metadata = _metadata(context)
+        metadata = call_metadata(context)
         try:
             model = metadata.get(MODEL_KEY)
             entry = text_entry(self.state, method, *kinds, model=model, offers=OFFERS)
@@ -224,7 +220,7 @@ class TeiCalls(Calls):
             cancel_with_call(context)
             limit = asyncio.Semaphore(self.state.settings.grpc_stream_in_flight)
             order: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
-            metadata = _metadata(context)
+            metadata = call_metadata(context)
             ended = False  # by a message that failed
 
             async def one(request: Any, rid: str) -> Any:

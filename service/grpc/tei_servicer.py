@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from anyio.to_thread import current_default_thread_limiter
+from starlette.concurrency import run_in_threadpool
 
 from service.grpc import tei_pb2 as pb
 from service.grpc import tei_pb2_grpc as pb_grpc
 from service.grpc.calls import cancel_with_call
 from service.grpc.tei_calls import STAYS, Answer, TeiCalls, decoded, prompt_name
 from service.pipeline.errors import BadInput, PayloadTooLarge
+from service.text.kinds import model_kind
 from service.text.tei_ops import (
     check_batch,
     check_decode,
@@ -37,7 +39,6 @@ from service.text.tei_ops import (
 from service.text.tokenizer import (
     Text,
     classify_runner,
-    model_kind,
     raw_embed_runner,
     sparse_runner,
     token_runner,
@@ -55,6 +56,17 @@ MODEL_TYPES = {
     "classifier": pb.MODEL_TYPE_CLASSIFIER,
     "reranker": pb.MODEL_TYPE_RERANKER,
 }
+
+
+OFFLOAD_VALUES = 1 << 16  # an EmbedAll answer past this many values is built on a worker thread
+
+
+def _token_states(states: np.ndarray, metadata: Any) -> Any:
+    """EmbedAll's answer: one TokenEmbedding per token of `states` (T, D)."""
+    response = pb.EmbedAllResponse(metadata=metadata)
+    for row in np.asarray(states, np.float32).tolist():
+        response.token_embeddings.add().embeddings.extend(row)
+    return response
 
 
 class TeiServicer(
@@ -85,11 +97,7 @@ class TeiServicer(
         if dimensions is not None and not 1 <= dimensions <= width:
             raise BadInput(f"'dimensions' {dimensions} must be in [1, {width}], the embedding size")
         answer = Answer(len(request.inputs))
-        texts = with_prompt(entry, [request.inputs], prompt_name(request))
-        (vector,) = await self.run(
-            context, entry, texts, request.truncate, request.truncation_direction,
-            raw_embed_runner, answer,
-        )  # fmt: skip
+        vector = await self._one_text(request, entry, context, raw_embed_runner, answer)
         if dimensions is not None:  # as TEI: cut the raw vector, then normalize
             vector = vector[:dimensions]
         if not request.HasField("normalize") or request.normalize:  # absent: true
@@ -98,15 +106,21 @@ class TeiServicer(
         response.embeddings.extend(np.asarray(vector, np.float32).tolist())
         return response, answer
 
+    async def _one_text(
+        self, request: Any, entry: ModelEntry, context: Any, runner: Any, answer: Answer
+    ) -> Any:
+        """An Embed* message's one text (its prompt first) through `runner`: its result."""
+        texts = with_prompt(entry, [request.inputs], prompt_name(request))
+        (result,) = await self.run(
+            context, entry, texts, request.truncate, request.truncation_direction, runner, answer
+        )
+        return result
+
     async def _embed_sparse(
         self, request: Any, entry: ModelEntry, context: Any
     ) -> tuple[Any, Answer]:
         answer = Answer(len(request.inputs))
-        texts = with_prompt(entry, [request.inputs], prompt_name(request))
-        (weights,) = await self.run(
-            context, entry, texts, request.truncate, request.truncation_direction,
-            sparse_runner, answer,
-        )  # fmt: skip
+        weights = await self._one_text(request, entry, context, sparse_runner, answer)
         response = pb.EmbedSparseResponse(metadata=answer.metadata())
         for index, value in zip(weights["index"].tolist(), weights["value"].tolist(), strict=True):
             response.sparse_embeddings.add(index=index, value=value)
@@ -114,14 +128,12 @@ class TeiServicer(
 
     async def _embed_all(self, request: Any, entry: ModelEntry, context: Any) -> tuple[Any, Answer]:
         answer = Answer(len(request.inputs))
-        texts = with_prompt(entry, [request.inputs], prompt_name(request))
-        (states,) = await self.run(
-            context, entry, texts, request.truncate, request.truncation_direction,
-            token_runner, answer,
-        )  # fmt: skip
-        response = pb.EmbedAllResponse(metadata=answer.metadata())
-        for row in np.asarray(states, np.float32).tolist():
-            response.token_embeddings.add().embeddings.extend(row)
+        states = await self._one_text(request, entry, context, token_runner, answer)
+        metadata = answer.metadata()
+        if states.size > OFFLOAD_VALUES:  # a float object per value: off the event loop
+            response = await run_in_threadpool(_token_states, states, metadata)
+        else:
+            response = _token_states(states, metadata)
         size, limit = response.ByteSize(), self.state.settings.max_body_bytes
         if size > limit:  # gRPC would refuse to send it (its limit is the same)
             raise PayloadTooLarge(

@@ -9,7 +9,7 @@ from service.oip.datatypes import of_torch
 from service.oip.model_inputs import declared_inputs
 from service.shm.cuda_regions import cuda_unavailable
 from service.shm.regions import unavailable
-from service.text.tokenizer import text_properties
+from service.text.kinds import text_properties
 
 if TYPE_CHECKING:
     from service.runtime.settings import Settings

@@ -25,8 +25,9 @@ from service.runtime.startup import load_failure
 from service.runtime.state import ModelEntry
 from service.runtime.statistics import ModelStats, Observers
 from service.runtime.work import Work
+from service.text.kinds import text_kind
 from service.text.st_config import matryoshka, read_prompts
-from service.text.tokenizer import CharLimits, load_tokenizer, text_kind
+from service.text.tokenizer import CharLimits, load_tokenizer
 
 log = logging.getLogger(__name__)
 

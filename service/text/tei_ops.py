@@ -12,8 +12,9 @@ import numpy as np
 
 from service.pipeline.errors import BadInput, PayloadTooLarge, WrongModelKind
 from service.pipeline.waiting import Gone
-from service.text.tokenizer import Encoded, Text, model_kind, scores
-from service.text.tokenizer import offers as offers_kind
+from service.text.kinds import model_kind, scores
+from service.text.kinds import offers as offers_kind
+from service.text.tokenizer import Encoded, Text
 from service.text.work import check_chars, tokenize, with_default_prompt
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from service.oip.inputs import Payload
-from service.text.tokenizer import text_kind
+from service.text.kinds import text_kind
 from service.workers.slab import Slab
 
 PAYLOAD_FIELDS = tuple(f.name for f in fields(Payload))  # once: fields() is slow per call

@@ -509,3 +509,15 @@ def test_health_watches_are_capped_and_name_every_tei_service(models):
         assert check.status == health_pb2.HealthCheckResponse.SERVING
 
     serve(dirs_of(models, "emb"), test, max_connections=4)
+
+
+def test_a_large_embed_all_answer_is_built_off_the_loop_the_same(models, monkeypatch):
+    from service.grpc import tei_servicer
+
+    async def test(s: Stubs) -> None:
+        inline = await s.embed.EmbedAll(pb.EmbedAllRequest(inputs=PASSAGES[0]))
+        monkeypatch.setattr(tei_servicer, "OFFLOAD_VALUES", 0)  # every answer on a thread
+        threaded = await s.embed.EmbedAll(pb.EmbedAllRequest(inputs=PASSAGES[0]))
+        assert threaded.token_embeddings == inline.token_embeddings
+
+    serve(dirs_of(models, "emb"), test)

@@ -30,11 +30,9 @@ from service.pipeline.errors import (
     ModelNotFound,
 )
 from service.pipeline.models import ensure_serving
+from service.text.kinds import model_kind
 from service.text.tei_ops import ROUTES_OF
-from service.text.tokenizer import (
-    Encoded,
-    model_kind,
-)
+from service.text.tokenizer import Encoded
 from service.text.work import (
     TOKENIZE_CHUNK_CHARS,
     check_chars,

@@ -29,8 +29,9 @@ from service.http.routes.common import client_gone, json_response, observed
 from service.http.routes.tei_common import validate
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
+from service.text.kinds import model_kind, offers
 from service.text.tei_ops import encode_texts, instruction, predictions, text_entry
-from service.text.tokenizer import Text, classify_runner, model_kind, offers, typed_payload
+from service.text.tokenizer import Text, classify_runner, typed_payload
 from service.text.work import TOKENIZE_CHUNK_CHARS, run_parts
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from service.http.deps import State
 from service.http.openapi import OPENAI_ERROR_RESPONSES
 from service.pipeline.errors import ModelNotFound
-from service.text.tokenizer import model_kind
+from service.text.kinds import model_kind
 
 router = APIRouter(tags=["embeddings"], responses=OPENAI_ERROR_RESPONSES)
 

@@ -30,6 +30,7 @@ from service.http.routes.tei_rank import HubPredictRequest, hub_predict
 from service.pipeline.errors import BadInput
 from service.pipeline.models import ensure_serving
 from service.runtime.state import ModelEntry, ServiceState
+from service.text.kinds import model_kind, tei_model_type
 from service.text.tei_ops import (
     Direction,
     check_batch,
@@ -41,13 +42,7 @@ from service.text.tei_ops import (
     text_entry,
     with_prompt,
 )
-from service.text.tokenizer import (
-    model_kind,
-    raw_embed_runner,
-    sparse_runner,
-    tei_model_type,
-    token_runner,
-)
+from service.text.tokenizer import raw_embed_runner, sparse_runner, token_runner
 from service.text.work import check_chars, run_parts, tokenize, with_default_prompt
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)

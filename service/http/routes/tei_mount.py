@@ -25,8 +25,8 @@ from service.http.routes.tei import (
 from service.http.routes.tei_common import parse_body, routed_model
 from service.http.routes.tei_rank import PredictRequest, RerankRequest, predict, rerank
 from service.pipeline.errors import NotReady
+from service.text.kinds import model_kind
 from service.text.tei_ops import text_entry
-from service.text.tokenizer import model_kind
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERROR_RESPONSES)
 
