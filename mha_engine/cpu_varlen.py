@@ -16,6 +16,7 @@ and why.
 from __future__ import annotations
 
 import ctypes
+import platform
 from pathlib import Path
 
 import torch
@@ -25,16 +26,22 @@ from . import cbuild
 from .eager import eager_only
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
-# fused multiply-adds wherever the compiler finds them; copy loops stay loops (no memcpy calls)
-FLAGS = ("-ffp-contract=fast", "-fno-tree-loop-distribute-patterns")
+# fused multiply-adds wherever the compiler finds them; copy loops stay loops (no memcpy calls).
+# Generic tuning on x86: -march=native on AMD Zen also tunes for it, and GCC's Zen tuning
+# splits FMA chains into multiply and add (other rounding), so a Zen host's own build gave
+# other bits than the x86-64-v3 library (up to 2e-6); the kernel ran no faster with it.
+FLAGS = ("-ffp-contract=fast", "-fno-tree-loop-distribute-patterns") + (
+    ("-mtune=generic",) if platform.machine().lower() in ("x86_64", "amd64") else ()
+)
 # Per CPU capability and dtype, sequences with more queries or keys than this keep the grouped
 # SDPA calls, whose GEMM-based kernels (AMX for bf16) are faster on long ones. Measured with
 # `python -m benchmarks.varlen_attention` (docs/benchmarks.md): with AVX-512 the kernel wins up
-# to 128 tokens in fp32 and 48 in bf16; in an AVX2 build against torch's AVX2 kernels only to
-# about 32. Like every part of the choice (`modes`), it depends on the sequence alone, never on
-# batch-mates.
+# to 128 tokens in fp32 and 48 in bf16 (AMX's bf16 SDPA); on an AVX2 CPU (AMD Zen 3) up to 32
+# in fp32 and 64 in bf16 (torch's bf16 SDPA has no bf16 instructions there). Like every part of
+# the choice (`modes`), it depends on the sequence alone, never on batch-mates.
 MAX_LEN = {
     "AVX512": {torch.float32: 128, torch.bfloat16: 48},
+    "AVX2": {torch.float32: 32, torch.bfloat16: 64},
     "other": {torch.float32: 32, torch.bfloat16: 32},
 }
 
@@ -42,7 +49,7 @@ MAX_LEN = {
 def max_len(dtype: torch.dtype) -> int:
     """The longest sequence (queries or keys) the kernel takes in this dtype on this CPU
     (0: none)."""
-    return MAX_LEN["AVX512" if cbuild.level() == "AVX512" else "other"].get(dtype, 0)
+    return MAX_LEN.get(cbuild.level(), MAX_LEN["other"]).get(dtype, 0)
 
 
 class _Library(cbuild.Bindings):

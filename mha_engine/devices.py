@@ -3,14 +3,20 @@ a device this host lacks or a dtype it cannot run fails in one line that says wh
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from . import fused
 from .errors import DeviceError
 from .quantize import Int8Unsupported, int8_unsupported_reason
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT8 = "int8"  # not a torch compute dtype: float32 weights quantized at load (quantize.py)
 DEVICE_FORMS = "cpu, cuda or cuda:N"
+
+log = logging.getLogger(__name__)
+_slow_bf16_said = False
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -76,7 +82,23 @@ def resolve_precision(
     if resolved == torch.bfloat16 and cuda and not torch.cuda.is_bf16_supported():
         name = torch.cuda.get_device_name(device)
         raise DeviceError(f"{device} ({name}) cannot compute in bfloat16; use float16")
+    if resolved == torch.bfloat16 and device.type == "cpu":
+        _say_slow_bf16()
     return resolved, False
+
+
+def _say_slow_bf16() -> None:
+    """Once per process: bf16 on a CPU without bf16 instructions is no faster than float32 (its
+    GEMMs run as float32 or emulated; docs/engine-cpu.md), though it halves weight memory."""
+    global _slow_bf16_said
+    if fused.NATIVE_BF16 or _slow_bf16_said:
+        return
+    _slow_bf16_said = True
+    log.warning(
+        "bfloat16 on this CPU (%s), which has no bf16 instructions (AVX512-BF16 or AMX), is "
+        "no faster than float32 and only halves weight memory; int8 is the faster precision",
+        fused.cpu_capability(),
+    )
 
 
 def check_device(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ AMX_BF16_BLOCK = 128
 # at every size measured. A per-module choice: every batch through a layer takes one path.
 PLAIN_FP32_WEIGHT = 2**16
 AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+# bf16 instructions (AVX512-BF16 dot products or AMX tiles): without them bf16 GEMMs run slower
+# than float32 (docs/engine-cpu.md), and loading a bf16 model says so
+NATIVE_BF16 = AMX or bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 # engine activation name -> (oneDNN post-op, its algorithm argument)
 POST_OPS = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -88,6 +92,12 @@ def _onednn_available() -> bool:
 
 
 ONEDNN = _onednn_available()
+# oneDNN's bf16 kernels need AVX-512 (bw, vl, dq) or AVX-NE-CONVERT: on an AVX2-only CPU its
+# weight reorder raises, so bf16 weights there take the plain call (slower than float32 on
+# such CPUs: no bf16 instructions to run it with).
+ONEDNN_BF16 = ONEDNN and bool(
+    getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+)
 
 
 def fused_cpu_enabled() -> bool:
@@ -110,11 +120,12 @@ def cpu_capability() -> str:
 
 
 def worth_packing(weight: Tensor) -> bool:
-    """A CPU weight oneDNN runs faster than the plain call: bf16, or float32 past
-    PLAIN_FP32_WEIGHT elements."""
+    """A CPU weight oneDNN runs faster than the plain call: bf16 (where oneDNN has bf16
+    kernels), or float32 past PLAIN_FP32_WEIGHT elements."""
     dtype = weight.dtype
     return weight.is_cpu and (
-        dtype == torch.bfloat16 or (dtype == torch.float32 and weight.numel() > PLAIN_FP32_WEIGHT)
+        (dtype == torch.bfloat16 and ONEDNN_BF16)
+        or (dtype == torch.float32 and weight.numel() > PLAIN_FP32_WEIGHT)
     )
 
 
@@ -226,9 +237,12 @@ def linear(
             return _back(y, n, x)
         if type(module) is nn.Linear and not _hooked(module):
             b = module.bias  # module(x) is exactly this F.linear: skip nn.Module's call
+            if w.dtype == torch.bfloat16 and x2.is_cpu and not ONEDNN_BF16:
+                gemm = partial(_bf16_as_fp32, w=w, b=b)
+            else:
 
-            def gemm(xb: Tensor) -> Tensor:
-                return F.linear(xb, w, b)
+                def gemm(xb: Tensor) -> Tensor:
+                    return F.linear(xb, w, b)
         else:
             gemm = module
     else:
@@ -247,6 +261,15 @@ def linear(
 
     y = _rows(plain, x2, r2) if pad else plain(x2, r2)
     return _back(y, n, x)
+
+
+def _bf16_as_fp32(xb: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """A bf16 GEMM where the CPU has no bf16 instructions: the bf16 values widened (exactly) to
+    float32, float32's GEMM (float32 sums, as a bf16 kernel's), the result rounded to bf16.
+    6-7x torch's bf16 F.linear on an AVX2 EPYC, 0.85-1.1x float32; the weights stay bf16 in
+    memory (one float32 copy per call, freed after it)."""
+    bias = None if b is None else b.float()
+    return F.linear(xb.float(), w.float(), bias).to(torch.bfloat16)
 
 
 def _onednn_linear(

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import cpu_varlen
+from . import cpu_varlen, fused
 from .fused import cpu_capability, fused_cpu_enabled, worth_packing
 from .int8_rows import kernel_status
 
@@ -75,7 +75,9 @@ def engine_path(model: EngineModel) -> str:
     )
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     plain = sum(not worth_packing(w) for w in weights)
-    if fused_cpu and plain == len(weights):
+    if fused_cpu and model.precision == "bfloat16" and not fused.ONEDNN_BF16:
+        gemms = "bf16 GEMMs computed in float32 (oneDNN has no bf16 kernels for this CPU)"
+    elif fused_cpu and plain == len(weights):
         gemms = "plain F.linear GEMMs (weights too small for oneDNN's per-call cost)"
     elif fused_cpu:
         gemms = "prepacked oneDNN in_proj / out_proj+residual / FFN (GELU, residual fused)"

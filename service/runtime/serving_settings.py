@@ -79,7 +79,9 @@ class ServingSettings(BaseSettings):
         "float32",
         description="Compute dtype; requests in any float type are converted to it. int8: "
         "int8 weights with per-token int8 activations for every Linear, the rest float32 "
-        "(CPU only; inputs and outputs stay FP32).",
+        "(CPU only; inputs and outputs stay FP32). bfloat16 on a CPU is faster than float32 "
+        "only with bf16 instructions (AVX512-BF16, AMX); elsewhere it halves weight memory "
+        "and runs at float32's speed or below (a warning at load says so).",
     )
     max_batch_size: int = Field(32, ge=1, description="Most sequences in one forward.")
     cuda_graphs: bool = Field(

@@ -204,5 +204,7 @@ def test_the_length_limits_follow_the_cpu_capability(monkeypatch):
     monkeypatch.setattr(cbuild, "level", lambda: "AVX512")
     assert [cpu_varlen.max_len(t) for t in (torch.float32, torch.bfloat16)] == [128, 48]
     monkeypatch.setattr(cbuild, "level", lambda: "AVX2")
+    assert [cpu_varlen.max_len(t) for t in (torch.float32, torch.bfloat16)] == [32, 64]
+    monkeypatch.setattr(cbuild, "level", lambda: "DEFAULT")
     assert [cpu_varlen.max_len(t) for t in (torch.float32, torch.bfloat16)] == [32, 32]
     assert cpu_varlen.max_len(torch.float16) == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mha_engine
-from mha_engine import DeviceError, Int8Unsupported, check_device
+from mha_engine import DeviceError, Int8Unsupported, check_device, devices, fused
 
 
 @pytest.fixture
@@ -84,3 +84,21 @@ def test_building_a_model_raises_the_same_error():
     """The library's loaders check through check_device too."""
     with pytest.raises(DeviceError, match="'cudaX' is not a device name"):
         mha_engine.build_demo_model(device="cudaX")
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_said_once(monkeypatch, caplog):
+    """There bf16 is no faster than float32 (docs/engine-cpu.md): loading says so, once."""
+    caplog.set_level("WARNING", logger="mha_engine.devices")
+    monkeypatch.setattr(devices, "_slow_bf16_said", False)
+    monkeypatch.setattr(fused, "NATIVE_BF16", True)
+    devices.check_device("cpu", "bfloat16")
+    assert not caplog.records
+    monkeypatch.setattr(fused, "NATIVE_BF16", False)
+    devices.check_device("cpu", "float32")
+    devices.check_device("cpu", "int8")
+    assert not caplog.records
+    devices.check_device("cpu", "bfloat16")
+    devices.check_device("cpu", "bfloat16")
+    (record,) = caplog.records
+    assert "no faster than float32" in record.getMessage()
+    assert fused.cpu_capability() in record.getMessage()

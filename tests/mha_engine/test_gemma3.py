@@ -15,6 +15,7 @@ import torch
 
 import mha_engine
 from mha_engine import CheckpointError, Gemma3Model, cuda_graphs, packed_attention
+from mha_engine.quantize import activation_levels
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -135,10 +136,13 @@ def test_bf16_and_int8_stay_close(gemma, dtype: str) -> None:
     m = mask[..., None].float()
     want = (_states(reference, ids, mask) * m).sum(1) / m.sum(1)
     got = mha_engine.load_model(path, dtype=dtype).embed_varlen([i for i, _ in encoded])
-    # measured here, on values up to 2.1: largest difference 2.2e-2 (bf16), 5.4e-2 (int8); least
-    # cosine similarity 0.99995 (bf16), 0.99955 (int8)
-    torch.testing.assert_close(got, want, atol=8e-2, rtol=0)
-    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
+    # measured on values up to 2.1: largest difference 2.2e-2 (bf16), 5.4e-2 (int8 with 8-bit
+    # activations, a VNNI CPU), 0.117 (7-bit, AVX2 without VNNI); least cosine similarity
+    # 0.99995 (bf16), 0.99955 (8-bit), 0.99884 (7-bit)
+    seven_bit = dtype == "int8" and activation_levels() < 127
+    torch.testing.assert_close(got, want, atol=0.15 if seven_bit else 8e-2, rtol=0)
+    cosine = torch.nn.functional.cosine_similarity(got, want).min()
+    assert cosine > (0.998 if seven_bit else 0.999)
 
 
 @pytest.mark.parametrize(

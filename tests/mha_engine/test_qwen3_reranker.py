@@ -15,6 +15,7 @@ import torch
 
 import mha_engine
 from mha_engine import CheckpointError
+from mha_engine.quantize import activation_levels
 from mha_engine.qwen3 import Qwen3ClassifierModel
 
 pytest.importorskip("transformers")
@@ -124,7 +125,10 @@ def test_batch_invariance(reranker, dtype: str) -> None:
 @pytest.mark.parametrize(("dtype", "tol"), [("bfloat16", 1e-2), ("int8", 1e-2)])
 def test_bf16_and_int8_stay_close(reranker, dtype: str, tol: float) -> None:
     """Measured on these tiny models: the causal form (scores up to 0.98) off by 4.7e-3 in
-    bf16 and 4.1e-3 in int8, the seq-cls form (scores up to 0.027) by 1.4e-3 and 6.5e-3."""
+    bf16 and 4.1e-3 in int8, the seq-cls form (scores up to 0.027) by 1.4e-3 and 6.5e-3; int8
+    with 7-bit activations (AVX2 without VNNI): 4.7e-3 and 1.65e-2."""
+    if dtype == "int8" and activation_levels() < 127:
+        tol = 2.5e-2
     cross_encoder, path = reranker
     seqs = _inputs(cross_encoder, PAIRS)
     want = mha_engine.load_model(path).classify_varlen(seqs)
