@@ -19,14 +19,12 @@ PROTO_DIR = "service/grpc"
 PROTOS = (
     "model_config.proto",
     "grpc_service.proto",
-    "log_settings.proto",
-    "trace_settings.proto",
     "tei.proto",
     "health.proto",
     "reflection.proto",
 )
 # messages only: their _pb2_grpc.py is empty
-NO_SERVICE = ("model_config", "log_settings", "trace_settings")
+NO_SERVICE = ("model_config",)
 
 
 def generate(out: Path) -> list[Path]:

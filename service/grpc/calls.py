@@ -18,7 +18,7 @@ import grpc
 
 from service.grpc.status import CANCELLED_STATUS, grpc_code, trailing_metadata
 from service.http.middleware import bearer_credential, keeps_access_line, log_safe, request_id
-from service.pipeline.errors import ServiceError, Unauthorized
+from service.pipeline.errors import BadInput, ServiceError, Unauthorized
 from service.runtime.tracing import TRACED
 
 if TYPE_CHECKING:
@@ -176,3 +176,11 @@ class Calls:
                 if headers:
                     await context.send_initial_metadata(first)
                 await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+
+    async def refuse_undecodable(
+        self, method: str, context: grpc.aio.ServicerContext, error: Exception
+    ) -> None:
+        """A unary request that is no valid protobuf message (service.grpc.decode_errors):
+        INVALID_ARGUMENT naming the problem, with the plumbing of any refused call."""
+        async with self._call(method, context):
+            raise BadInput(f"the request is not a valid protobuf message: {error}")

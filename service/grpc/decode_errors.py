@@ -3,7 +3,7 @@ end the call UNKNOWN, with a traceback in the log)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -27,23 +27,33 @@ def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return decode
 
 
-def _refusing(behavior: Callable[..., Any]) -> Callable[..., Any]:
+# (method, context, error): ends the call INVALID_ARGUMENT with the servicers' call plumbing
+Refuse = Callable[[str, grpc.aio.ServicerContext, Exception], Awaitable[None]]
+
+
+def method_name(path: str) -> str:
+    """A call's name as the access log gives it: Triton's RPCs by their short name (as their
+    handlers log them), others as `package.Service/Method`."""
+    service, _, method = path.lstrip("/").rpartition("/")
+    return method if service == "inference.GRPCInferenceService" else f"{service}/{method}"
+
+
+def _refusing(behavior: Callable[..., Any], name: str, refuse: Refuse) -> Callable[..., Any]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the request is not a valid protobuf message: {request.error}",
-            )
+            return await refuse(name, context, request.error)
         return await behavior(request, context)
 
     return call
 
 
 class DecodeErrors(grpc.aio.ServerInterceptor):
-    """Undecodable requests end INVALID_ARGUMENT naming the problem (on a stream: that message's
-    answer says so); each method's handler is wrapped once and reused."""
+    """Undecodable requests end INVALID_ARGUMENT naming the problem, through `refuse` (the API
+    key checked first, a request id, an access-log line, as any refused call); on a stream that
+    message's answer says so. Each method's handler is wrapped once and reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: Refuse) -> None:
+        self._refuse = refuse
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -53,7 +63,7 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
             handler = await continuation(handler_call_details)
             if handler is not None and handler.unary_unary and handler.request_deserializer:
                 handler = handler._replace(
-                    unary_unary=_refusing(handler.unary_unary),
+                    unary_unary=_refusing(handler.unary_unary, method_name(method), self._refuse),
                     request_deserializer=_lenient(handler.request_deserializer),
                 )
                 self._handlers[method] = handler

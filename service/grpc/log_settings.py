@@ -1,6 +1,6 @@
 """GRPCInferenceService/LogSettings (Triton's logging extension over gRPC): the same settings and
-validation as GET/POST /v2/logging (service/runtime/log_settings.py), with the servicer's call
-plumbing (API key, request id, access log). Registered beside the generated service, on its name.
+validation as GET/POST /v2/logging (service/runtime/log_settings.py), answered by the
+InferenceServicer's LogSettings with its call plumbing (API key, request id, access log).
 
 Values travel as Triton's SettingValue: booleans as bool_param, log_verbose_level as
 uint32_param, strings as string_param; access_log_sample_rate goes out as a string_param ("0.25")
@@ -12,15 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from service.grpc import log_settings_pb2 as log_pb
+from service.grpc import grpc_service_pb2 as pb
 from service.pipeline.errors import BadInput
 
 if TYPE_CHECKING:
-    from service.grpc.servicer import InferenceServicer
-
-SERVICE = "inference.GRPCInferenceService"
+    from service.runtime.state import ServiceState
 
 
 def _value(name: str, setting: Any) -> Any:
@@ -42,8 +38,8 @@ def _value(name: str, setting: Any) -> Any:
     return value
 
 
-def _response(values: dict[str, Any]) -> log_pb.LogSettingsResponse:
-    response = log_pb.LogSettingsResponse()
+def _response(values: dict[str, Any]) -> pb.LogSettingsResponse:
+    response = pb.LogSettingsResponse()
     for name, value in values.items():
         setting = response.settings[name]
         if isinstance(value, bool):
@@ -55,21 +51,10 @@ def _response(values: dict[str, Any]) -> log_pb.LogSettingsResponse:
     return response
 
 
-def handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
-    """The LogSettings method on GRPCInferenceService, answered with `servicer`'s plumbing."""
-
-    async def log_settings(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async with servicer._call("LogSettings", context):
-            control = servicer.state.log_control
-            if control is None:
-                raise BadInput("log settings are not available in this process")
-            changes = {name: _value(name, v) for name, v in request.settings.items()}
-            values = control.update(changes) if changes else control.snapshot()
-            return _response(values)
-
-    method = grpc.unary_unary_rpc_method_handler(
-        log_settings,
-        request_deserializer=log_pb.LogSettingsRequest.FromString,
-        response_serializer=log_pb.LogSettingsResponse.SerializeToString,
-    )
-    return grpc.method_handlers_generic_handler(SERVICE, {"LogSettings": method})
+def answer(state: ServiceState, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:
+    """The settings after the request's changes (none: they are only read)."""
+    control = state.log_control
+    if control is None:
+        raise BadInput("log settings are not available in this process")
+    changes = {name: _value(name, v) for name, v in request.settings.items()}
+    return _response(control.update(changes) if changes else control.snapshot())

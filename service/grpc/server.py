@@ -9,7 +9,7 @@ import grpc
 
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc import health_pb2_grpc as health_grpc
-from service.grpc import log_settings, reflection, tei_pb2, trace_settings
+from service.grpc import reflection, tei_pb2
 from service.grpc import tei_pb2_grpc as tei_grpc
 from service.grpc.decode_errors import DecodeErrors
 from service.grpc.health import HealthServicer
@@ -34,6 +34,7 @@ class GrpcListener:
     ) -> None:
         settings = state.settings
         limit = settings.max_body_bytes  # the same bound as an HTTP body, both ways
+        servicer = InferenceServicer(state, control)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
@@ -43,18 +44,14 @@ class GrpcListener:
                 ("grpc.so_reuseport", int(reuse_port)),
             ],
             maximum_concurrent_rpcs=settings.max_connections,  # past it: RESOURCE_EXHAUSTED
-            interceptors=[DecodeErrors()],
+            interceptors=[DecodeErrors(servicer.refuse_undecodable)],
         )
-        servicer = InferenceServicer(state, control)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self.server)
         tei = TeiServicer(state)  # TEI's gRPC API (tei.v1), for text models
         for service in tei_pb2.DESCRIPTOR.services_by_name:  # Info, Embed, Predict, ...
             getattr(tei_grpc, f"add_{service}Servicer_to_server")(tei, self.server)
         health_grpc.add_HealthServicer_to_server(HealthServicer(state), self.server)
         reflection.add_to_server(ReflectionServicer(state), self.server)
-        self.server.add_generic_rpc_handlers(
-            (log_settings.handler(servicer), trace_settings.handler(servicer))
-        )
         host = settings.grpc_host or settings.host
         address = (
             f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"

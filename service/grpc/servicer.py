@@ -15,6 +15,7 @@ from google.protobuf import json_format
 from service import __version__
 from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
+from service.grpc import log_settings, trace_settings
 from service.grpc.calls import Calls
 from service.grpc.shared_memory import SharedMemoryServicer
 from service.grpc.streaming import stream_infer
@@ -191,3 +192,12 @@ class InferenceServicer(Calls, SharedMemoryServicer, pb_grpc.GRPCInferenceServic
             check_parameters(request.parameters, UNLOAD_PARAMETERS)
             await self.control.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
+
+    # -- Triton's logging and trace extensions -------------------------------------------------
+    async def LogSettings(self, request, context):
+        async with self._call("LogSettings", context):
+            return log_settings.answer(self.state, request)
+
+    async def TraceSetting(self, request, context):
+        async with self._call("TraceSetting", context):
+            return trace_settings.answer(self.state, request)

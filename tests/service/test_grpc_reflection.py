@@ -16,6 +16,7 @@ from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from tritonclient.grpc import service_pb2 as triton_pb
 
 from service.grpc import reflection_pb2, reflection_pb2_grpc
 from service.grpc import tei_pb2 as tei
@@ -29,6 +30,9 @@ pytest.importorskip("tokenizers")
 from tests import text_models as tm
 
 KEY = "reflection-key"
+TRITON_METHODS = {  # tritonclient 2.46's GRPCInferenceService
+    m.name for m in triton_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
+}
 
 
 def serve(tmp_path, test: Callable, **settings: object) -> None:
@@ -53,7 +57,10 @@ def test_grpcurls_way_lists_describes_and_calls(tmp_path):
             for name in SERVICES:  # each definition, with what it imports
                 assert pool.FindServiceByName(name).methods
             triton = pool.FindServiceByName("inference.GRPCInferenceService")
-            assert "ModelInfer" in triton.methods_by_name
+            # every RPC of Triton's own service, LogSettings and TraceSetting included
+            assert set(triton.methods_by_name) == TRITON_METHODS
+            log = pool.FindMethodByName("inference.GRPCInferenceService.LogSettings")
+            assert log.input_type.full_name == "inference.LogSettingsRequest"
 
             method = pool.FindMethodByName("tei.v1.Embed.Embed")
             request_type = message_factory.GetMessageClass(method.input_type)

@@ -318,9 +318,10 @@ def test_tokenize_and_decode_equal_the_http_routes(models):
     serve(dirs_of(models, "emb"), test)
 
 
-def test_health_service_and_the_api_key(models):
+def test_health_service_and_the_api_key(models, caplog):
     """One embedding model: TEI's Predict and Rerank are NOT_SERVING, as TEI reports them for
-    a model without that head; Check and Watch stay open without the key, TEI's calls do not."""
+    a model without that head; Check and Watch stay open without the key, TEI's calls do not,
+    nor does an undecodable message."""
     auth = (("authorization", f"Bearer {KEY}"),)
     serving, not_serving = (
         health_pb2.HealthCheckResponse.SERVING,
@@ -366,6 +367,22 @@ def test_health_service_and_the_api_key(models):
         streamed = s.embed.EmbedStream(iter([pb.EmbedRequest(inputs="x")]))
         assert await code_of(streamed) == grpc.StatusCode.UNAUTHENTICATED
 
+        # a message that is no protobuf: the key is checked first, then a refusal like any
+        # other (request id, access line), on TEI's and on Triton's service
+        for path in ("/tei.v1.Embed/Embed", "/inference.GRPCInferenceService/ModelInfer"):
+            raw = s.channel.unary_unary(path, lambda b: b, lambda b: b)
+            assert await code_of(raw(b"\xff\xff")) == grpc.StatusCode.UNAUTHENTICATED
+            call = raw(b"\xff\xff", metadata=(*auth, ("x-request-id", "undecodable-1")))
+            assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid protobuf message" in (await call.details())
+            assert dict(await call.initial_metadata())["x-request-id"] == "undecodable-1"
+        lines = [r for r in caplog.records if getattr(r, "request_id", "") == "undecodable-1"]
+        assert [(r.path, r.status) for r in lines] == [
+            ("tei.v1.Embed/Embed", 400),
+            ("ModelInfer", 400),
+        ]
+
+    caplog.set_level("INFO", logger="service.access")
     serve(dirs_of(models, "emb"), test, api_key=KEY)
 
 
