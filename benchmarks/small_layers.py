@@ -34,7 +34,8 @@ BLOCKS = [(16, 2, 1, 1), (16, 2, 32, 1), (64, 4, 8, 8), (128, 4, 16, 16), (256, 
 def linears(rounds: int) -> None:
     print("| dtype | K -> N | rows | oneDNN us | F.linear us | F.linear / oneDNN |")
     print("|---|---|---:|---:|---:|---:|")
-    for dtype in (torch.float32, torch.bfloat16):
+    # no bf16 rows where oneDNN has no bf16 kernels for this CPU (AVX2 only): it cannot pack them
+    for dtype in (torch.float32, torch.bfloat16) if fused.ONEDNN_BF16 else (torch.float32,):
         for k, n in LINEARS:
             lin = nn.Linear(k, n).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)

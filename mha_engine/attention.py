@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import MultiheadAttentionConfig
-from .fused import linear, padded_gemm
+from .fused import linear, padded_gemm, plain_gemm
 from .masks import causal_mask, merge_masks
 from .packed_attention import attend_packed, packed_attention
 from .varlen import AttnBias, Plan
@@ -52,7 +52,7 @@ def linear_rows(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
         return rows(start, stop)(x)
     b = linear.bias
     w, b = linear.weight[start:stop], None if b is None else b[start:stop]
-    return padded_gemm(lambda x2: F.linear(x2, w, b), x)  # tiny batches padded (fused.py)
+    return padded_gemm(plain_gemm(w, b, x), x)  # tiny batches padded (fused.py)
 
 
 class FusedAttention(nn.Module):

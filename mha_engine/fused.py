@@ -4,8 +4,10 @@
 and feed-forward. On CPU, for float32 and bfloat16 nn.Linear weights, it runs oneDNN's linear
 (`torch.ops.mkldnn._linear_pointwise`, the op Inductor lowers CPU linears to) on a weight
 reordered once into oneDNN's blocked layout, with GELU/ReLU or the residual add fused into the
-GEMM. Measured on torch 2.13 (BENCHMARKS.md, "CPU engine"): the fused GELU gives the same bits
-as F.gelu on the linear's output, the fused add the same bits as a separate add. Small float32
+GEMM (bf16 only where oneDNN has bf16 kernels for the CPU: elsewhere bf16 linears run as
+float32 GEMMs of the widened values). Measured on torch 2.13 (BENCHMARKS.md, "CPU engine"):
+the fused GELU gives the same bits as F.gelu on the linear's output, the fused add the same bits
+as a separate add. Small float32
 weights (at most PLAIN_FP32_WEIGHT elements) take the plain call instead: oneDNN's ~20-40 us
 per call costs more than the GEMM there. The choice depends on the weight alone, never on the
 batch.
@@ -52,8 +54,9 @@ AMX_BF16_BLOCK = 128
 # float32 weights up to this many elements run as a plain F.linear (MKL): oneDNN's linear costs
 # ~20-40 us per call beyond its GEMM; F.linear took 0.27-0.67x its time at 16 rows up to
 # 128 x 384, 0.94-1.15x at 256 x 768 and up to 1.5x past it (`python -m benchmarks.small_layers`,
-# docs/benchmarks.md "Small layers"). bf16 always prepacks: its plain call was 1.3-2x slower
-# at every size measured. A per-module choice: every batch through a layer takes one path.
+# docs/benchmarks.md "Small layers"). bf16 always prepacks where oneDNN has bf16 kernels: its
+# plain call was 1.3-2x slower at every size measured. A per-module choice: every batch through
+# a layer takes one path.
 PLAIN_FP32_WEIGHT = 2**16
 AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 # bf16 instructions (AVX512-BF16 dot products or AMX tiles): without them bf16 GEMMs run slower
@@ -93,8 +96,8 @@ def _onednn_available() -> bool:
 
 ONEDNN = _onednn_available()
 # oneDNN's bf16 kernels need AVX-512 (bw, vl, dq) or AVX-NE-CONVERT: on an AVX2-only CPU its
-# weight reorder raises, so bf16 weights there take the plain call (slower than float32 on
-# such CPUs: no bf16 instructions to run it with).
+# weight reorder raises, so bf16 weights there are not packed and run as float32 GEMMs of the
+# widened values (_bf16_as_fp32: about float32's speed; torch's bf16 F.linear is 6-7x slower).
 ONEDNN_BF16 = ONEDNN and bool(
     getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
 )
@@ -236,13 +239,8 @@ def linear(
             y = _rows(lambda xb, rb: _onednn_linear(module, w, xb, rb, activation), x2, r2)
             return _back(y, n, x)
         if type(module) is nn.Linear and not _hooked(module):
-            b = module.bias  # module(x) is exactly this F.linear: skip nn.Module's call
-            if w.dtype == torch.bfloat16 and x2.is_cpu and not ONEDNN_BF16:
-                gemm = partial(_bf16_as_fp32, w=w, b=b)
-            else:
-
-                def gemm(xb: Tensor) -> Tensor:
-                    return F.linear(xb, w, b)
+            # module(x) is exactly this F.linear: skip nn.Module's call
+            gemm = plain_gemm(w, module.bias, x2)
         else:
             gemm = module
     else:
@@ -261,6 +259,14 @@ def linear(
 
     y = _rows(plain, x2, r2) if pad else plain(x2, r2)
     return _back(y, n, x)
+
+
+def plain_gemm(w: Tensor, b: Tensor | None, x: Tensor) -> Callable[[Tensor], Tensor]:
+    """F.linear with weight w and bias b on rows like x; for bf16 on a CPU oneDNN has no bf16
+    kernels for, as float32 GEMMs of the widened values (_bf16_as_fp32)."""
+    if w.dtype == x.dtype == torch.bfloat16 and x.is_cpu and not ONEDNN_BF16:
+        return partial(_bf16_as_fp32, w=w, b=b)
+    return partial(F.linear, weight=w, bias=b)
 
 
 def _bf16_as_fp32(xb: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -75,7 +75,7 @@ def engine_path(model: EngineModel) -> str:
     )
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     plain = sum(not worth_packing(w) for w in weights)
-    if fused_cpu and model.precision == "bfloat16" and not fused.ONEDNN_BF16:
+    if model.device.type == "cpu" and model.precision == "bfloat16" and not fused.ONEDNN_BF16:
         gemms = "bf16 GEMMs computed in float32 (oneDNN has no bf16 kernels for this CPU)"
     elif fused_cpu and plain == len(weights):
         gemms = "plain F.linear GEMMs (weights too small for oneDNN's per-call cost)"

@@ -3,6 +3,7 @@ end the call UNKNOWN, with a traceback in the log)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -64,6 +65,16 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
             if handler is not None and handler.unary_unary and handler.request_deserializer:
                 handler = handler._replace(
                     unary_unary=_refusing(handler.unary_unary, method_name(method), self._refuse),
+                    request_deserializer=_lenient(handler.request_deserializer),
+                )
+                self._handlers[method] = handler
+            elif (
+                handler is not None
+                and inspect.iscoroutinefunction(handler.unary_stream)  # writes with context
+                and handler.request_deserializer
+            ):  # health's Watch
+                handler = handler._replace(
+                    unary_stream=_refusing(handler.unary_stream, method_name(method), self._refuse),
                     request_deserializer=_lenient(handler.request_deserializer),
                 )
                 self._handlers[method] = handler

@@ -95,7 +95,6 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_said_once(monkeypatch, caplo
     assert not caplog.records
     monkeypatch.setattr(fused, "NATIVE_BF16", False)
     devices.check_device("cpu", "float32")
-    devices.check_device("cpu", "int8")
     assert not caplog.records
     devices.check_device("cpu", "bfloat16")
     devices.check_device("cpu", "bfloat16")

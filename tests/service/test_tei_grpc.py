@@ -82,7 +82,7 @@ def f32(values) -> np.ndarray:
 async def code_of(call) -> grpc.StatusCode:
     """The status code a call ends with (it must fail)."""
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        if isinstance(call, grpc.aio.StreamStreamCall):
+        if isinstance(call, (grpc.aio.StreamStreamCall, grpc.aio.UnaryStreamCall)):
             async for _ in call:
                 pass
         else:
@@ -376,6 +376,9 @@ def test_health_service_and_the_api_key(models, caplog):
             assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
             assert "not a valid protobuf message" in (await call.details())
             assert dict(await call.initial_metadata())["x-request-id"] == "undecodable-1"
+        watch = s.channel.unary_stream("/grpc.health.v1.Health/Watch", lambda b: b, lambda b: b)
+        call = watch(b"\xff\xff", metadata=(("x-request-id", "undecodable-2"),))  # open: no key
+        assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
         lines = [r for r in caplog.records if getattr(r, "request_id", "") == "undecodable-1"]
         assert [(r.path, r.status) for r in lines] == [
             ("tei.v1.Embed/Embed", 400),
