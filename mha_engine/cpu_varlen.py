@@ -16,7 +16,6 @@ and why.
 from __future__ import annotations
 
 import ctypes
-import platform
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ SOURCE = Path(__file__).with_name("cpu_varlen.c")
 # splits FMA chains into multiply and add (other rounding), so a Zen host's own build gave
 # other bits than the x86-64-v3 library (up to 2e-6); the kernel ran no faster with it.
 FLAGS = ("-ffp-contract=fast", "-fno-tree-loop-distribute-patterns") + (
-    ("-mtune=generic",) if platform.machine().lower() in ("x86_64", "amd64") else ()
+    ("-mtune=generic",) if cbuild.is_x86_64() else ()
 )
 # Per CPU capability and dtype, sequences with more queries or keys than this keep the grouped
 # SDPA calls, whose GEMM-based kernels (AMX for bf16) are faster on long ones. Measured with

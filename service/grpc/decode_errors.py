@@ -62,19 +62,18 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
         handler = self._handlers.get(method)
         if handler is None:
             handler = await continuation(handler_call_details)
-            if handler is not None and handler.unary_unary and handler.request_deserializer:
+            # one request in: a unary call, or one answered with context.write (health's Watch)
+            single = handler is not None and (
+                "unary_unary"
+                if handler.unary_unary
+                else "unary_stream"
+                if inspect.iscoroutinefunction(handler.unary_stream)
+                else None
+            )
+            if single and handler.request_deserializer:
+                behavior = _refusing(getattr(handler, single), method_name(method), self._refuse)
                 handler = handler._replace(
-                    unary_unary=_refusing(handler.unary_unary, method_name(method), self._refuse),
-                    request_deserializer=_lenient(handler.request_deserializer),
-                )
-                self._handlers[method] = handler
-            elif (
-                handler is not None
-                and inspect.iscoroutinefunction(handler.unary_stream)  # writes with context
-                and handler.request_deserializer
-            ):  # health's Watch
-                handler = handler._replace(
-                    unary_stream=_refusing(handler.unary_stream, method_name(method), self._refuse),
+                    **{single: behavior},
                     request_deserializer=_lenient(handler.request_deserializer),
                 )
                 self._handlers[method] = handler
