@@ -495,12 +495,13 @@ def test_fast_path_keeps_working_while_debug_requests_run(encoder) -> None:
     with torch.no_grad():
         expected = module(torch.from_numpy(small))
     debug_statuses: list[int] = []
-    enough = threading.Event()
+    enough, sending = threading.Event(), threading.Event()
 
     def debug_load() -> None:
         with httpx.Client(timeout=60) as client:
             content, headers = fp32_request(big)
             while not enough.is_set() and len(debug_statuses) < 200:
+                sending.set()  # overlap counts only once a debug request is on its way
                 response = client.post(
                     f"{server.url}/v2/models/enc/attention", content=content, headers=headers
                 )
@@ -513,7 +514,7 @@ def test_fast_path_keeps_working_while_debug_requests_run(encoder) -> None:
     deadline = time.monotonic() + 60
     with httpx.Client(timeout=60) as client:
         while thread.is_alive() and during < 3 and time.monotonic() < deadline:
-            alive = thread.is_alive()
+            alive = sending.is_set() and thread.is_alive()
             answers.append(
                 client.post(f"{server.url}/v2/models/enc/infer", content=content, headers=headers)
             )
