@@ -7,10 +7,9 @@ reordered once into oneDNN's blocked layout, with GELU/ReLU or the residual add 
 GEMM (bf16 only where oneDNN has bf16 kernels for the CPU: elsewhere bf16 linears run as
 float32 GEMMs of the widened values). Measured on torch 2.13 (BENCHMARKS.md, "CPU engine"):
 the fused GELU gives the same bits as F.gelu on the linear's output, the fused add the same bits
-as a separate add. Small float32
-weights (at most PLAIN_FP32_WEIGHT elements) take the plain call instead: oneDNN's ~20-40 us
-per call costs more than the GEMM there. The choice depends on the weight alone, never on the
-batch.
+as a separate add. Small float32 weights (at most PLAIN_FP32_WEIGHT elements) take the plain
+call instead: oneDNN's ~20-40 us per call costs more than the GEMM there. The choice depends on
+the weight alone, never on the batch.
 
 Batch invariance: a GEMM kernel may pick another code path for very few rows (MKL's fp32 sgemm
 gives other bits for 1-3 rows on AMD EPYC, 1-15 on an AMX Xeon; oneDNN's for 1 row at

@@ -63,13 +63,11 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
         if handler is None:
             handler = await continuation(handler_call_details)
             # one request in: a unary call, or one answered with context.write (health's Watch)
-            single = handler is not None and (
-                "unary_unary"
-                if handler.unary_unary
-                else "unary_stream"
-                if inspect.iscoroutinefunction(handler.unary_stream)
-                else None
-            )
+            single = None
+            if handler is not None and handler.unary_unary:
+                single = "unary_unary"
+            elif handler is not None and inspect.iscoroutinefunction(handler.unary_stream):
+                single = "unary_stream"
             if single and handler.request_deserializer:
                 behavior = _refusing(getattr(handler, single), method_name(method), self._refuse)
                 handler = handler._replace(
