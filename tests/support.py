@@ -17,7 +17,7 @@ import yaml
 
 from benchmarks import scrape
 from benchmarks.client import binary_infer_body
-from benchmarks.server import ROOT, Proc, free_port, running
+from benchmarks.server import ROOT, Proc, free_port, running, tree_cpu
 
 __all__ = [
     "FP32_TOL", "ROOT", "Server", "binary_output", "free_port", "output_of", "run_server",
@@ -84,6 +84,12 @@ def child_pids(pid: int) -> set[int]:
         with contextlib.suppress(OSError):
             found.update(int(p) for p in (task / "children").read_text().split())
     return found
+
+
+def descendant_pids(pid: int) -> set[int]:
+    """The live descendants of `pid`: a --workers server's fork server, resource tracker, engine
+    and front-ends (the last two are the fork server's children)."""
+    return set(tree_cpu(pid)) - {pid}
 
 
 def alive(pid: int) -> bool:

@@ -150,6 +150,13 @@ class Settings(ServingSettings):
         "share the port and do HTTP/gRPC, decoding, validation, tokenizing and encoding, "
         "handing tensors to the engine through shared memory (Linux only).",
     )
+    worker_start: Literal["forkserver", "spawn"] = Field(
+        "forkserver",
+        description="--workers N > 1: how the engine and front-end processes start. forkserver: "
+        "forked from one process that imported torch once, so a start or a restart costs a fork "
+        "(measured in docs/benchmarks.md); spawn: each a fresh interpreter that imports torch "
+        "itself, slower and larger.",
+    )
     worker_slab_bytes: int = Field(
         256 * 1024 * 1024,
         ge=1024 * 1024,

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import gc
 import logging
+import multiprocessing
 import os
 import queue
 import shutil
@@ -307,7 +308,7 @@ def run(settings: Settings, path: str) -> None:
 
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    parent = os.getppid()
+    supervisor = multiprocessing.parent_process()  # not os.getppid(): that is the fork server
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor forwards Ctrl-C as SIGTERM
@@ -339,7 +340,7 @@ def run(settings: Settings, path: str) -> None:
                 grace.start()
             if grace is not None and not engine.connections:
                 break  # every front-end has drained and gone
-            if os.getppid() != parent and not orphaned:
+            if supervisor is not None and not supervisor.is_alive() and not orphaned:
                 log.error("the supervisor is gone; draining, then removing its directory")
                 orphaned = True
                 stopping.set()  # the front-ends drain too (service.workers.frontend)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import multiprocessing
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -132,9 +133,11 @@ def frontend_lifespan(
 
 
 async def _exit_with_parent() -> None:
-    """Drain and exit if the supervisor is gone (killed without a chance to stop us)."""
-    parent = os.getppid()
-    while os.getppid() == parent:
+    """Drain and exit if the supervisor is gone (killed without a chance to stop us). It is
+    multiprocessing's parent_process(), not our parent: that is the fork server, which lives on
+    while any child does."""
+    supervisor = multiprocessing.parent_process()
+    while supervisor is None or supervisor.is_alive():
         await asyncio.sleep(PARENT_CHECK_S)
     log.error("the supervisor is gone; draining")
     os.kill(os.getpid(), signal.SIGTERM)

@@ -2,9 +2,13 @@
 restarts whichever dies, and on SIGTERM drains them all.
 
     supervisor (this process: no torch, no model)
-      |-- engine      models, batchers, engine threads; Unix socket in a private 0700 dir
-      |-- front-end 0 ┐ uvicorn (+ gRPC) on the one listening socket the supervisor bound;
-      |-- ...         ┘ decode, validate, tokenize, encode; tensors through its memfd slab
+      |-- fork server   multiprocessing's; imports PRELOAD (torch...) once, forks the others
+            |-- engine      models, batchers, engine threads; Unix socket in a private 0700 dir
+            |-- front-end 0 ┐ uvicorn (+ gRPC) on the one listening socket the supervisor
+            |-- ...         ┘ bound; decode, validate, tokenize, encode; tensors via memfd slab
+
+The supervisor still starts, watches and stops each child (multiprocessing routes it through the
+fork server); `--worker-start spawn` makes each a fresh interpreter, the supervisor's child.
 
 The listening socket is bound here once (so port 0 resolves once) and inherited: the kernel
 hands each new connection to whichever front-end accepts first. Metrics go through
@@ -36,6 +40,9 @@ log = logging.getLogger("service.workers")
 
 QUICK_EXIT_S = 10.0  # a process that dies sooner than this after starting is crash-looping
 MAX_BACKOFF_S = 10.0
+# Imported once, in the fork server. Nothing here may create a prometheus_client metric (its
+# value files would carry the fork server's pid) or touch CUDA (a forked CUDA runtime is unusable).
+PRELOAD = ["torch", "mha_engine", "numpy", "fastapi", "uvicorn"]
 
 
 def engine_main(settings: Settings, path: str) -> None:
@@ -67,6 +74,15 @@ class Child:
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
 
+def _context(settings: Settings) -> Any:
+    """With --worker-start forkserver, children fork from a process that imported PRELOAD once
+    (torch is most of a process's start) rather than each importing it again."""
+    context = multiprocessing.get_context(settings.worker_start)
+    if settings.worker_start == "forkserver":
+        context.set_forkserver_preload(PRELOAD)
+    return context
+
+
 def _bind(settings: Settings) -> socket.socket:
     sock = bind_http(settings)  # StartupError, in one line, if the port is taken
     sock.set_inheritable(True)
@@ -93,7 +109,7 @@ def supervise(settings: Settings, frontend_main: Callable[..., None]) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     host, port = listener.getsockname()[:2]
-    context = multiprocessing.get_context("spawn")
+    context = _context(settings)
     # Whether an engine ever served: its socket exists. (Not a multiprocessing.Event: that is
     # named semaphores in /dev/shm, which a killed supervisor would leave behind.)
     engine_served = False

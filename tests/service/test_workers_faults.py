@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from tests.support import (
     alive,
     binary_output,
     child_pids,
+    descendant_pids,
     fp32_request,
     free_port,
     listening_inodes,
@@ -281,8 +283,8 @@ def test_frontend_killed_is_restarted_and_the_other_keeps_serving(server: Server
 def test_supervisor_killed_takes_its_children_down(server: Server, tmpdir_env: Path) -> None:
     """kill -9 of the supervisor: the engine and front-ends notice, drain and exit by themselves,
     and the engine removes the run's temp dir."""
-    children = child_pids(server.process.pid)
-    assert len(children) >= 3, children
+    children = descendant_pids(server.process.pid)
+    assert set(worker_pids(server).values()) <= children, children
     for pid in children:  # tensors go through memfd slabs: no named shared memory at all
         assert shm_paths(pid) == [], shm_paths(pid)
     server.process.kill()
@@ -305,8 +307,8 @@ def test_sigterm_drains_every_process_and_leaves_nothing(tmp_path: Path) -> None
     x = np.random.default_rng(3).standard_normal((1, 1024, 512)).astype(np.float32)
     with run_server(tmp_path, *args, env={"TMPDIR": str(tmpdir)}) as server:
         wait_for(lambda: slabs_match(server), "both front-ends connected", 60)
-        children = child_pids(server.process.pid)
-        assert len(children) >= 3, children
+        children = descendant_pids(server.process.pid)
+        assert set(worker_pids(server).values()) <= children, children
         assert len(list(tmpdir.glob("mha-serve-*"))) == 1
         for pid in children:  # tensors go through memfd slabs: no named shared memory at all
             assert shm_paths(pid) == [], shm_paths(pid)
@@ -360,8 +362,8 @@ def test_sigterm_past_the_grace_sheds_the_engine_queue_with_503(tmp_path: Path) 
         n = min(64, int(3 * grace_s / forward_s) + 4)  # about three graces of work
         conns = [send(server, x) for _ in range(n)]
         wait_for(lambda: in_app(server, conns), "the requests reached the front-ends", 30)
-        children = child_pids(server.process.pid)
-        assert len(children) >= 3, children
+        children = descendant_pids(server.process.pid)
+        assert set(worker_pids(server).values()) <= children, children
         server.process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         statuses = []
@@ -397,7 +399,7 @@ def test_an_engine_that_never_serves_stops_the_server(tmp_path: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     args = ("--workers", "2", "--model-dir", str(broken))
     with run_server(tmp_path, *args, env={"TMPDIR": str(tmpdir)}, wait=False) as server:
-        children = wait_for(lambda: child_pids(server.process.pid), "children started", 30)
+        children = wait_for(lambda: descendant_pids(server.process.pid), "children started", 30)
         code = server.process.wait(60)
         log = server.log()
     assert code == EXIT_MODEL_LOAD, (code, log[-3000:])
@@ -408,3 +410,43 @@ def test_an_engine_that_never_serves_stops_the_server(tmp_path: Path) -> None:
         wait_for(lambda pid=pid: not alive(pid), f"child {pid} exited", 5)
     assert list(tmpdir.iterdir()) == []
     assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_spawned_children_serve_and_go_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    """--worker-start spawn: the engine and front-ends are fresh interpreters, children of the
+    supervisor itself; they serve the same numbers and leave with a killed supervisor."""
+    args = ("--workers", "2", "--worker-start", "spawn")
+    with run_server(tmp_path, *args) as server:
+        workers = set(worker_pids(server).values())
+        assert len(workers) == 3 and workers <= child_pids(server.process.pid), workers
+        x = np.random.default_rng(5).standard_normal((1, 16, 512)).astype(np.float32)
+        response = send(server, x).getresponse()
+        assert response.status == 200
+        got = binary_output(response.read(), response.headers)
+        torch.testing.assert_close(torch.from_numpy(got), demo(x), **FP32_TOL)
+        server.process.kill()
+        server.process.wait(10)
+        for pid in workers:
+            wait_for(lambda pid=pid: not alive(pid), f"child {pid} exited", 15)
+
+
+def test_the_fork_servers_preload_touches_neither_cuda_nor_metrics() -> None:
+    """--worker-start forkserver imports PRELOAD once, in the process every child forks from: it
+    must not start CUDA (a forked CUDA runtime is unusable) nor create a prometheus_client
+    metric (its value files would carry the fork server's pid into every scrape)."""
+    code = "\n".join([
+        "import sys, torch",
+        "def refuse(*args, **kwargs): raise AssertionError('CUDA used while preloading')",
+        "for name in ('is_available', 'device_count', 'init', '_lazy_init'):",
+        "    setattr(torch.cuda, name, refuse)",
+        "from service.workers.supervisor import PRELOAD",
+        "assert 'prometheus_client' not in sys.modules",
+        "for name in PRELOAD:",
+        "    __import__(name)",
+        "assert not torch.cuda.is_initialized()",
+        "assert 'prometheus_client' not in sys.modules, 'the preload imports prometheus_client'",
+        "print(sorted(PRELOAD))",
+    ])  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "mha_engine" in done.stdout and "torch" in done.stdout, done.stdout
