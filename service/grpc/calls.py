@@ -11,8 +11,8 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -49,6 +49,32 @@ def cancel_with_call(context: grpc.aio.ServicerContext) -> None:
             handler.cancel()
 
     context.add_done_callback(ended)
+
+
+# How a stream the client still had open ends when the server drains (UNAVAILABLE: retried).
+STREAM_DRAINED = (
+    "the server is shutting down: this stream ends here, every request read from it answered; "
+    "send the rest on a new stream"
+)
+
+
+async def read_until_drain(reading: Coroutine[Any, Any, None], state: ServiceState) -> bool:
+    """Run `reading`, a stream handler's loop over its client's messages, until it ends (False:
+    the client closed its side) or this server starts draining (True: `reading` is cancelled, so
+    an open stream never holds the drain up; what it had read is the handler's to finish)."""
+    reader = asyncio.ensure_future(reading)
+    drain = asyncio.ensure_future(state.drain_started.wait())
+    try:
+        await asyncio.wait((reader, drain), return_when=asyncio.FIRST_COMPLETED)
+        if reader.done():
+            reader.result()  # the reading's own error, if it failed
+            return False
+        return True
+    finally:
+        drain.cancel()
+        if not reader.done():
+            reader.cancel()
+            await asyncio.wait((reader,))
 
 
 class Call:

@@ -2,7 +2,8 @@
 definitions, for grpcurl, Postman, Evans and the other clients that build requests from them
 (TEI's documentation calls `grpcurl ... tei.v1.Embed/Embed` with nothing else). Answered from
 the descriptor pool of the committed stubs (service.grpc.pool), under grpc.reflection.v1 and
-its older, wire-identical name v1alpha. Behind the API key like every other call."""
+its older, wire-identical name v1alpha. Behind the API key like every other call; a stream
+still open when the server drains ends UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import grpc
 from service.grpc import grpc_service_pb2, health_pb2, tei_pb2
 from service.grpc import reflection_pb2 as pb
 from service.grpc import reflection_pb2_grpc as pb_grpc
-from service.grpc.calls import Calls
+from service.grpc.calls import STREAM_DRAINED, Calls, read_until_drain
 from service.grpc.decode_errors import Undecodable
 from service.grpc.pool import POOL
+from service.pipeline.errors import NotReady
 
 V1 = "grpc.reflection.v1.ServerReflection"
 V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
@@ -105,8 +107,13 @@ class ReflectionServicer(Calls, pb_grpc.ServerReflectionServicer):
     async def ServerReflectionInfo(self, request_iterator, context):
         async with self._call(f"{V1}/ServerReflectionInfo", context):
             sent: set[str] = set()
-            async for request in request_iterator:
-                await context.write(self.answer(request, sent))
+
+            async def read() -> None:
+                async for request in request_iterator:
+                    await context.write(self.answer(request, sent))
+
+            if await read_until_drain(read(), self.state):  # the server drains: the end
+                raise NotReady(STREAM_DRAINED)
 
 
 def add_to_server(servicer: ReflectionServicer, server: grpc.aio.Server) -> None:

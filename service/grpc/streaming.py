@@ -6,6 +6,8 @@ done, in completion order, with its id. A failed request is answered with `error
 Triton does) and the stream goes on. At most --grpc-stream-in-flight requests of a stream run
 at once; past that the server stops reading it (HTTP/2 flow control holds the client back).
 The client cancelling, or the call's deadline passing, cancels every request still queued.
+When the server drains, it stops reading the stream, answers what it read, and ends the call
+UNAVAILABLE (an open stream does not hold the drain up until the grace runs out).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from service.grpc import grpc_service_pb2 as pb
-from service.grpc.calls import cancel_with_call
+from service.grpc.calls import STREAM_DRAINED, cancel_with_call, read_until_drain
 from service.grpc.decode_errors import Undecodable
 from service.http.middleware import request_id
-from service.pipeline.errors import ServiceError
+from service.pipeline.errors import NotReady, ServiceError
 
 if TYPE_CHECKING:
     from service.grpc.servicer import InferenceServicer
@@ -90,15 +92,25 @@ async def stream_infer(
             log.error("gRPC %s %s: a request's answer failed: %r", METHOD, stream_id,
                       task.exception())  # fmt: skip
 
-    cancel_with_call(context)  # then every request of the stream is cancelled too
-    try:
-        async for request in requests:
-            await in_flight.acquire()
+    async def read() -> None:
+        iterator = aiter(requests)
+        while True:
+            await in_flight.acquire()  # before reading: a message read is a request started
+            try:
+                request = await anext(iterator)
+            except StopAsyncIteration:
+                return
             task = asyncio.create_task(_answer(servicer, request, context, write))
             tasks.add(task)
             task.add_done_callback(done)
+
+    cancel_with_call(context)  # then every request of the stream is cancelled too
+    try:
+        drained = await read_until_drain(read(), servicer.state)
         while tasks:
             await asyncio.wait(set(tasks))
+        if drained:
+            raise NotReady(STREAM_DRAINED)
     finally:  # cancelled (client gone, deadline, shutdown): nothing of the stream runs on
         for task in tasks:
             task.cancel()

@@ -12,9 +12,16 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from service.grpc import tei_pb2 as pb
-from service.grpc.calls import Call, Calls, call_metadata, cancel_with_call
+from service.grpc.calls import (
+    STREAM_DRAINED,
+    Call,
+    Calls,
+    call_metadata,
+    cancel_with_call,
+    read_until_drain,
+)
 from service.grpc.decode_errors import Undecodable
-from service.pipeline.errors import BadInput, ServiceError
+from service.pipeline.errors import BadInput, NotReady, ServiceError
 from service.pipeline.models import ensure_serving
 from service.pipeline.waiting import Stays
 from service.runtime.tracing import CURRENT, TRACED, describe
@@ -215,7 +222,8 @@ class TeiCalls(Calls):
         as one, under the stream's request id and its index), up to --grpc-stream-in-flight at
         once, answered in the order sent; the first that fails ends the stream with its status
         (the rest are dropped, counted 499 "stream_ended"). The client cancelling, or the
-        call's deadline passing, cancels every message still running."""
+        call's deadline passing, cancels every message still running. When the server drains,
+        reading stops, what was read is answered, and the stream ends UNAVAILABLE."""
         async with self.tei_call(context, method, endpoint, *kinds, unary=False) as (call, entry):
             cancel_with_call(context)
             limit = asyncio.Semaphore(self.state.settings.grpc_stream_in_flight)
@@ -243,16 +251,24 @@ class TeiCalls(Calls):
                         raise
 
             async def read() -> None:
+                iterator = aiter(requests)
                 count = 0
+                while True:
+                    await limit.acquire()  # before reading: a message read is one started
+                    try:
+                        request = await anext(iterator)
+                    except StopAsyncIteration:
+                        return
+                    rid, count = f"{call.request_id}-{count}", count + 1
+                    order.put_nowait(asyncio.create_task(one(request, rid)))
+
+            async def read_all() -> bool:
                 try:
-                    async for request in requests:
-                        await limit.acquire()
-                        rid, count = f"{call.request_id}-{count}", count + 1
-                        order.put_nowait(asyncio.create_task(one(request, rid)))
+                    return await read_until_drain(read(), self.state)
                 finally:  # the end of the stream, or of reading it (then `await reader` raises)
                     order.put_nowait(None)
 
-            reader = asyncio.create_task(read())
+            reader = asyncio.create_task(read_all())
             try:
                 while (task := await order.get()) is not None:
                     try:
@@ -263,7 +279,8 @@ class TeiCalls(Calls):
                     finally:
                         limit.release()
                     await context.write(answer)
-                await reader
+                if await reader:  # the server drains: what was read is answered, then the end
+                    raise NotReady(STREAM_DRAINED)
             finally:
                 left = [reader]
                 while not order.empty():

@@ -20,9 +20,9 @@ from starlette.concurrency import run_in_threadpool
 
 from service.grpc import tei_pb2 as pb
 from service.grpc import tei_pb2_grpc as pb_grpc
-from service.grpc.calls import cancel_with_call
+from service.grpc.calls import STREAM_DRAINED, cancel_with_call, read_until_drain
 from service.grpc.tei_calls import STAYS, Answer, TeiCalls, decoded, prompt_name
-from service.pipeline.errors import BadInput, PayloadTooLarge
+from service.pipeline.errors import BadInput, NotReady, PayloadTooLarge
 from service.text.kinds import model_kind
 from service.text.tei_ops import (
     check_batch,
@@ -265,18 +265,24 @@ class TeiServicer(
             pairs: list[tuple[str, str]] = []
             first = None
             chars, limit = 0, entry.char_limits.per_request
-            async for request in request_iterator:
-                request = decoded(request)
-                if first is None:
-                    first = request
-                pairs.append((request.query, request.text))
-                check_batch(self.state, len(pairs), "texts")  # stop reading past the limits
-                chars += len(request.query) + len(request.text)
-                if chars > limit:
-                    raise PayloadTooLarge(
-                        f"the stream's pairs have over {limit} characters in all, the limit "
-                        "per request (--max-request-chars; a query counts once per pair)"
-                    )
+
+            async def read() -> None:
+                nonlocal first, chars
+                async for request in request_iterator:
+                    request = decoded(request)
+                    if first is None:
+                        first = request
+                    pairs.append((request.query, request.text))
+                    check_batch(self.state, len(pairs), "texts")  # stop reading past the limits
+                    chars += len(request.query) + len(request.text)
+                    if chars > limit:
+                        raise PayloadTooLarge(
+                            f"the stream's pairs have over {limit} characters in all, the limit "
+                            "per request (--max-request-chars; a query counts once per pair)"
+                        )
+
+            if await read_until_drain(read(), self.state):  # half a ranking is no answer
+                raise NotReady(STREAM_DRAINED)
             if first is None:
                 raise BadInput("the stream sent no (query, text) pair; send at least one")
             response, answer = await self._rank(

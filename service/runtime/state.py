@@ -72,6 +72,8 @@ class ServiceState:
     started_at: float = field(default_factory=time.time)
     loop: asyncio.AbstractEventLoop | None = None
     grace_timer: asyncio.TimerHandle | None = None
+    # Set on the event loop once draining starts: open gRPC streams end (service.grpc.calls)
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)
     shared_memory: Regions = field(init=False)  # Triton's system and CUDA shared memory
     log_control: LogControl | None = None  # the app's (Triton's logging extension)
     trace_control: TraceControl = field(default_factory=TraceControl.off)  # the app's
@@ -214,6 +216,7 @@ class ServiceState:
     def _drain_on_loop(self, grace: float) -> None:
         """On the event loop: the grace's timer, and queued batches run without waiting."""
         self.grace_timer = asyncio.get_running_loop().call_later(grace, self.end_grace)
+        self.drain_started.set()
         self.flush_batches()
 
     def flush_batches(self) -> None:
