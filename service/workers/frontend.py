@@ -137,7 +137,9 @@ async def _exit_with_parent() -> None:
     multiprocessing's parent_process(), not our parent: that is the fork server, which lives on
     while any child does."""
     supervisor = multiprocessing.parent_process()
-    while supervisor is None or supervisor.is_alive():
+    if supervisor is None:  # not started by a supervisor: nothing to watch
+        return
+    while supervisor.is_alive():
         await asyncio.sleep(PARENT_CHECK_S)
     log.error("the supervisor is gone; draining")
     os.kill(os.getpid(), signal.SIGTERM)
