@@ -237,11 +237,12 @@ class ServiceState:
         self.start_draining()
         if stop_listener is not None:
             await asyncio.sleep(0)  # let start_draining arm the grace timer
-            # gRPC cancels the calls left at its cut-off (CANCELLED, which clients do not retry)
-            # on a timer of its own; the grace timer on this loop sheds the queue with
-            # UNAVAILABLE (retried). gRPC's cut-off comes LISTENER_ANSWER_S later, so a loop
-            # running late on a loaded machine still answers first; it returns as soon as the
-            # last call is answered.
+            # gRPC cancels the calls left at its cut-off on a timer of its own (the client sees
+            # UNAVAILABLE "Cancelling all calls", none of our answer: no request id, no
+            # reason); the grace timer on this loop sheds the queue with our UNAVAILABLE,
+            # which says why. gRPC's cut-off comes LISTENER_ANSWER_S later, so a loop running
+            # late on a loaded machine still answers first; it returns as soon as the last call
+            # is answered.
             await stop_listener(self.grace_left() + LISTENER_ANSWER_S)
         if self.grace_timer is not None:
             self.grace_timer.cancel()

@@ -105,8 +105,9 @@ def _queued(server: Server) -> float:
 
 
 def test_the_grpc_listener_is_cut_off_only_after_the_grace_has_shed_the_queue() -> None:
-    """gRPC cancels calls at its cut-off from its own timer (CANCELLED, not retried); the grace
-    timer on the loop answers queued ones UNAVAILABLE. The listener's cut-off must come later."""
+    """gRPC cancels calls at its cut-off from its own timer (UNAVAILABLE "Cancelling all calls",
+    without our message or request id); the grace timer on the loop answers queued ones with
+    ours. The listener's cut-off must come later."""
 
     async def scenario() -> tuple[float, float, bool]:
         state = ServiceState(Settings(drain_grace_s=5.0), Metrics("m"), {})
