@@ -13,6 +13,8 @@ infer); the first GPU run records the measured ones here.
 from __future__ import annotations
 
 import os
+import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 import mha_engine
-from tests.support import Server, free_port, run_server
+from tests.support import Server, free_port, run_server, wait_for
 
 DEVICE = os.environ.get("MHA_TEST_DEVICE", "cuda")
 pytestmark = [
@@ -180,3 +182,38 @@ def test_metrics_show_the_cuda_memory_gauges(served):
         assert server.metric("mha_cuda_graph_memory_bytes", model="attn") > 0
     else:
         assert "mha_cuda_memory" not in text
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_workers_start_either_way_and_a_restarted_engine_serves(module, tmp_path, start):
+    """`--workers 2` on DEVICE: the engine forks from the fork server (which imported torch but
+    never touched CUDA) or spawns fresh; it serves PyTorch's numbers, and so does the engine
+    the supervisor starts again after a SIGKILL (CUDA initialised anew in a forked child)."""
+    import tritonclient.http as thttp
+
+    mha_engine.save_model(module, tmp_path / "attn")
+    args = ["--model-dir", str(tmp_path / "attn"), "--device", DEVICE, "--workers", "2"]
+    args += ["--worker-start", start]
+    x = np.random.default_rng(2).standard_normal((2, 16, E)).astype(np.float32)
+    want, _ = _reference(module, x, "float32")
+
+    def infer(server: Server) -> np.ndarray:
+        client = thttp.InferenceServerClient(f"127.0.0.1:{server.port}")
+        item = thttp.InferInput("input", list(x.shape), "FP32")
+        item.set_data_from_numpy(x)
+        return client.infer("attn", [item]).as_numpy("output")
+
+    def ready(server: Server) -> bool:
+        try:
+            return httpx.get(f"{server.url}/v2/health/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with run_server(tmp_path, *args) as server:
+        _close(infer(server), want, "float32")
+        engine = int(re.findall(r"started mha-engine \(pid (\d+)\)", server.log())[-1])
+        os.kill(engine, signal.SIGKILL)
+        wait_for(lambda: len(re.findall(r"started mha-engine", server.log())) == 2, "restart", 60)
+        wait_for(lambda: ready(server), "ready again", 120)
+        _close(infer(server), want, "float32")
+        assert "Traceback" not in server.log(), server.log()[-3000:]
