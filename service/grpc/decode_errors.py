@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from service.pipeline.errors import BadInput
+
 
 class Undecodable:
     """What a request that is no valid protobuf message deserializes to (grpc would otherwise
@@ -16,6 +18,20 @@ class Undecodable:
 
     def __init__(self, error: Exception) -> None:
         self.error = error
+
+
+def decoded(request: Any) -> Any:
+    """A request as decoded, or 400 for one that is no valid protobuf message."""
+    if isinstance(request, Undecodable):
+        raise BadInput(f"the request is not a valid protobuf message: {request.error}")
+    return request
+
+
+def answers_undecodable(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a unary handler that refuses an Undecodable request itself (with `decoded`, inside
+    its own call: counted under its endpoint's metrics), so DecodeErrors passes it on."""
+    handler.answers_undecodable = True  # type: ignore[attr-defined]
+    return handler
 
 
 def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -50,8 +66,9 @@ def _refusing(behavior: Callable[..., Any], name: str, refuse: Refuse) -> Callab
 
 class DecodeErrors(grpc.aio.ServerInterceptor):
     """Undecodable requests end INVALID_ARGUMENT naming the problem, through `refuse` (the API
-    key checked first, a request id, an access-log line, as any refused call); on a stream that
-    message's answer says so. Each method's handler is wrapped once and reused."""
+    key checked first, a request id, an access-log line, as any refused call) or through the
+    handler itself where it `answers_undecodable`; on a stream that message's answer says so.
+    Each method's handler is wrapped once and reused."""
 
     def __init__(self, refuse: Refuse) -> None:
         self._refuse = refuse
@@ -69,7 +86,9 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
             elif handler is not None and inspect.iscoroutinefunction(handler.unary_stream):
                 single = "unary_stream"
             if single and handler.request_deserializer:
-                behavior = _refusing(getattr(handler, single), method_name(method), self._refuse)
+                behavior = getattr(handler, single)
+                if not getattr(behavior, "answers_undecodable", False):
+                    behavior = _refusing(behavior, method_name(method), self._refuse)
                 handler = handler._replace(
                     **{single: behavior},
                     request_deserializer=_lenient(handler.request_deserializer),

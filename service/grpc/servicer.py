@@ -17,6 +17,7 @@ from service.grpc import grpc_service_pb2 as pb
 from service.grpc import grpc_service_pb2_grpc as pb_grpc
 from service.grpc import log_settings, trace_settings
 from service.grpc.calls import Calls
+from service.grpc.decode_errors import Undecodable, answers_undecodable, decoded
 from service.grpc.shared_memory import SharedMemoryServicer
 from service.grpc.streaming import stream_infer
 from service.grpc.tensors import (
@@ -122,10 +123,13 @@ class InferenceServicer(Calls, SharedMemoryServicer, pb_grpc.GRPCInferenceServic
             return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     # -- inference ----------------------------------------------------------------------------
+    @answers_undecodable
     async def ModelInfer(self, request, context):
-        name, version = request.model_name, request.model_version
+        # an undecodable request names no model: counted under the default model's labels
+        name, version = (None, "") if isinstance(request, Undecodable) else (
+            request.model_name, request.model_version)  # fmt: skip
         async with self._call("ModelInfer", context, "infer", name, version) as call:
-            return await self.infer(request, call.request_id, context, call.started)
+            return await self.infer(decoded(request), call.request_id, context, call.started)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async with self._call("ModelStreamInfer", context) as call:

@@ -20,7 +20,7 @@ from service.grpc.calls import (
     cancel_with_call,
     read_until_drain,
 )
-from service.grpc.decode_errors import Undecodable
+from service.grpc.decode_errors import decoded
 from service.pipeline.errors import BadInput, NotReady, ServiceError
 from service.pipeline.models import ensure_serving
 from service.pipeline.waiting import Stays
@@ -87,13 +87,6 @@ def direction(value: int) -> str:
     if value not in DIRECTIONS:
         raise BadInput(f"truncation_direction {value} is not a TruncationDirection (0 or 1)")
     return DIRECTIONS[value]
-
-
-def decoded(request: Any) -> Any:
-    """A streamed message, or 400 for one that is no valid protobuf message."""
-    if isinstance(request, Undecodable):
-        raise BadInput(f"the request is not a valid protobuf message: {request.error}")
-    return request
 
 
 def prompt_name(request: Any) -> str | None:
@@ -204,7 +197,7 @@ class TeiCalls(Calls):
         """A unary call: `handle` under tei_call, its x-compute-* headers (where it computed)
         sent with the answer."""
         async with self.tei_call(context, method, endpoint, *kinds) as (call, entry):
-            response, answer = await handle(request, entry, context)
+            response, answer = await handle(decoded(request), entry, context)
             if answer is not None:
                 self.answered(call, answer)
             return response

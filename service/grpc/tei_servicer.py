@@ -21,7 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from service.grpc import tei_pb2 as pb
 from service.grpc import tei_pb2_grpc as pb_grpc
 from service.grpc.calls import STREAM_DRAINED, cancel_with_call, read_until_drain
-from service.grpc.tei_calls import STAYS, Answer, TeiCalls, decoded, prompt_name
+from service.grpc.decode_errors import answers_undecodable, decoded
+from service.grpc.tei_calls import STAYS, Answer, TeiCalls, prompt_name
 from service.pipeline.errors import BadInput, NotReady, PayloadTooLarge
 from service.text.kinds import model_kind
 from service.text.tei_ops import (
@@ -142,6 +143,7 @@ class TeiServicer(
             )
         return response, answer
 
+    @answers_undecodable
     async def Embed(self, request, context):
         return await self.unary(
             request, context, "tei.v1.Embed/Embed", "embed", ("embedding",), self._embed
@@ -151,6 +153,7 @@ class TeiServicer(
         await self.stream(request_iterator, context, "tei.v1.Embed/EmbedStream", "embed",
                            ("embedding",), self._embed)  # fmt: skip
 
+    @answers_undecodable
     async def EmbedSparse(self, request, context):
         return await self.unary(
             request,
@@ -165,6 +168,7 @@ class TeiServicer(
         await self.stream(request_iterator, context, "tei.v1.Embed/EmbedSparseStream",
                            "embed_sparse", ("sparse",), self._embed_sparse)  # fmt: skip
 
+    @answers_undecodable
     async def EmbedAll(self, request, context):
         return await self.unary(
             request, context, "tei.v1.Embed/EmbedAll", "embed_all", ("embedding",), self._embed_all
@@ -196,11 +200,13 @@ class TeiServicer(
             response.predictions.add(label=p["label"], score=p["score"])
         return response, answer
 
+    @answers_undecodable
     async def Predict(self, request, context):
         return await self.unary(
             request, context, "tei.v1.Predict/Predict", "predict", RANKS, self._predict
         )
 
+    @answers_undecodable
     async def PredictPair(self, request, context):
         return await self.unary(
             request, context, "tei.v1.Predict/PredictPair", "predict", RANKS, self._predict
@@ -241,6 +247,7 @@ class TeiServicer(
                 rank.text = pairs[i][1]
         return response, answer
 
+    @answers_undecodable
     async def Rerank(self, request, context):
         return await self.unary(
             request, context, "tei.v1.Rerank/Rerank", "rerank", ("reranker",), self._rerank
@@ -317,6 +324,7 @@ class TeiServicer(
         (text,) = tokenizer.decode([ids], request.skip_special_tokens)
         return pb.DecodeResponse(text=text), None
 
+    @answers_undecodable
     async def Tokenize(self, request, context):
         return await self.unary(
             request, context, "tei.v1.Tokenize/Tokenize", "tokenize", (), self._tokenize
@@ -326,6 +334,7 @@ class TeiServicer(
         await self.stream(request_iterator, context, "tei.v1.Tokenize/TokenizeStream",
                            "tokenize", (), self._tokenize)  # fmt: skip
 
+    @answers_undecodable
     async def Decode(self, request, context):
         return await self.unary(
             request, context, "tei.v1.Tokenize/Decode", "decode", (), self._decode

@@ -368,7 +368,17 @@ def test_health_service_and_the_api_key(models, caplog):
         assert await code_of(streamed) == grpc.StatusCode.UNAUTHENTICATED
 
         # a message that is no protobuf: the key is checked first, then a refusal like any
-        # other (request id, access line), on TEI's and on Triton's service
+        # other (request id, access line, a 400 in its endpoint's request metrics), on TEI's
+        # and on Triton's service
+        async def refused(endpoint: str) -> float:
+            text = (await s.http.get("/metrics")).text
+            labels = {"protocol": "grpc", "endpoint": endpoint, "status": "400"}
+            try:
+                return scrape.value(text, "mha_requests_total", **labels)
+            except KeyError:
+                return 0.0
+
+        before = {endpoint: await refused(endpoint) for endpoint in ("embed", "infer")}
         for path in ("/tei.v1.Embed/Embed", "/inference.GRPCInferenceService/ModelInfer"):
             raw = s.channel.unary_unary(path, lambda b: b, lambda b: b)
             assert await code_of(raw(b"\xff\xff")) == grpc.StatusCode.UNAUTHENTICATED
@@ -376,6 +386,7 @@ def test_health_service_and_the_api_key(models, caplog):
             assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
             assert "not a valid protobuf message" in (await call.details())
             assert dict(await call.initial_metadata())["x-request-id"] == "undecodable-1"
+        assert {e: await refused(e) - n for e, n in before.items()} == {"embed": 1, "infer": 1}
         watch = s.channel.unary_stream("/grpc.health.v1.Health/Watch", lambda b: b, lambda b: b)
         call = watch(b"\xff\xff", metadata=(("x-request-id", "undecodable-2"),))  # open: no key
         assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
