@@ -203,17 +203,11 @@ def test_workers_start_either_way_and_a_restarted_engine_serves(module, tmp_path
         item.set_data_from_numpy(x)
         return client.infer("attn", [item]).as_numpy("output")
 
-    def ready(server: Server) -> bool:
-        try:
-            return httpx.get(f"{server.url}/v2/health/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     with run_server(tmp_path, *args) as server:
         _close(infer(server), want, "float32")
         engine = int(re.findall(r"started mha-engine \(pid (\d+)\)", server.log())[-1])
         os.kill(engine, signal.SIGKILL)
         wait_for(lambda: len(re.findall(r"started mha-engine", server.log())) == 2, "restart", 60)
-        wait_for(lambda: ready(server), "ready again", 120)
+        server.wait_ready(timeout=120)
         _close(infer(server), want, "float32")
         assert "Traceback" not in server.log(), server.log()[-3000:]

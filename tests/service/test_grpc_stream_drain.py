@@ -1,6 +1,7 @@
 """gRPC streams a client still has open when the server drains (SIGTERM): each stops being read,
 answers what it had read, and ends UNAVAILABLE (which clients retry) at once, rather than
-holding the process until the grace runs out and then ending CANCELLED. A real server, with
+holding the process until the grace runs out and then being cut off by gRPC itself
+(UNAVAILABLE "Cancelling all calls", without our message). A real server, with
 tritonclient's ModelStreamInfer stream, TEI's EmbedStream and RerankStream and a server
 reflection stream open at the signal."""
 
