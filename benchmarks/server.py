@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +64,10 @@ def free_port() -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
+
+
+# (argv after `python -m service`, environment, log file) -> a Popen-like process, or None
+Launcher = Callable[[list[str], dict[str, str], Path], "subprocess.Popen | None"]
 
 
 @dataclass
@@ -131,11 +135,13 @@ def running(
     env: dict[str, str] | None = None,
     wait: bool = True,
     root: Path = ROOT,
+    launch: Launcher | None = None,
 ) -> Iterator[Proc]:
     """`python -m service ARGS` (or the naive baseline) until ready; SIGTERM, then SIGKILL, after.
 
     Output goes to `log_path` when given (else it is discarded). `root` is the source tree to
-    run (another checkout, e.g. to measure the code before a fix).
+    run (another checkout, e.g. to measure the code before a fix). `launch(argv, env,
+    log_path)` may start the server another way (the tests' fork server) or return None.
     """
     port = free_port()
     if naive:
@@ -148,10 +154,14 @@ def running(
     full_env.setdefault("MHA_GRPC_PORT", "0")
     if root != ROOT:
         full_env["PYTHONPATH"] = str(root)
-    with open(log_path, "wb") if log_path else open(os.devnull, "wb") as log_file:
-        process = subprocess.Popen(
-            cmd, cwd=root, env=full_env, stdout=log_file, stderr=subprocess.STDOUT
-        )
+    process = None
+    if launch and not naive and root == ROOT and log_path:
+        process = launch(cmd[3:], full_env, log_path)
+    if process is None:
+        with open(log_path, "wb") if log_path else open(os.devnull, "wb") as log_file:
+            process = subprocess.Popen(
+                cmd, cwd=root, env=full_env, stdout=log_file, stderr=subprocess.STDOUT
+            )
     server = Proc(port, process, log_path)
     try:
         if wait:

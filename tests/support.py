@@ -18,6 +18,7 @@ import yaml
 from benchmarks import scrape
 from benchmarks.client import binary_infer_body
 from benchmarks.server import ROOT, Proc, free_port, running, tree_cpu
+from tests.zygote import zygote
 
 __all__ = [
     "FP32_TOL", "ROOT", "Server", "binary_output", "free_port", "output_of", "run_server",
@@ -44,8 +45,18 @@ def run_server(
 ) -> Iterator[Server]:
     """`python -m service ARGS` on a free loopback port, logging to `tmp_dir`; stopped after."""
     log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
-    with running(*args, log_path=log_path, env=env, wait=wait) as proc:
+    with running(*args, log_path=log_path, env=env, wait=wait, launch=forked) as proc:
         yield Server(proc.port, proc.process, proc.log_path)
+
+
+def forked(argv: list[str], env: dict[str, str], log_path: Path) -> Any:
+    """A fork of the suite's fork server (tests/zygote.py) where that starts the same server as
+    a fresh `python -m service` would; None (start it fresh) otherwise, and for --workers."""
+    workers = any(a.startswith("--workers") for a in argv) or "MHA_WORKERS" in env
+    fork_server = None if workers else zygote(ROOT)
+    if fork_server is None or not fork_server.can_fork(env):
+        return None
+    return fork_server.fork(argv, env, str(log_path))
 
 
 def oip_schemas() -> dict:
