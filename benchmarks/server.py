@@ -147,7 +147,8 @@ def running(
     if naive:
         cmd = [sys.executable, "-m", "benchmarks.naive_server", "--port", str(port)]
     else:
-        cmd = [sys.executable, "-m", "service", "--host", HOST, "--port", str(port), *args]
+        argv = ["--host", HOST, "--port", str(port), *args]
+        cmd = [sys.executable, "-m", "service", *argv]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     # No gRPC listener on the default 8001 unless asked (--grpc-port wins over the variable):
     # two servers at once (benchmarks.text_models) would otherwise collide there.
@@ -156,7 +157,7 @@ def running(
         full_env["PYTHONPATH"] = str(root)
     process = None
     if launch and not naive and root == ROOT and log_path:
-        process = launch(cmd[3:], full_env, log_path)
+        process = launch(argv, full_env, log_path)
     if process is None:
         with open(log_path, "wb") if log_path else open(os.devnull, "wb") as log_file:
             process = subprocess.Popen(

@@ -2,11 +2,11 @@
 once, each server a fork of that process running `service.__main__.main(argv)`.
 
 A fresh interpreter spends ~3.5 of a test server's ~5 s start importing torch, FastAPI and grpc
-(on a 2-core CI machine, ~90 starts). A forked server is still a real process: its own pid,
+(on a 2-core CI machine, ~85 starts). A forked server is still a real process: its own pid,
 uvicorn on a loopback socket, signals, exit status, log file. Servers whose interpreter start
 matters are launched fresh: `--workers`, another source tree, or an environment that differs
-from the fork server's in anything but MHA_* / OTEL_* variables (read when the server parses
-its settings, after the fork). MHA_TEST_FRESH_SERVERS=1 launches every server fresh.
+from the fork server's in a variable outside LATE_KEYS. MHA_TEST_FRESH_SERVERS=1 launches
+every server fresh.
 
 Run as `python -m tests.zygote` by `Zygote`: requests are JSON lines on stdin ({"argv", "env",
 "log"}), answers JSON lines on stdout ({"pid"} per fork, {"exited", "code"} per child reaped).
@@ -30,7 +30,9 @@ import time
 import traceback
 from pathlib import Path
 
-PRELOAD = ["torch", "mha_engine", "numpy", "fastapi", "uvicorn", "grpc", "service.app"]
+from service.workers.supervisor import PRELOAD as WORKER_PRELOAD
+
+PRELOAD = [*WORKER_PRELOAD, "grpc", "service.app"]  # what --workers' fork server imports, and more
 # Environment variables a fork may set differently from the fork server: read when the server
 # parses its settings, by packages the fork server has not imported (tests/test_zygote.py), or
 # (TMPDIR) found again in the fork.
@@ -47,7 +49,6 @@ def _serve_child(request: dict) -> None:
     server's own entry point; never returns."""
     code = 1
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -127,7 +128,10 @@ def _stop(children: set[int]) -> None:
         deadline = time.monotonic() + 10
         while children and time.monotonic() < deadline:
             pid, _ = os.waitpid(-1, os.WNOHANG)
-            children.discard(pid) if pid else time.sleep(0.05)
+            if pid:
+                children.discard(pid)
+            else:
+                time.sleep(0.05)
 
 
 # -- the test process's side -------------------------------------------------------------------
@@ -173,15 +177,15 @@ class Zygote:
     """The test process's handle on one fork server, started on first use."""
 
     def __init__(self, root: Path) -> None:
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        launched = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote"],
             cwd=root,
-            env=self.env,
+            env=launched,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        self.env = _with_defaults(self.env)
+        self.env = _with_defaults(launched)  # what its forks' environments are compared with
         self._lock = threading.Lock()  # one fork request at a time
         self._changed = threading.Condition()
         self._forked: list[int] = []
