@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import json
 import signal
 import threading
@@ -117,12 +118,18 @@ def soak(server: Proc, seconds: float, clients: int = 8, seq_len: int = 64) -> d
     stop.set()
     thread.join()
     warm = [s for s in samples if s[0] >= seconds * 0.25] or samples  # after warm-up
+    rss = [s[1] for s in warm]
+    steps = [b - a for a, b in itertools.pairwise(rss)]
     return {
         "requests": result.completed,
         "statuses": dict(result.statuses),
         "rss_warm_mb": warm[0][1] / 2**20,
         "rss_end_mb": warm[-1][1] / 2**20,
         "rss_growth": warm[-1][1] / warm[0][1] - 1,
+        # A leak grows across many samples; a one-off step (a malloc arena, a new batch shape
+        # on a loaded host) is one jump. Growth less the largest single step tells them apart.
+        "rss_trend": (rss[-1] - rss[0] - max([0, *steps])) / rss[0],
+        "rss_mb": [round(v / 2**20, 1) for v in rss],
         "rss_max_mb": max(s[1] for s in warm) / 2**20,
         "fds": (warm[0][2], warm[-1][2]),
         "threads": (warm[0][3], warm[-1][3]),

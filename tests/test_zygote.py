@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import ROOT, forked, run_server
-from tests.zygote import ForkedProcess, zygote
+from tests.support import ROOT, forked, free_port, run_server, wait_for
+from tests.zygote import LOST, ForkedProcess, Zygote, zygote
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("MHA_TEST_FRESH_SERVERS") == "1", reason="MHA_TEST_FRESH_SERVERS=1"
@@ -48,3 +48,19 @@ def test_servers_whose_start_differs_start_fresh(tmp_path: Path) -> None:
     assert not fork_server.can_fork({**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     assert forked(["--workers", "2"], env, tmp_path / "log") is None
     assert forked([], {**env, "MHA_WORKERS": "2"}, tmp_path / "log") is None
+
+
+def test_a_fork_outliving_its_fork_server_is_still_waited_for(tmp_path: Path) -> None:
+    """Should the fork server die, its children's exits go unreported: wait() then learns the
+    end from the child's pidfd (status LOST) instead of blocking until pytest-timeout."""
+    fork_server = Zygote(ROOT)  # its own, not the suite's
+    process = fork_server.fork(["--port", str(free_port())], fork_server.env, str(tmp_path / "log"))
+    try:
+        fork_server.process.kill()
+        fork_server.process.wait(timeout=30)
+        assert wait_for(lambda: fork_server.dead, timeout=10)
+        assert process.poll() is None  # the server runs on, orphaned
+        process.kill()
+        assert process.wait(timeout=30) == LOST
+    finally:
+        process.kill()  # through its pidfd: never another process

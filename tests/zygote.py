@@ -41,6 +41,7 @@ LATE_KEYS = (
     "TMPDIR",
 )  # fmt: skip
 NOT_PRELOADED = ["huggingface_hub", "transformers", "tokenizers", "torch._inductor"]
+LOST = -255  # the exit status of a child whose fork server died before reporting it
 
 
 # -- the fork server (its own process) ---------------------------------------------------------
@@ -147,12 +148,12 @@ class ForkedProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, timeout=0)
+            self.returncode = self.zygote.exit_code(self.pid, self._pidfd, timeout=0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, timeout)
+            self.returncode = self.zygote.exit_code(self.pid, self._pidfd, timeout)
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self.returncode
@@ -190,6 +191,7 @@ class Zygote:
         self._changed = threading.Condition()
         self._forked: list[int] = []
         self._exits: dict[int, int] = {}
+        self.dead = False  # its stdout ended: it reports no more exits
         first = json.loads(self.process.stdout.readline() or b"{}")
         if first.get("ready") is not True:
             raise RuntimeError(f"the test fork server did not start (exit {self.process.wait()})")
@@ -213,10 +215,17 @@ class Zygote:
             pid = self._forked.pop()
         return ForkedProcess(self, pid, ["python", "-m", "service", *argv])
 
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+    def exit_code(self, pid: int, pidfd: int, timeout: float | None) -> int | None:
+        """The child's exit status as the fork server reported it; None while it runs. Should
+        the fork server die first, the child's pidfd still says when it ends: LOST then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            self._changed.wait_for(lambda: pid in self._exits, timeout=timeout)
-            return self._exits.get(pid)
+            self._changed.wait_for(lambda: pid in self._exits or self.dead, timeout=timeout)
+            if pid in self._exits or not self.dead:
+                return self._exits.get(pid)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ended, _, _ = select.select([pidfd], [], [], left)
+        return LOST if ended else None
 
     def close(self) -> None:
         """Close its stdin: it stops what still runs and exits."""
@@ -234,6 +243,9 @@ class Zygote:
                 else:
                     self._exits[message["exited"]] = message["code"]
                 self._changed.notify_all()
+        with self._changed:
+            self.dead = True
+            self._changed.notify_all()
 
 
 def _with_defaults(env: dict[str, str]) -> dict[str, str]:
@@ -253,7 +265,7 @@ def zygote(root: Path) -> Zygote | None:
     if os.environ.get("MHA_TEST_FRESH_SERVERS") == "1":
         return None
     with _start_lock:
-        if _zygote is None:
+        if _zygote is None or _zygote.dead:
             _zygote = Zygote(root)
         return _zygote
 

