@@ -8,18 +8,23 @@ Prebuilt: `tools/build_kernels.py` compiles each file once per x86-64 level into
 `mha_engine/prebuilt/` (the container image does this in its build stage, so the runtime image
 needs no compiler); the library for the level torch's kernels run at here (AVX512, AVX2 or
 DEFAULT) is loaded. Otherwise the file is compiled at first use with the host's C compiler
-(`$CC`, else `cc`) for this CPU (`-march=native`) into a private temporary directory; nothing
-is cached on disk between processes (a fraction of a second per file and process). Callers
+(`$CC`, else `cc`) for this CPU (`-march=native`) into a private temporary directory, and kept
+in a cache only this user can write (`cache_dir()`), keyed by the source, flags, compiler and
+CPU: the next process loads it instead of spending ~1 s per file compiling again. Callers
 keep an eager torch fallback for hosts where both fail, and report the returned status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import hashlib
 import logging
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +42,7 @@ PREBUILT = Path(__file__).with_name("prebuilt")
 # torch's CPU capability -> the x86-64 level a prebuilt library targets (each a superset of
 # what torch's kernels of that capability use, so the library runs wherever they do)
 LEVELS = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3", "DEFAULT": "x86-64"}
+CACHE_ENV = "MHA_ENGINE_CACHE_DIR"  # where compiled libraries are kept; "off": nowhere
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +171,97 @@ def build(
         return None, "eager: no C build on Windows"
     if not source.is_file():
         return None, f"eager: {source.name} is not installed in {source.parent}"
+    tries = [[*arch, *extra] for extra in variants for arch in (["-march=native"], [])]
+    cache = cache_dir()
+    keys = [_cache_key(compiler(), source, [*flags, *extra]) for extra in tries]
+    for key, extra in zip(keys, tries, strict=True) if cache else ():
+        if (lib := _load_cached(cache / f"{source.stem}-{key}.so")) is not None:
+            return lib, f"compiled ({' '.join([compiler()[0], *extra])}; cached)"
     try:
         with tempfile.TemporaryDirectory(prefix="mha-engine-") as tmp:
-            return _build(compiler(), source, list(flags), variants, tmp)
+            lib, status, target, n = _build(compiler(), source, list(flags), tries, tmp)
+            if lib is not None and cache is not None:
+                _keep(target, cache / f"{source.stem}-{keys[n]}.so")
+            return lib, status
     except OSError as exc:  # no writable temporary directory
         return None, f"eager: no directory to build in ({exc})"
+
+
+def cache_dir() -> Path | None:
+    """Where compiled libraries are kept between processes: `$MHA_ENGINE_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/mha-engine` or `~/.cache/mha-engine`, made 0700. None where it is "off",
+    cannot be made, or is not this user's alone: a library loaded from it runs in-process."""
+    value = os.environ.get(CACHE_ENV, "")
+    if value == "off" or not hasattr(os, "geteuid"):
+        return None
+    try:
+        if value:
+            path = Path(value)
+        else:
+            path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mha-engine"
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path if _private(path) else None
+    except (OSError, RuntimeError):  # RuntimeError: no home directory
+        return None
+
+
+def _private(path: Path) -> bool:
+    """Owned by this user, and no one else may write it."""
+    info = path.stat()
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
+def _cache_key(compiler: list[str], source: Path, flags: list[str]) -> str:
+    """What the library depends on: the source, the command line, the compiler binary and
+    (for -march=native) the CPU."""
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (*compiler, *COMMON_FLAGS, *flags, _compiler_identity(compiler[0]), _cpu()):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:32]
+
+
+@functools.cache
+def _compiler_identity(command: str) -> str:
+    """The compiler binary this command runs: its real path, size and modification time."""
+    found = shutil.which(command)
+    if found is None:
+        return "missing"
+    real = os.path.realpath(found)
+    info = os.stat(real)
+    return f"{real}:{info.st_size}:{info.st_mtime_ns}"
+
+
+@functools.cache
+def _cpu() -> str:
+    """The CPU's model and feature flags (Linux), else what platform reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            wanted = ("model name", "flags", "Features", "CPU part")
+            lines = [line for line in f.read(1 << 16).splitlines() if line.startswith(wanted)]
+        return "\n".join(dict.fromkeys(lines))  # the first processor's, once each
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def _load_cached(path: Path) -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(str(path)) if path.is_file() and _private(path) else None
+    except OSError:  # e.g. a truncated file or a noexec mount: built again, and replaced
+        return None
+
+
+def _keep(built: Path, path: Path) -> None:
+    """Copy a library just built into the cache, atomically (another process may be loading
+    or writing the same key); a cache that cannot be written is left as it is."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        shutil.copyfile(built, partial)
+        os.chmod(partial, 0o600)
+        os.replace(partial, path)
+    except OSError as exc:
+        log.debug("could not keep %s in the cache: %s", path.name, exc)
+        with contextlib.suppress(OSError):
+            partial.unlink()
 
 
 def compile_library(
@@ -187,26 +279,25 @@ def compile_library(
 
 
 def _build(
-    compiler: list[str],
-    source: Path,
-    flags: list[str],
-    variants: Sequence[Sequence[str]],
-    tmp: str,
-) -> tuple[ctypes.CDLL | None, str]:
+    compiler: list[str], source: Path, flags: list[str], tries: list[list[str]], tmp: str
+) -> tuple[ctypes.CDLL | None, str, Path, int]:
+    """The first of `tries` (extra flags) that builds and loads: (library, status, its file,
+    its index), or (None, 'eager: <why>', ...)."""
     errors: list[str] = []
-    tries = [[*arch, *extra] for extra in variants for arch in (["-march=native"], [])]
+    target = Path(tmp)  # (none built)
     for n, extra in enumerate(tries):  # some compilers or targets lack -march=native
         target = Path(tmp) / f"{source.stem}-{n}.so"
         try:
             error = compile_library(compiler, source, [*flags, *extra], target)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})"
+            return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})", target, n
         if error is not None:
             errors.append(error)
             continue
         try:  # the mapping outlives the file, which the directory's removal deletes
-            return ctypes.CDLL(str(target)), f"compiled ({' '.join([compiler[0], *extra])})"
+            status = f"compiled ({' '.join([compiler[0], *extra])})"
+            return ctypes.CDLL(str(target)), status, target, n
         except OSError as exc:  # e.g. a temporary directory mounted noexec
             errors.append(f"the compiled library did not load ({exc})")
     first = errors[0] if errors else "no output"
-    return None, f"eager: {compiler[0]} failed to build {source.name} ({first})"
+    return None, f"eager: {compiler[0]} failed to build {source.name} ({first})", target, -1

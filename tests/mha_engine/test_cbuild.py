@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,53 @@ def test_the_avx2_and_native_attention_builds_give_the_same_bits(prebuilt, causa
     assert native is not None, status
     lens = [1, 5, 17, 33, 64, 3, 16, 40]
     assert torch.equal(_attend(avx2, lens, causal), _attend(native, lens, causal))
+
+
+def test_a_compiled_library_is_kept_for_the_next_process(tmp_path, monkeypatch):
+    """Compiled once into the cache (0700 directory, 0600 file); the next build loads it
+    (same code: same numbers); a changed flag is another key; a broken entry is rebuilt."""
+    monkeypatch.setattr(cbuild, "PREBUILT", tmp_path / "none")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(cache))
+    lib, status = cbuild.build(cpu_varlen.SOURCE, cpu_varlen.FLAGS, (cbuild.OPENMP, ()))
+    assert lib is not None and not status.endswith("; cached)"), status
+    (kept,) = cache.iterdir()
+    assert cache.stat().st_mode & 0o777 == 0o700 and kept.stat().st_mode & 0o777 == 0o600
+    cached, again = cbuild.build(cpu_varlen.SOURCE, cpu_varlen.FLAGS, (cbuild.OPENMP, ()))
+    assert cached is not None and again == status.removesuffix(")") + "; cached)"
+    assert str(kept) in Path("/proc/self/maps").read_text()  # mapped from the cache itself
+    lens = [1, 7, 30]
+    want = _attend(cpu_varlen._Library(lib), lens, causal=True)
+    assert torch.equal(_attend(cpu_varlen._Library(cached), lens, causal=True), want)
+    kept.unlink()  # (a mapped file is replaced, never written over)
+    kept.write_bytes(b"not a library")
+    kept.chmod(0o600)
+    build = (
+        "from mha_engine import cbuild as c, cpu_varlen as v\n"
+        f"c.PREBUILT = c.Path({str(tmp_path / 'none')!r})\n"
+        "print(c.build(v.SOURCE, v.FLAGS, (c.OPENMP, ()))[1])"
+    )
+    # another process: this one's loader would hand back the library it already mapped
+    done = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == status  # compiled, not loaded from the broken entry
+    assert kept.read_bytes()[:4] == b"\x7fELF"  # which the new build replaced
+    cbuild.build(cpu_varlen.SOURCE, [*cpu_varlen.FLAGS, "-DMHA_TEST_FLAG=1"], ((),))
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_a_cache_others_can_write_is_not_used(tmp_path, monkeypatch):
+    """A library loaded from the cache runs in this process: a directory another user could
+    write is ignored (compiled as if there were none), as is "off"."""
+    monkeypatch.setattr(cbuild, "PREBUILT", tmp_path / "none")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(shared))
+    assert cbuild.cache_dir() is None
+    lib, status = cbuild.build(int8_rows.SOURCE, int8_rows.FLAGS)
+    assert lib is not None and status.startswith("compiled (") and not list(shared.iterdir())
+    monkeypatch.setenv(cbuild.CACHE_ENV, "off")
+    assert cbuild.cache_dir() is None
+    monkeypatch.delenv(cbuild.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cbuild.cache_dir() == tmp_path / "xdg" / "mha-engine"
