@@ -172,16 +172,15 @@ def build(
     if not source.is_file():
         return None, f"eager: {source.name} is not installed in {source.parent}"
     tries = [[*arch, *extra] for extra in variants for arch in (["-march=native"], [])]
-    cache = cache_dir()
-    keys = [_cache_key(compiler(), source, [*flags, *extra]) for extra in tries]
-    for key, extra in zip(keys, tries, strict=True) if cache else ():
-        if (lib := _load_cached(cache / f"{source.stem}-{key}.so")) is not None:
+    cached = _cached_paths(source, flags, tries)  # one per try, or none
+    for path, extra in zip(cached, tries, strict=False):
+        if (lib := _load_cached(path)) is not None:
             return lib, f"compiled ({' '.join([compiler()[0], *extra])}; cached)"
     try:
         with tempfile.TemporaryDirectory(prefix="mha-engine-") as tmp:
             lib, status, target, n = _build(compiler(), source, list(flags), tries, tmp)
-            if lib is not None and cache is not None:
-                _keep(target, cache / f"{source.stem}-{keys[n]}.so")
+            if lib is not None and cached:
+                _keep(target, cached[n])
             return lib, status
     except OSError as exc:  # no writable temporary directory
         return None, f"eager: no directory to build in ({exc})"
@@ -211,13 +210,24 @@ def _private(path: Path) -> bool:
     return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
-def _cache_key(compiler: list[str], source: Path, flags: list[str]) -> str:
-    """What the library depends on: the source, the command line, the compiler binary and
-    (for -march=native) the CPU."""
-    digest = hashlib.sha256(source.read_bytes())
-    for part in (*compiler, *COMMON_FLAGS, *flags, _compiler_identity(compiler[0]), _cpu()):
-        digest.update(b"\0" + part.encode())
-    return digest.hexdigest()[:32]
+def _cached_paths(source: Path, flags: Sequence[str], tries: list[list[str]]) -> list[Path]:
+    """Where each try's library is kept, named by a hash of what it depends on: the source,
+    the command line, the compiler binary and (for -march=native) the CPU; [] without a cache."""
+    cache = cache_dir()
+    if cache is None:
+        return []
+    try:
+        common = [source.read_bytes(), *compiler(), *COMMON_FLAGS, *flags]
+        common += [_compiler_identity(compiler()[0]), _cpu()]
+    except OSError:
+        return []
+    paths = []
+    for extra in tries:
+        digest = hashlib.sha256()
+        for part in (*common, *extra):
+            digest.update(b"\0" + (part if isinstance(part, bytes) else part.encode()))
+        paths.append(cache / f"{source.stem}-{digest.hexdigest()[:32]}.so")
+    return paths
 
 
 @functools.cache

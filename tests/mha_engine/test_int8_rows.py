@@ -181,6 +181,7 @@ def test_without_a_working_compiler_the_eager_ops_run_and_say_why(monkeypatch, c
 
 def test_without_a_writable_temporary_directory_the_eager_ops_run(monkeypatch, tmp_path):
     monkeypatch.setattr(cbuild.tempfile, "tempdir", str(tmp_path / "missing"))
+    monkeypatch.setenv(cbuild.CACHE_ENV, "off")  # nor a library compiled before
     library, status = int8_rows.KERNEL.compile()
     assert library is None
     assert status.startswith("eager: no directory to build in")
