@@ -171,17 +171,15 @@ def build(
         return None, "eager: no C build on Windows"
     if not source.is_file():
         return None, f"eager: {source.name} is not installed in {source.parent}"
+    cc = compiler()
     tries = [[*arch, *extra] for extra in variants for arch in (["-march=native"], [])]
-    cached = _cached_paths(source, flags, tries)  # one per try, or none
+    cached = _cached_paths(cc, source, flags, tries)  # one per try, or none
     for path, extra in zip(cached, tries, strict=False):
         if (lib := _load_cached(path)) is not None:
-            return lib, f"compiled ({' '.join([compiler()[0], *extra])}; cached)"
+            return lib, f"compiled ({' '.join([cc[0], *extra])}; cached)"
     try:
         with tempfile.TemporaryDirectory(prefix="mha-engine-") as tmp:
-            lib, status, target, n = _build(compiler(), source, list(flags), tries, tmp)
-            if lib is not None and cached:
-                _keep(target, cached[n])
-            return lib, status
+            return _build(cc, source, list(flags), tries, tmp, cached)
     except OSError as exc:  # no writable temporary directory
         return None, f"eager: no directory to build in ({exc})"
 
@@ -210,15 +208,17 @@ def _private(path: Path) -> bool:
     return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
-def _cached_paths(source: Path, flags: Sequence[str], tries: list[list[str]]) -> list[Path]:
+def _cached_paths(
+    cc: list[str], source: Path, flags: Sequence[str], tries: list[list[str]]
+) -> list[Path]:
     """Where each try's library is kept, named by a hash of what it depends on: the source,
     the command line, the compiler binary and (for -march=native) the CPU; [] without a cache."""
     cache = cache_dir()
     if cache is None:
         return []
     try:
-        common = [source.read_bytes(), *compiler(), *COMMON_FLAGS, *flags]
-        common += [_compiler_identity(compiler()[0]), _cpu()]
+        identity = [_compiler_identity(cc[0]), _cpu()]
+        common = [source.read_bytes(), *cc, *COMMON_FLAGS, *flags, *identity]
     except OSError:
         return []
     paths = []
@@ -289,25 +289,32 @@ def compile_library(
 
 
 def _build(
-    compiler: list[str], source: Path, flags: list[str], tries: list[list[str]], tmp: str
-) -> tuple[ctypes.CDLL | None, str, Path, int]:
-    """The first of `tries` (extra flags) that builds and loads: (library, status, its file,
-    its index), or (None, 'eager: <why>', ...)."""
+    compiler: list[str],
+    source: Path,
+    flags: list[str],
+    tries: list[list[str]],
+    tmp: str,
+    keep_at: list[Path],
+) -> tuple[ctypes.CDLL | None, str]:
+    """The first of `tries` (extra flags) that builds and loads, kept at its `keep_at` path
+    (where there is a cache)."""
     errors: list[str] = []
-    target = Path(tmp)  # (none built)
     for n, extra in enumerate(tries):  # some compilers or targets lack -march=native
         target = Path(tmp) / f"{source.stem}-{n}.so"
         try:
             error = compile_library(compiler, source, [*flags, *extra], target)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})", target, n
+            return None, f"eager: could not run the C compiler {compiler[0]!r} ({exc})"
         if error is not None:
             errors.append(error)
             continue
         try:  # the mapping outlives the file, which the directory's removal deletes
-            status = f"compiled ({' '.join([compiler[0], *extra])})"
-            return ctypes.CDLL(str(target)), status, target, n
+            lib = ctypes.CDLL(str(target))
         except OSError as exc:  # e.g. a temporary directory mounted noexec
             errors.append(f"the compiled library did not load ({exc})")
+            continue
+        if keep_at:
+            _keep(target, keep_at[n])
+        return lib, f"compiled ({' '.join([compiler[0], *extra])})"
     first = errors[0] if errors else "no output"
-    return None, f"eager: {compiler[0]} failed to build {source.name} ({first})", target, -1
+    return None, f"eager: {compiler[0]} failed to build {source.name} ({first})"
