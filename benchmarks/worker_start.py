@@ -1,8 +1,10 @@
 """`--workers N`: how long a start and a restart take, and the memory of the process tree,
 with children forked from a preloaded fork server (`--worker-start forkserver`, the default)
-against fresh interpreters (`--worker-start spawn`), interleaved in one run.
+against fresh interpreters (`--worker-start spawn`), and with the engine's compiled C kernels
+loaded from their cache or compiled (`--kernel-cache off,on`), interleaved in one run.
 
-`python -m benchmarks.worker_start [--workers 2,4] [--rounds 3]` (under `flock /work/bench.lock`).
+`python -m benchmarks.worker_start [--workers 2,4] [--rounds 3] [--modes spawn,forkserver]
+[--kernel-cache on]` (under `flock /work/bench.lock`).
 Per round and mode: start the default model with `--workers N` and time it to /v2/health/ready;
 read the tree's CPU seconds and proportional memory (Pss, /proc/*/smaps_rollup); SIGKILL
 front-end 0 and time it until the supervisor's replacement logs that it is linked to the
@@ -26,6 +28,7 @@ import httpx
 import torch
 
 from benchmarks.server import Proc, running, tree_cpu
+from mha_engine import cpu_varlen, int8_rows
 
 MODES = ("spawn", "forkserver")
 
@@ -60,11 +63,13 @@ def ready(url: str) -> bool:
         return False
 
 
-def measure(mode: str, workers: int, tmp: Path) -> dict[str, float]:
+def measure(mode: str, workers: int, cache: str, tmp: Path) -> dict[str, float]:
     log_path = tmp / f"{mode}-{workers}-{time.monotonic_ns()}.log"
     args = ("--workers", str(workers), "--worker-start", mode)  # the default model
+    # "on": a cache of this run's own, filled by its first start; "off": every process compiles
+    env = {"MHA_ENGINE_CACHE_DIR": "off" if cache == "off" else str(tmp / "kernel-cache")}
     began = time.monotonic()
-    with running(*args, log_path=log_path) as proc:
+    with running(*args, log_path=log_path, env=env) as proc:
         row = {"start_s": time.monotonic() - began}
         row["cpu_s"] = sum(tree_cpu(proc.process.pid).values())
         row["pss_mb"] = tree_pss_mb(proc.process.pid)
@@ -90,28 +95,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--kernel-cache", default="on", help="on, off, or off,on")
     opts = parser.parse_args()
     counts = [int(n) for n in opts.workers.split(",")]
+    modes, caches = opts.modes.split(","), opts.kernel_cache.split(",")
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
         f"python {sys.version.split()[0]}"
     )
-    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
+    rows: dict[tuple[str, int, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if "on" in caches:  # filled first: the "on" rows start with the kernels cached
+            os.environ["MHA_ENGINE_CACHE_DIR"] = str(Path(tmp) / "kernel-cache")
+            for kernel in (cpu_varlen.KERNEL, int8_rows.KERNEL):
+                print(f"  {kernel.name}: {kernel.compile()[1]}")
+            del os.environ["MHA_ENGINE_CACHE_DIR"]
         for _ in range(opts.rounds):
             for workers in counts:
-                for mode in MODES:
-                    row = measure(mode, workers, Path(tmp))
-                    rows.setdefault((mode, workers), []).append(row)
-                    print(f"  {mode:10} workers={workers}: " + ", ".join(
-                        f"{k} {v:.2f}" for k, v in row.items()), flush=True)  # fmt: skip
+                for mode in modes:
+                    for cache in caches:
+                        row = measure(mode, workers, cache, Path(tmp))
+                        rows.setdefault((mode, workers, cache), []).append(row)
+                        print(f"  {mode:10} workers={workers} kernel cache {cache}: " + ", ".join(
+                            f"{k} {v:.2f}" for k, v in row.items()), flush=True)  # fmt: skip
     keys = ["start_s", "frontend_restart_s", "engine_restart_s", "cpu_s", "pss_mb"]
-    print("\n| workers | children | " + " | ".join(keys) + " |")
-    print("|---:|---|" + "---:|" * len(keys))
-    for (mode, workers), samples in rows.items():
+    print("\n| workers | children | kernel cache | " + " | ".join(keys) + " |")
+    print("|---:|---|---|" + "---:|" * len(keys))
+    for (mode, workers, cache), samples in rows.items():
         medians = [statistics.median(s[k] for s in samples) for k in keys]
-        print(f"| {workers} | {mode} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
+        cells = " | ".join(f"{m:.2f}" for m in medians)
+        print(f"| {workers} | {mode} | {cache} | {cells} |")
 
 
 if __name__ == "__main__":
